@@ -1,0 +1,5 @@
+import sys
+
+from shoestring.cli import main
+
+sys.exit(main())

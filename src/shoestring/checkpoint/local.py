@@ -1,0 +1,156 @@
+"""Local commit protocol: temp dir → fsync → manifest last → atomic rename.
+
+Layout under a checkpoint root (``OUTPUT/checkpoints`` by default)::
+
+    step-00000120/            committed (has manifest.json)
+    .tmp-step-00000130-…/     being written; never loaded, removed on next start
+    .corrupt-step-00000110-…/ failed verification; kept for inspection
+
+Old checkpoints are deleted only after a newer one is committed, manifest
+first, so a kill during retention leaves either a valid or an ignored dir.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Mapping
+
+from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
+from shoestring.checkpoint.manifest import (MANIFEST, CorruptCheckpoint, FileEntry, Manifest,
+                                            read_manifest, sha256_bytes)
+
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes | memoryview, faults: FaultPlan = NO_FAULTS) -> None:
+    with open(path, "wb") as f:
+        partial = faults.wants("ckpt.partial_file")
+        f.write(data[: len(data) // 2] if partial else data)
+        if partial:
+            f.flush()
+            os.fsync(f.fileno())
+        faults.hit("ckpt.partial_file")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit_local(root: Path, step: int, files: Mapping[str, bytes | memoryview],
+                 meta: dict[str, Any], faults: FaultPlan = NO_FAULTS) -> tuple[Path, Manifest]:
+    """Write ``files`` as checkpoint ``step`` under ``root`` with the commit protocol."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{step_dirname(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        entries: dict[str, FileEntry] = {}
+        for name, data in files.items():
+            write_file_durably(tmp / name, data, faults)
+            entries[name] = FileEntry(len(data), sha256_bytes(data))
+            faults.hit("ckpt.after_file")
+        manifest = Manifest(step=step, files=entries, meta=dict(meta))
+        faults.hit("ckpt.before_manifest")
+        write_file_durably(tmp / MANIFEST, manifest.to_json().encode())
+        fsync_dir(tmp)
+        faults.hit("ckpt.before_rename")
+        final = root / step_dirname(step)
+        if final.exists():
+            # Same step saved again (e.g. an emergency save right after a periodic one,
+            # or a rerun that re-reached this step). Move the old one aside first.
+            aside = root / f".replaced-{step_dirname(step)}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            fsync_dir(root)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+            fsync_dir(root)
+        faults.hit("ckpt.after_rename")
+        return final, manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps whose directory has a manifest, newest first (cheap check, no hashing)."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        step = parse_step(child.name)
+        if step is not None and (child / MANIFEST).is_file():
+            steps.append(step)
+    return sorted(steps, reverse=True)
+
+
+def remove_checkpoint(path: Path, faults: FaultPlan = NO_FAULTS) -> None:
+    """Uncommit (manifest first), then delete."""
+    try:
+        os.unlink(path / MANIFEST)
+        fsync_dir(path)
+    except FileNotFoundError:
+        pass
+    faults.hit("ckpt.retention")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def apply_retention(root: Path, keep: int, faults: FaultPlan = NO_FAULTS) -> list[int]:
+    """Delete all but the newest ``keep`` committed checkpoints; return deleted steps."""
+    steps = committed_steps(root)
+    doomed = steps[keep:]
+    for step in doomed:
+        remove_checkpoint(root / step_dirname(step), faults)
+    return doomed
+
+
+def clean_stale(root: Path) -> list[str]:
+    """Remove leftovers of killed writes (``.tmp-*``, ``.replaced-*``, uncommitted step dirs)."""
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    for child in root.iterdir():
+        stale_tmp = child.name.startswith((".tmp-", ".replaced-", ".fetch-"))
+        uncommitted = parse_step(child.name) is not None and not (child / MANIFEST).exists()
+        if child.is_dir() and (stale_tmp or uncommitted):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child.name)
+    return removed
+
+
+def quarantine(path: Path) -> Path:
+    """Move a checkpoint that failed verification out of the way, keeping it for inspection."""
+    dest = path.parent / f".corrupt-{path.name}-{int(time.time())}-{uuid.uuid4().hex[:6]}"
+    try:
+        os.rename(path, dest)
+        fsync_dir(path.parent)
+    except OSError:
+        return path
+    return dest
+
+
+def manifest_or_none(path: Path) -> Manifest | None:
+    try:
+        return read_manifest(path)
+    except CorruptCheckpoint:
+        return None

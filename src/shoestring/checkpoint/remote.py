@@ -1,0 +1,161 @@
+"""Publishing committed checkpoints to durable storage through fsspec.
+
+The local checkpoint root is the cache; this store is the copy that survives
+the machine. On object stores there is no rename, so the manifest is uploaded
+last: a remote ``step-N/`` without ``manifest.json`` is an unfinished upload
+and is never fetched. On a local or mounted path we copy into a temp dir and
+rename, like the local protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
+from shoestring.checkpoint.local import fsync_dir, parse_step, step_dirname
+from shoestring.checkpoint.manifest import MANIFEST, CorruptCheckpoint, Manifest, verify_dir
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as e:  # pragma: no cover - fsspec is a core dependency
+        raise RuntimeError("checkpoint.storage needs fsspec: pip install fsspec") from e
+    return fsspec
+
+
+class RemoteStore:
+    """A checkpoint root on any fsspec filesystem (s3://, gs://, file://, a plain path)."""
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        fsspec = _fsspec()
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except ImportError as e:
+            proto = url.split("://", 1)[0]
+            hint = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+            pkg = hint.get(proto, f"the fsspec backend for {proto}://")
+            raise RuntimeError(f"checkpoint.storage={url!r} needs {pkg}: "
+                               f"pip install 'shoestring[s3]' (or pip install {pkg})") from e
+        self.url = url
+        self.root = root.rstrip("/")
+        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
+                                   else (self.fs.protocol,))
+
+    def _p(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def committed_steps(self) -> list[int]:
+        self.fs.invalidate_cache()
+        try:
+            hits = self.fs.glob(self._p("step-*", MANIFEST))
+        except FileNotFoundError:
+            return []
+        steps = []
+        for h in hits:
+            step = parse_step(h.rstrip("/").split("/")[-2])
+            if step is not None:
+                steps.append(step)
+        return sorted(set(steps), reverse=True)
+
+    def read_manifest(self, step: int) -> Manifest:
+        where = self._p(step_dirname(step), MANIFEST)
+        try:
+            with self.fs.open(where, "rb") as f:
+                text = f.read().decode()
+        except FileNotFoundError as e:
+            raise CorruptCheckpoint(f"{where}: missing") from e
+        return Manifest.from_json(text, where)
+
+    def publish(self, local_dir: Path, manifest: Manifest, faults: FaultPlan = NO_FAULTS) -> None:
+        """Upload a locally committed checkpoint; the manifest goes last."""
+        name = step_dirname(manifest.step)
+        if self.is_local:
+            self._publish_local(local_dir, name, manifest, faults)
+            return
+        dest = self._p(name)
+        # A previous, interrupted upload of the same step may have left a manifest
+        # for other bytes: uncommit it before overwriting any data file.
+        if self.fs.exists(self._p(name, MANIFEST)):
+            self.fs.rm(self._p(name, MANIFEST))
+        for fname in manifest.files:
+            self.fs.put_file(str(local_dir / fname), f"{dest}/{fname}")
+            faults.hit("upload.after_file")
+        faults.hit("upload.before_manifest")
+        self.fs.put_file(str(local_dir / MANIFEST), f"{dest}/{MANIFEST}")
+        self.fs.invalidate_cache()
+
+    def _publish_local(self, local_dir: Path, name: str, manifest: Manifest,
+                       faults: FaultPlan) -> None:
+        root = Path(self.root)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            for fname in [*manifest.files, MANIFEST]:
+                if fname == MANIFEST:
+                    faults.hit("upload.before_manifest")
+                shutil.copyfile(local_dir / fname, tmp / fname)
+                with open(tmp / fname, "rb+") as f:
+                    os.fsync(f.fileno())
+                if fname != MANIFEST:
+                    faults.hit("upload.after_file")
+            fsync_dir(tmp)
+            final = root / name
+            if final.exists():
+                aside = root / f".replaced-{name}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, aside)
+                os.rename(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def fetch(self, step: int, cache_root: Path, *, deep: bool = True) -> Path:
+        """Download checkpoint ``step`` into the local cache and verify it; return its dir."""
+        manifest = self.read_manifest(step)
+        name = step_dirname(step)
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = cache_root / f".fetch-{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            for fname in manifest.files:
+                self.fs.get_file(self._p(name, fname), str(tmp / fname))
+            self.fs.get_file(self._p(name, MANIFEST), str(tmp / MANIFEST))
+            verify_dir(tmp, deep=deep)
+            final = cache_root / name
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync_dir(cache_root)
+            return final
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def delete(self, step: int) -> None:
+        """Uncommit (manifest first), then delete the rest."""
+        d = self._p(step_dirname(step))
+        try:
+            self.fs.rm(self._p(step_dirname(step), MANIFEST))
+        except FileNotFoundError:
+            pass
+        try:
+            self.fs.rm(d, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache()
+
+    def apply_retention(self, keep: int) -> list[int]:
+        steps = self.committed_steps()
+        doomed = steps[keep:]
+        for step in doomed:
+            self.delete(step)
+        return doomed

@@ -1,0 +1,66 @@
+"""A snapshot: the host-memory copy of everything a checkpoint holds.
+
+Taking a snapshot is the only part of a save that blocks training: tensors are
+copied to host memory (so later steps can mutate the live ones) and small
+JSON documents are deep-copied. Serialization — safetensors for tensors, JSON
+for the rest, never pickle — happens later, off the training thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import load_file, save
+
+
+@dataclass
+class Snapshot:
+    step: int
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    documents: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in self.tensors.values() for t in d.values())
+
+
+def host_copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous host copies (the blocking part of a save)."""
+    return {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}
+
+
+def make_snapshot(step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]],
+                  documents: Mapping[str, Any], meta: Mapping[str, Any]) -> Snapshot:
+    return Snapshot(step=step,
+                    tensors={f: host_copy(d) for f, d in tensors.items()},
+                    documents=copy.deepcopy(dict(documents)),
+                    meta=copy.deepcopy(dict(meta)))
+
+
+def serialize(snap: Snapshot) -> dict[str, bytes]:
+    """File name → bytes. ``*.safetensors`` for tensors, ``*.json`` for documents."""
+    files: dict[str, bytes] = {}
+    for name, tensors in sorted(snap.tensors.items()):
+        files[name] = save(dict(sorted(tensors.items())))
+    for name, doc in sorted(snap.documents.items()):
+        files[name] = json.dumps(doc, indent=1, sort_keys=True).encode()
+    return files
+
+
+def load_files(ckpt_dir: Path, names: list[str]) -> tuple[dict[str, dict[str, torch.Tensor]],
+                                                         dict[str, Any]]:
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    docs: dict[str, Any] = {}
+    for name in names:
+        p = ckpt_dir / name
+        if name.endswith(".safetensors"):
+            tensors[name] = load_file(str(p))
+        elif name.endswith(".json"):
+            docs[name] = json.loads(p.read_text())
+    return tensors, docs

@@ -1,0 +1,137 @@
+"""The checkpoint writer: serialize, commit locally, publish, prune — off the training thread.
+
+``submit`` takes a :class:`Snapshot` (already copied to host memory by the
+caller, which is the only blocking part) and runs the rest in a background
+thread. A new save first waits for the previous one, so saves never overlap.
+Emergency saves pass ``sync=True`` and return only once committed.
+
+A background failure (disk full, permission, network) is stored and raised in
+the training thread at the next :meth:`check` as :class:`CheckpointSaveError`,
+whose message names the path and says which checkpoint is still intact.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
+from shoestring.checkpoint.local import apply_retention, commit_local, committed_steps
+from shoestring.checkpoint.remote import RemoteStore
+from shoestring.checkpoint.snapshot import Snapshot, serialize
+from shoestring.events import EventLog
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saving a checkpoint failed; earlier committed checkpoints are untouched."""
+
+
+@dataclass
+class CommitResult:
+    step: int
+    path: str
+    bytes: int
+    serialize_ms: float
+    write_ms: float
+    upload_ms: float
+    background_ms: float
+    deleted: list[int]
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 3)
+
+
+def run_commit(snap: Snapshot, root: Path, keep: int, remote: RemoteStore | None,
+               faults: FaultPlan = NO_FAULTS) -> CommitResult:
+    """Serialize → local commit → remote publish → retention. Runs in the background."""
+    t0 = time.perf_counter()
+    files = serialize(snap)
+    serialize_ms = _ms(t0)
+    t1 = time.perf_counter()
+    path, manifest = commit_local(root, snap.step, files, snap.meta, faults)
+    write_ms = _ms(t1)
+    upload_ms = 0.0
+    if remote is not None:
+        t2 = time.perf_counter()
+        remote.publish(path, manifest, faults)
+        upload_ms = _ms(t2)
+    deleted = apply_retention(root, keep, faults)
+    if remote is not None:
+        deleted = sorted(set(deleted) | set(remote.apply_retention(keep)))
+    return CommitResult(snap.step, str(path), manifest.total_bytes, serialize_ms, write_ms,
+                        upload_ms, _ms(t0), deleted)
+
+
+class CheckpointWriter:
+    def __init__(self, root: Path, *, keep: int, mode: str, events: EventLog,
+                 remote: RemoteStore | None = None, faults: FaultPlan = NO_FAULTS) -> None:
+        if mode not in ("thread", "off"):
+            raise ValueError(f"checkpoint.async_mode: unknown mode {mode!r}")
+        self.root = root
+        self.keep = keep
+        self.mode = mode
+        self.events = events
+        self.remote = remote
+        self.faults = faults
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._failed_step: int | None = None
+        self.last_committed: int | None = None
+        self.results: list[CommitResult] = []
+
+    def _job(self, snap: Snapshot, blocking_ms: float, reason: str) -> None:
+        try:
+            res = run_commit(snap, self.root, self.keep, self.remote, self.faults)
+        except BaseException as e:  # noqa: BLE001 - reported to the training thread
+            self._error, self._failed_step = e, snap.step
+            self.events.emit("checkpoint_failed", step=snap.step, reason=reason,
+                             error=f"{type(e).__name__}: {e}")
+            return
+        self.last_committed = snap.step
+        self.results.append(res)
+        fields: dict[str, Any] = asdict(res)
+        fields.update(reason=reason, blocking_ms=round(blocking_ms, 3), mode=self.mode,
+                      storage=self.remote.url if self.remote else "")
+        self.events.emit("checkpoint", **fields)
+
+    def submit(self, snap: Snapshot, *, blocking_ms: float, reason: str,
+               sync: bool = False) -> float:
+        """Start saving ``snap``; returns ms spent waiting for the previous save."""
+        t0 = time.perf_counter()
+        self.wait()
+        waited = _ms(t0)
+        if sync or self.mode == "off":
+            self._job(snap, blocking_ms + waited, reason)
+            self.check()
+        else:
+            self._thread = threading.Thread(target=self._job, args=(snap, blocking_ms + waited,
+                                                                       reason),
+                                            name=f"ckpt-writer-{snap.step}", daemon=True)
+            self._thread.start()
+        return waited
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    def check(self) -> None:
+        if self._error is None or self.busy():
+            return
+        err, step = self._error, self._failed_step
+        self._error = None
+        intact = committed_steps(self.root)
+        keep = f"step {intact[0]} is intact" if intact else "no earlier checkpoint exists"
+        raise CheckpointSaveError(f"saving checkpoint step {step} under {self.root} failed: "
+                                  f"{type(err).__name__}: {err}; {keep}") from err
+
+    def close(self) -> None:
+        self.wait()

@@ -1,0 +1,119 @@
+"""The ``shoestring`` command: one console script, verb subcommands.
+
+This is the only place that reads the process environment and argv; everything
+below receives config objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from shoestring import __version__, exitcodes
+from shoestring.config import ConfigError, FinetuneConfig, help_table, load
+
+FINETUNE_EPILOG = """\
+config keys (set in --config YAML as nested sections, or as --section.key VALUE):
+{table}
+
+resume:
+  --resume auto   continue from the newest valid checkpoint in output_dir or
+                  checkpoint.storage, or start fresh if there is none (default)
+  --resume never  start fresh (fails if output_dir already has checkpoints)
+  --resume PATH   continue from exactly this checkpoint directory
+
+exit codes:
+  0 done; 1 failed; 2 bad config or data (nothing started);
+  75 preempted, emergency checkpoint committed: rerun the same command;
+  76 second signal during the emergency save: previous checkpoint intact, rerun.
+
+environment (read here only):
+  SHOESTRING_CACHE   where the built-in tiny model is materialized
+                     (default ~/.cache/shoestring)
+  SHOESTRING_FAULTS  fault injection for tests, e.g. ckpt.before_rename@2:kill
+"""
+
+
+def _finetune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "finetune", help="LoRA fine-tuning that survives preemption and resumes exactly",
+        description="LoRA fine-tuning of a local Hugging Face causal LM. With no arguments, "
+                    "trains the built-in tiny model on the bundled task and prints before/after.",
+        epilog=FINETUNE_EPILOG.format(table=help_table(FinetuneConfig)),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML config; flags override it")
+    p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                   help="where to continue from (default: auto)")
+    return p
+
+
+def _run_finetune(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+    from shoestring.checkpoint import FaultPlan
+    from shoestring.checkpoint.local import committed_steps
+    from shoestring.train.loop import RunOptions, finetune
+
+    cfg = load(FinetuneConfig, args.config, rest)
+    if args.resume == "never" and committed_steps(Path(cfg.output_dir) / "checkpoints"):
+        raise ConfigError(f"--resume never: {cfg.output_dir} already has checkpoints; "
+                          "choose another output_dir or delete them yourself")
+    if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
+        raise ConfigError(f"--resume: {args.resume} is not a checkpoint directory")
+    try:
+        faults = FaultPlan.parse(env.get("SHOESTRING_FAULTS", ""))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    cache = Path(env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
+    return finetune(cfg, RunOptions(resume=args.resume, faults=faults, cache_dir=cache))
+
+
+COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
+                          Callable[[argparse.Namespace, list[str], dict[str, str]], int]]] = {
+    "finetune": (_finetune_parser, _run_finetune),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoestring",
+                                     description="Fine-tune and run LLMs on cheap, unreliable GPUs.")
+    parser.add_argument("--version", action="version", version=f"shoestring {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for make, _ in COMMANDS.values():
+        make(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[shoestring] %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    for noisy in ("transformers", "peft", "botocore", "s3fs", "aiobotocore", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return exitcodes.USAGE
+    _, run = COMMANDS[args.command]
+    try:
+        return run(args, rest, dict(os.environ))
+    except ConfigError as e:
+        print(f"shoestring {args.command}: error: {e}", file=sys.stderr)
+        return exitcodes.USAGE
+    except Exception as e:  # noqa: BLE001 - a clear one-line error, traceback on request
+        from shoestring.checkpoint import CheckpointSaveError
+        from shoestring.train.data import DataError
+
+        if isinstance(e, DataError):
+            print(f"shoestring {args.command}: error: {e}", file=sys.stderr)
+            return exitcodes.USAGE
+        if isinstance(e, CheckpointSaveError):
+            print(f"shoestring {args.command}: error: {e}", file=sys.stderr)
+            return exitcodes.FAILED
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""One config system for every verb.
+
+A config is a tree of dataclasses. Each field carries its help text in
+``metadata["help"]``; that text feeds ``--help`` and the docs. Values come from
+three layers, later ones winning: the dataclass defaults, a YAML file
+(``--config``), and dotted command-line overrides (``--train.lr 1e-4``).
+
+Every value is checked before any expensive work. A bad key or value raises
+:class:`ConfigError` whose message names the key and where it came from: the
+YAML file and line, or the command-line flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem that names the key and its source."""
+
+
+def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+         check: Callable[[Any], str | None] | None = None) -> Any:
+    """A config field: default value, help text, optional choices and check.
+
+    ``check`` returns an error string (without the key) or ``None``.
+    """
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if check is not None:
+        meta["check"] = check
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: typing.cast(Any, type(d)(d)), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def unit_interval(v: Any) -> str | None:
+    return None if 0.0 <= v < 1.0 else "must be in [0, 1)"
+
+
+# --------------------------------------------------------------------------- finetune
+
+
+@dataclass
+class ModelConfig:
+    path: str = knob("builtin:tiny", "Local directory of a Hugging Face causal LM (config.json, "
+                     "weights, tokenizer). 'builtin:tiny' builds the embedded tiny model.")
+    dtype: str = knob("float32", "Dtype of the frozen base weights.",
+                      choices=("float32", "bfloat16", "float16"))
+    gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save memory.")
+
+
+@dataclass
+class DataConfig:
+    train: str = knob("builtin:reverse", "Training JSONL: one {\"text\": ...} or "
+                      "{\"prompt\": ..., \"completion\": ...} object per line. "
+                      "'builtin:reverse' uses the bundled word-reversal task.")
+    eval: str = knob("", "Held-out JSONL in the same format (empty: no eval). "
+                     "With the built-in train set, 'builtin:reverse' is its held-out split.")
+    max_length: int = knob(128, "Maximum tokens per sample (packing block size when packing).",
+                           check=positive)
+    packing: bool = knob(False, "Pack samples into max_length blocks instead of padding each batch.")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = knob(300, "Optimizer steps to train for.", check=positive)
+    seed: int = knob(0, "Seed for LoRA init, dropout and data order.")
+    batch_size: int = knob(16, "Samples per micro-batch.", check=positive)
+    grad_accum: int = knob(1, "Micro-batches accumulated per optimizer step.", check=positive)
+    lr: float = knob(3e-3, "Peak learning rate of AdamW.", check=positive)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", check=non_negative)
+    warmup_steps: int = knob(20, "Linear warm-up steps before the cosine decay.", check=non_negative)
+    min_lr_ratio: float = knob(0.1, "Final learning rate as a fraction of train.lr.",
+                               check=unit_interval)
+    max_grad_norm: float = knob(1.0, "Clip the gradient norm to this (0: no clipping).",
+                                check=non_negative)
+    log_every_steps: int = knob(10, "Plain-log interval in steps when stderr is not a terminal.",
+                                check=positive)
+    num_threads: int = knob(0, "torch intra-op threads (0: leave torch's default).",
+                            check=non_negative)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = knob(0, "Evaluate every N steps (0: only before and after training).",
+                            check=non_negative)
+    batch_size: int = knob(32, "Samples per eval batch.", check=positive)
+    max_samples: int = knob(0, "Evaluate on at most this many samples (0: all).",
+                            check=non_negative)
+    exact_match: bool = knob(True, "For prompt/completion data, also greedy-decode each prompt "
+                             "and report exact-match accuracy.")
+    max_new_tokens: int = knob(32, "Generation cap for exact-match eval.", check=positive)
+
+
+@dataclass
+class LoraSection:
+    r: int = knob(16, "LoRA rank.", check=positive)
+    alpha: float = knob(32.0, "LoRA scaling numerator (scale = alpha / r).", check=positive)
+    dropout: float = knob(0.05, "Dropout on the LoRA input.", check=unit_interval)
+    target_modules: list[str] = knob(["all-linear"], "Module names to adapt, or ['all-linear'].")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = knob(100, "Save every N optimizer steps (0: off).", check=non_negative)
+    every_seconds: float = knob(0.0, "Also save when this many seconds passed since the last "
+                                "save (0: off).", check=non_negative)
+    keep: int = knob(2, "Committed checkpoints to keep; older ones are deleted only after a "
+                     "newer one is committed.", check=positive)
+    storage: str = knob("", "Where checkpoints are published: a local path or an fsspec URL "
+                        "(s3://bucket/prefix, gs://...). Empty: OUTPUT/checkpoints only. "
+                        "OUTPUT/checkpoints is always the local cache.")
+    async_mode: str = knob("thread", "Serialize and upload in a background thread, a "
+                           "background process, or 'off' (synchronous).",
+                           choices=("thread", "process", "off"))
+    verify: bool = knob(True, "Verify sha256 of every file against the manifest on load.")
+
+
+@dataclass
+class PreemptConfig:
+    signal: str = knob("SIGUSR1", "Extra signal that means 'checkpoint and exit' besides "
+                       "SIGTERM and SIGINT (NCCL may use SIGUSR1; SIGUSR2 is the alternative).",
+                       choices=("SIGUSR1", "SIGUSR2", "none"))
+
+
+@dataclass
+class ExportConfig:
+    merged: bool = knob(False, "Also write OUTPUT/merged/: the base model with the adapter merged in.")
+
+
+@dataclass
+class FinetuneConfig:
+    output_dir: str = knob("runs/finetune", "Run directory: events.jsonl, checkpoints/, final/.")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preempt: PreemptConfig = field(default_factory=PreemptConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+#: Keys that may change between a checkpoint and its resume without breaking
+#: the continuation. Anything else changed makes ``--resume`` refuse.
+RESUME_SAFE_PREFIXES: tuple[str, ...] = (
+    "output_dir", "train.max_steps", "train.log_every_steps", "train.num_threads",
+    "eval.", "checkpoint.", "preempt.", "export.", "data.eval",
+)
+
+
+# --------------------------------------------------------------------------- machinery
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a value came from, for error messages."""
+
+    where: str  # "path/to/file.yaml:12" or "--train.lr" or "default"
+
+    def __str__(self) -> str:
+        return self.where
+
+
+def iter_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], type]]:
+    """Yield (dotted key, field, resolved type) for every leaf of a config class."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(typing.cast(type, tp), key + ".")
+        else:
+            yield key, f, tp
+
+
+def _coerce(key: str, value: Any, tp: Any, src: Source) -> Any:
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{src}: '{key}' expects {expected}, got {value!r}")
+
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad("true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise bad("an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return float(value)
+    if tp is str:
+        if value is None:
+            return ""
+        if isinstance(value, (dict, list)):
+            raise bad("a string")
+        return str(value)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise bad("a list")
+        return [_coerce(key, v, item_tp, src) for v in value]
+    raise ConfigError(f"{src}: '{key}' has unsupported type {tp}")  # pragma: no cover
+
+
+def _yaml_leaves(node: yaml.Node, path: str, prefix: str = "") -> Iterator[tuple[str, Any, Source]]:
+    if not isinstance(node, yaml.MappingNode):
+        where = f"{path}:{node.start_mark.line + 1}"
+        raise ConfigError(f"{where}: expected a mapping of config keys")
+    for k_node, v_node in node.value:
+        key = f"{prefix}{k_node.value}"
+        src = Source(f"{path}:{k_node.start_mark.line + 1}")
+        if isinstance(v_node, yaml.MappingNode):
+            yield from _yaml_leaves(v_node, path, key + ".")
+        else:
+            try:
+                value = yaml.safe_load(yaml.serialize(v_node))
+            except yaml.YAMLError as e:  # pragma: no cover - composed already
+                raise ConfigError(f"{src}: cannot read value of '{key}': {e}") from e
+            yield key, value, src
+
+
+def read_yaml(path: str | Path) -> list[tuple[str, Any, Source]]:
+    """Read a YAML config into (dotted key, value, source) triples with line numbers."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {p}: {e.strerror}") from e
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark else str(p)
+        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from e
+    if node is None:
+        return []
+    return list(_yaml_leaves(node, str(p)))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any, Source]]:
+    """Parse ``--a.b VALUE`` / ``--a.b=VALUE`` pairs; values are read as YAML scalars."""
+    out: list[tuple[str, Any, Source]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) <= 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
+        if "=" in arg:
+            flag, raw = arg.split("=", 1)
+            i += 1
+        else:
+            flag = arg
+            if i + 1 >= len(args):
+                raise ConfigError(f"{flag}: missing value")
+            raw = args[i + 1]
+            i += 2
+        key = flag[2:].replace("-", "_")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key, value, Source(flag)))
+    return out
+
+
+def build(cls: type, layers: list[tuple[str, Any, Source]]) -> Any:
+    """Build and validate a config object from (key, value, source) triples."""
+    leaves = {key: (f, tp) for key, f, tp in iter_fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value, src in layers:
+        if key not in leaves:
+            hint = difflib.get_close_matches(key, leaves, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"{src}: unknown key '{key}'{extra}")
+        f, tp = leaves[key]
+        v = _coerce(key, value, tp, src)
+        choices = f.metadata.get("choices")
+        if choices is not None and v not in choices:
+            raise ConfigError(f"{src}: '{key}' must be one of {', '.join(choices)}; got {v!r}")
+        check = f.metadata.get("check")
+        if check is not None:
+            problem = check(v)
+            if problem:
+                raise ConfigError(f"{src}: '{key}' {problem}; got {v!r}")
+        values[key] = v
+    return _instantiate(cls, values, "")
+
+
+def _instantiate(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _instantiate(typing.cast(type, tp), values, key + ".")
+        elif key in values:
+            kwargs[f.name] = values[key]
+    return cls(**kwargs)
+
+
+def load(cls: type, config_file: str | None, overrides: list[str]) -> Any:
+    """Defaults, then the YAML file, then command-line overrides."""
+    layers: list[tuple[str, Any, Source]] = []
+    if config_file:
+        layers += read_yaml(config_file)
+    layers += parse_overrides(overrides)
+    return build(cls, layers)
+
+
+def to_flat(cfg: Any) -> dict[str, Any]:
+    """Flatten a config object to {dotted key: value}."""
+    out: dict[str, Any] = {}
+    for key, _f, _tp in iter_fields(type(cfg)):
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        out[key] = obj
+    return out
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+
+
+def resume_relevant(flat: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in flat.items() if not k.startswith(RESUME_SAFE_PREFIXES)}
+
+
+def config_hash(cfg: Any) -> str:
+    """Hash of the keys that must not change across a resume."""
+    blob = json.dumps(resume_relevant(to_flat(cfg)), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def help_table(cls: type) -> str:
+    """Every key with its type, default and help, for ``--help``."""
+    lines = []
+    defaults = to_flat(cls())
+    for key, f, tp in iter_fields(cls):
+        tname = getattr(tp, "__name__", str(tp)).replace("typing.", "")
+        if typing.get_origin(tp) is list:
+            tname = "list"
+        choices = f.metadata.get("choices")
+        tdesc = "|".join(choices) if choices else tname
+        lines.append(f"  --{key} {tdesc.upper() if not choices else tdesc}  (default: {defaults[key]!r})")
+        lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""The event log: ``RUN_DIR/events.jsonl``, one JSON object per line.
+
+Every pillar writes here and every view (``top``, ``report``, the cost ledger)
+reads from here, so the schema is versioned and documented in
+``docs/events.md``. Records are appended with one ``write`` of a whole line and
+flushed, so a reader never sees half a record from a live writer, and a record
+cut by a kill is only ever the last line (readers skip it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA_VERSION = 1
+
+
+class EventLog:
+    """Append-only JSONL writer shared by the training thread and the checkpoint writer."""
+
+    def __init__(self, path: str | Path, *, run_id: str, rank: int = 0,
+                 clock: Any = time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
+        self.rank = rank
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._fh = open(self.path, "a", encoding="utf-8")
+        self._repair_tail()
+
+    def _repair_tail(self) -> None:
+        # A kill can cut the last line; start our records on a fresh line.
+        size = self.path.stat().st_size
+        if size:
+            with open(self.path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    self._fh.write("\n")
+                    self._fh.flush()
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        rec: dict[str, Any] = {"v": SCHEMA_VERSION, "ts": round(self._clock(), 6),
+                               "event": event, "run_id": self.run_id, "rank": self.rank}
+        rec.update(fields)
+        line = json.dumps(rec, separators=(",", ":"), default=str) + "\n"
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.write(line)
+                self._fh.flush()
+        return rec
+
+    def sync(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.close()
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_events(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Yield the records of an event log, skipping a torn last line."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue

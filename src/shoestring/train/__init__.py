@@ -1,0 +1,1 @@
+"""The LoRA fine-tuning loop, its data pipeline, model loading and exports."""
