@@ -73,8 +73,8 @@ class DataConfig:
     train: str = knob("builtin:reverse", "Training JSONL: one {\"text\": ...} or "
                       "{\"prompt\": ..., \"completion\": ...} object per line. "
                       "'builtin:reverse' uses the bundled word-reversal task.")
-    eval: str = knob("", "Held-out JSONL in the same format (empty: no eval). "
-                     "With the built-in train set, 'builtin:reverse' is its held-out split.")
+    eval: str = knob("auto", "Held-out JSONL in the same format. 'auto': the bundled task's "
+                     "held-out split when data.train is built in, else none. Empty: no eval.")
     max_length: int = knob(128, "Maximum tokens per sample (packing block size when packing).",
                            check=positive)
     packing: bool = knob(False, "Pack samples into max_length blocks instead of padding each batch.")

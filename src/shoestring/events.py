@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ class EventLog:
         self.rank = rank
         self._clock = clock
         self._lock = threading.Lock()
+        self._write_failed = False
         self._fh = open(self.path, "a", encoding="utf-8")
         self._repair_tail()
 
@@ -50,8 +52,15 @@ class EventLog:
         line = json.dumps(rec, separators=(",", ":"), default=str) + "\n"
         with self._lock:
             if not self._fh.closed:
-                self._fh.write(line)
-                self._fh.flush()
+                try:
+                    self._fh.write(line)
+                    self._fh.flush()
+                except OSError as e:
+                    # A full or broken log disk must not kill training; say so once.
+                    if not self._write_failed:
+                        self._write_failed = True
+                        print(f"[shoestring] WARNING cannot write {self.path}: {e}",
+                              file=sys.stderr, flush=True)
         return rec
 
     def sync(self) -> None:

@@ -38,6 +38,10 @@ _MODEL_PARAMS: dict[str, Any] = {
     "tie_word_embeddings": False,
     "rms_norm_eps": 1e-5,
 }
+#: Std of the token embedding and the output head after the default init. The
+#: default (initializer_range) makes logits too flat for a frozen head to express
+#: a confident prediction, which stalls LoRA learning.
+_INIT_STD: dict[str, float] = {"embed": 1.0, "lm_head": 0.08}
 _COMPLETE_MARKER = ".complete"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json", _COMPLETE_MARKER)
@@ -48,7 +52,7 @@ def _padded_vocab(n: int, multiple: int = 64) -> int:
 
 
 def _params_hash() -> str:
-    blob = json.dumps({"v": _FORMAT_VERSION, "seed": _MODEL_SEED, "model": _MODEL_PARAMS,
+    blob = json.dumps({"v": _FORMAT_VERSION, "seed": _MODEL_SEED, "model": _MODEL_PARAMS, "init": _INIT_STD,
                        "special": SPECIAL_TOKENS}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -87,6 +91,11 @@ def _write_model(target: Path) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_MODEL_SEED)
         model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(0.0, _INIT_STD["embed"])
+            model.model.embed_tokens.weight[pad_id].zero_()
+            if not config.tie_word_embeddings:
+                model.lm_head.weight.normal_(0.0, _INIT_STD["lm_head"])
     model.generation_config.pad_token_id = pad_id
     model.generation_config.bos_token_id = bos_id
     model.generation_config.eos_token_id = eos_id

@@ -121,8 +121,8 @@ class Finetune:
         from shoestring.train.builtin import BUILTIN_TASK
 
         eval_spec = cfg.data.eval
-        if not eval_spec and cfg.data.train == BUILTIN_TASK:
-            eval_spec = BUILTIN_TASK  # the bundled task's held-out split
+        if eval_spec == "auto":
+            eval_spec = BUILTIN_TASK if cfg.data.train == BUILTIN_TASK else ""
         self.eval_records = _records(eval_spec, "eval") if eval_spec else []
         self.remote: RemoteStore | None = None
         storage = cfg.checkpoint.storage
@@ -176,7 +176,7 @@ class Finetune:
         point = find_resume_point(self.opts.resume, self.ckroot, self.remote,
                                   verify=self.cfg.checkpoint.verify, events=self.events)
         if point is None:
-            torch.manual_seed(self.cfg.train.seed)
+            S.seed_everything(self.cfg.train.seed)
             return S.Progress()
         meta = point.manifest.meta
         if meta.get("base_fingerprint") != self.base_fp:

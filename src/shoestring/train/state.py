@@ -38,6 +38,13 @@ class Progress:
     tokens: int = 0
 
 
+def seed_everything(seed: int) -> None:
+    """Seed every generator a checkpoint captures, so fresh runs are reproducible too."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def _rng_capture() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -1,0 +1,112 @@
+"""Shared helpers: run the real CLI in a subprocess on the built-in tiny model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: A small, fast, deterministic run: 12 steps, checkpoints at 4, 8, 12.
+FAST = ["--train.max_steps", "12", "--train.batch_size", "4", "--train.num_threads", "1",
+        "--train.warmup_steps", "2", "--checkpoint.every_steps", "4", "--checkpoint.keep", "3",
+        "--data.max_length", "32", "--data.eval", ""]
+
+
+def sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def read_events(out: Path) -> list[dict[str, Any]]:
+    p = out / "events.jsonl"
+    if not p.exists():
+        return []
+    recs = []
+    for line in p.read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return recs
+
+
+def state_digest(out: Path, step: int) -> dict[str, str]:
+    """sha256 of everything that defines the training state at ``step``, plus the final adapter."""
+    ck = out / "checkpoints" / f"step-{step:08d}"
+    d = {name: sha256(ck / name) for name in
+         ("adapter.safetensors", "optimizer.safetensors", "rng_rank0.safetensors")}
+    d["final/adapter_model.safetensors"] = sha256(out / "final" / "adapter_model.safetensors")
+    return d
+
+
+class CLI:
+    """Runs ``python -m shoestring ...`` with a shared model cache and fixed threads."""
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
+        env.update(SHOESTRING_CACHE=str(self.cache), OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(REPO / "src"), TOKENIZERS_PARALLELISM="false")
+        env.update(extra)
+        return env
+
+    def cmd(self, out: Path, *args: str, verb: str = "finetune") -> list[str]:
+        return [sys.executable, "-m", "shoestring", verb, "--output_dir", str(out), *args]
+
+    def run(self, out: Path, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.cmd(out, *args), env=self.env(**(env or {})),
+                              capture_output=True, text=True, timeout=timeout)
+
+    def start(self, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        return subprocess.Popen(self.cmd(out, *args), env=self.env(**(env or {})),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(e.get("event") == "step" and e["step"] >= step for e in read_events(out)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited {proc.returncode} before step {step}:\n"
+                                 f"{proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from shoestring.train.builtin import materialize_tiny_model
+
+    d = tmp_path_factory.mktemp("model-cache")
+    materialize_tiny_model(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def cli(cache_dir: Path) -> CLI:
+    return CLI(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def reference(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The uninterrupted FAST run's state digest at step 12."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    r = cli.run(out, *FAST)
+    assert r.returncode == 0, r.stderr
+    return state_digest(out, 12)
+
+
+__all__ = ["CLI", "FAST", "read_events", "sha256", "signal", "state_digest", "wait_for_step"]

@@ -1,0 +1,62 @@
+"""Bit-exact resume: N steps straight == K steps, kill, resume to N (dropout on)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from conftest import CLI, FAST, read_events, state_digest, wait_for_step
+
+from shoestring import exitcodes
+
+
+def test_reference_is_deterministic(cli: CLI, tmp_path: Path, reference: dict[str, str]) -> None:
+    # Guards the other tests: if two clean runs differed, "equal after resume" would mean nothing.
+    r = cli.run(tmp_path / "again", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert state_digest(tmp_path / "again", 12) == reference
+
+
+def test_sigkill_without_notice_then_resume_is_bit_exact(cli: CLI, tmp_path: Path,
+                                                         reference: dict[str, str]) -> None:
+    out = tmp_path / "run"
+    r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
+    assert r.returncode == -signal.SIGKILL
+    assert not (out / "final").exists()
+    r = cli.run(out, *FAST)
+    assert r.returncode == 0, r.stderr
+    resume = [e for e in read_events(out) if e["event"] == "resume"]
+    assert resume and resume[0]["from_step"] == 4 and resume[0]["steps_lost"] == 2
+    assert state_digest(out, 12) == reference
+
+
+def test_sigterm_preempts_with_emergency_checkpoint(cli: CLI, tmp_path: Path,
+                                                    reference: dict[str, str]) -> None:
+    out = tmp_path / "run"
+    p = cli.start(out, *FAST, "--checkpoint.every_steps", "0")
+    wait_for_step(out, 5, p)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == exitcodes.PREEMPTED
+    ev = read_events(out)
+    pre = [e for e in ev if e["event"] == "preempt"][-1]
+    assert pre["saved"] and pre["reason"] == "SIGTERM"
+    saved = [e for e in ev if e["event"] == "checkpoint"]
+    assert saved and saved[-1]["reason"] == "emergency" and saved[-1]["step"] == pre["step"]
+    r = cli.run(out, *FAST, "--checkpoint.every_steps", "0")
+    assert r.returncode == 0, r.stderr
+    resume = [e for e in read_events(out) if e["event"] == "resume"][-1]
+    assert resume["from_step"] == pre["step"] and resume["steps_lost"] == 0
+    d = state_digest(out, 12)
+    assert d == reference
+
+
+def test_rerun_after_completion_loses_nothing(cli: CLI, tmp_path: Path,
+                                              reference: dict[str, str]) -> None:
+    out = tmp_path / "run"
+    assert cli.run(out, *FAST).returncode == 0
+    r = cli.run(out, *FAST)
+    assert r.returncode == 0, r.stderr
+    starts = [e for e in read_events(out) if e["event"] == "run_start"]
+    assert starts[-1]["step"] == 12
+    assert not [e for e in read_events(out) if e["event"] == "step" and e["ts"] > starts[-1]["ts"]]
+    assert state_digest(out, 12) == reference
