@@ -198,7 +198,9 @@ def test_resume_from_remote_on_empty_disk(s3_server: S3Server,  # noqa: F811
                                           tmp_path: Path) -> None:
     prefix = "empty-disk"
     out = tmp_path / "out"
-    args = ["--checkpoint.storage", s3_server.url(prefix), "--checkpoint.async_mode", "off"]
+    # Synchronous saves: step 8 is published before step 9 ends. The value is quoted
+    # because a bare `off` is read as the YAML boolean false (a config bug, see report).
+    args = ["--checkpoint.storage", s3_server.url(prefix), "--checkpoint.async_mode", "'off'"]
 
     rc, log = run_cli(out, s3_env, *args, faults="step.end@9:kill")
     assert rc == KILLED, f"expected SIGKILL at step 9, got {rc}:\n{log}"

@@ -209,6 +209,12 @@ def _coerce(key: str, value: Any, tp: Any, src: Source) -> Any:
             raise bad("an integer")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "2e-4" as a string; accept it as users mean it.
+            try:
+                return float(value)
+            except ValueError:
+                raise bad("a number") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("a number")
         return float(value)

@@ -3,7 +3,7 @@
 The writer calls ``faults.hit("ckpt.before_manifest")`` at each interesting
 moment. A :class:`FaultPlan` parsed from a spec such as
 ``"ckpt.partial_file@3:kill,upload.before_manifest"`` makes the N-th hit of a
-point SIGKILL the process (default) or raise ``ENOSPC``. The CLI reads the
+point SIGKILL the process (default), raise ``ENOSPC``, or ``hang`` (a stalled disk). The CLI reads the
 spec from ``SHOESTRING_FAULTS`` once; library code receives the plan object.
 
 Points: ``ckpt.after_file``, ``ckpt.partial_file`` (dies with a half-written
@@ -18,6 +18,7 @@ import errno
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 
 POINTS = frozenset({
@@ -25,7 +26,7 @@ POINTS = frozenset({
     "ckpt.after_rename", "ckpt.retention", "upload.after_file", "upload.before_manifest",
     "resume.after_load", "step.end",
 })
-ACTIONS = frozenset({"kill", "enospc"})
+ACTIONS = frozenset({"kill", "enospc", "hang"})
 
 
 @dataclass
@@ -54,7 +55,7 @@ class FaultPlan:
                 raise ValueError(f"SHOESTRING_FAULTS: unknown fault point {point!r}; "
                                  f"known: {', '.join(sorted(POINTS))}")
             if action not in ACTIONS:
-                raise ValueError(f"SHOESTRING_FAULTS: unknown action {action!r} (kill|enospc)")
+                raise ValueError(f"SHOESTRING_FAULTS: unknown action {action!r} (kill|enospc|hang)")
             rules.append(_Rule(point, int(nth or 1), action))
         return cls(rules)
 
@@ -69,6 +70,8 @@ class FaultPlan:
             n = self._counts[point] = self._counts.get(point, 0) + 1
         for r in self.rules:
             if r.point == point and r.nth == n:
+                if r.action == "hang":  # a stalled disk or network
+                    time.sleep(3600)
                 if r.action == "enospc":
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (fault {point})")
                 os.kill(os.getpid(), signal.SIGKILL)
