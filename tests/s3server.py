@@ -18,9 +18,10 @@ or as a script (prints the env vars, serves until Ctrl+C)::
 
     python tests/s3server.py [--bucket NAME] [--port N]
 
-The server is ``python -m moto.server -H 127.0.0.1 -p PORT`` started with
-``subprocess.Popen`` in a new session, so the code under test talks HTTP to a
-separate process exactly as it would to S3; nothing is mocked in-process.
+The server is moto's standalone server (what ``python -m moto.server -H 127.0.0.1
+-p PORT`` runs) started with ``subprocess.Popen`` in a new session, so the code
+under test talks HTTP to a separate process exactly as it would to S3; nothing is
+mocked in-process. It exits when its parent does, even if the parent is SIGKILLed.
 Clients find it through ``AWS_ENDPOINT_URL``, which botocore (and therefore
 boto3 and s3fs/aiobotocore) reads for every service.
 """
@@ -64,6 +65,22 @@ _AWS_ENV = {
 _AWS_ENV_DROP = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
                  "FSSPEC_S3", "FSSPEC_S3_ENDPOINT_URL", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
                  "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+# The child runs moto's own ``main`` (what ``python -m moto.server`` runs), plus a watchdog:
+# its stdin is a pipe from us, so when this process dies, even by SIGKILL, the pipe
+# closes and the server exits instead of lingering on its port.
+_SERVER_CODE = """\
+import os, sys, threading
+def _watch():
+    try:
+        sys.stdin.buffer.read()
+    finally:
+        os._exit(0)
+threading.Thread(target=_watch, daemon=True).start()
+from moto.server import main
+main(sys.argv[1:])
+"""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -149,8 +166,8 @@ class S3Server:
             env.update(_AWS_ENV)
             env.pop("AWS_ENDPOINT_URL", None)
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)],
-                stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                [sys.executable, "-c", _SERVER_CODE, "-H", self.host, "-p", str(port)],
+                stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True)
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
@@ -176,6 +193,12 @@ class S3Server:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
+        if proc is not None and proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # the watchdog's cue to exit
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         if proc is not None and proc.poll() is None:
             # Its own session/process group: signal the group so werkzeug's children go too.
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -225,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket", default=DEFAULT_BUCKET)
     p.add_argument("--port", type=int, default=None)
     args = p.parse_args(argv)
+    def _stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     srv = S3Server(args.bucket, port=args.port)
     srv.start()
     try:

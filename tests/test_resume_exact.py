@@ -60,3 +60,24 @@ def test_rerun_after_completion_loses_nothing(cli: CLI, tmp_path: Path,
     assert starts[-1]["step"] == 12
     assert not [e for e in read_events(out) if e["event"] == "step" and e["ts"] > starts[-1]["ts"]]
     assert state_digest(out, 12) == reference
+
+
+def test_changed_config_refuses_resume_but_max_steps_may_change(cli: CLI, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "step.end@6:kill"})
+    assert r.returncode == -signal.SIGKILL
+    r = cli.run(out, *FAST, "--train.lr", "0.001")
+    assert r.returncode == exitcodes.USAGE
+    assert "config changed" in r.stderr and "train.lr: 0.003 -> 0.001" in r.stderr
+    # Extending the run is declared safe.
+    r = cli.run(out, *FAST, "--train.max_steps", "14")
+    assert r.returncode == 0, r.stderr
+    assert [e for e in read_events(out) if e["event"] == "resume"][-1]["from_step"] == 4
+    assert (out / "checkpoints" / "step-00000014").is_dir()
+
+
+def test_resume_never_refuses_to_clobber(cli: CLI, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert cli.run(out, *FAST, "--train.max_steps", "4").returncode == 0
+    r = cli.run(out, *FAST, "--train.max_steps", "4", "--resume", "never")
+    assert r.returncode == exitcodes.USAGE and "already has checkpoints" in r.stderr
