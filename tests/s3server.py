@@ -5,7 +5,7 @@ Use from tests::
     from s3server import s3_server          # pytest fixture (session scope)
 
     def test_x(s3_server):
-        env = {**os.environ, **s3_server.env}   # what a child process needs
+        env = s3_server.child_env()             # os.environ + what a child needs
         url = s3_server.url("run1")             # s3://BUCKET/run1
         s3_server.client()                      # boto3 S3 client for assertions
 
@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
@@ -62,8 +61,9 @@ _AWS_ENV = {
 }
 
 # Variables that would redirect or override the endpoint/credentials set above.
-_AWS_ENV_DROP = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
-                 "FSSPEC_S3", "FSSPEC_S3_ENDPOINT_URL", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
+_AWS_ENV_DROP = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3",
+                 "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "FSSPEC_S3", "FSSPEC_S3_ENDPOINT_URL",
+                 "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
                  "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 

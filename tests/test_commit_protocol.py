@@ -32,12 +32,18 @@ def writer(root: Path, tmp: Path, mode: str = "off", faults: FaultPlan | None = 
                             faults=faults or FaultPlan())
 
 
-def test_commit_writes_manifest_last_and_verifies(tmp_path: Path) -> None:
-    w = writer(tmp_path / "ck", tmp_path, mode="thread")
-    w.submit(snap(5), blocking_ms=0, reason="test")
-    w.wait()
+@pytest.mark.parametrize("mode", ["thread", "process", "off"])
+def test_commit_writes_manifest_last_and_verifies(tmp_path: Path, mode: str) -> None:
+    w = writer(tmp_path / "ck", tmp_path, mode=mode)
+    s5 = snap(5)
+    w.submit(s5, reason="test")
+    s5.tensors["w.safetensors"]["w"].add_(1.0)  # training goes on mutating the live tensor
+    w.close()
     m = verify_dir(tmp_path / "ck" / step_dirname(5), deep=True)
     assert m.step == 5 and set(m.files) == {"w.safetensors", "state.json"}
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "ck" / step_dirname(5) / "w.safetensors"))["w"]
+    assert torch.equal(saved + 1.0, s5.tensors["w.safetensors"]["w"])  # the pre-mutation copy
     ev = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint"]
     assert ev[0]["step"] == 5 and ev[0]["bytes"] == m.total_bytes and ev[0]["background_ms"] > 0
 
@@ -54,8 +60,8 @@ from shoestring.checkpoint import FaultPlan
 from pathlib import Path
 w = writer(Path({str(tmp_path / 'ck')!r}), Path({str(tmp_path)!r}),
            faults=FaultPlan.parse("{point}@{3 if point in ('ckpt.after_file', 'ckpt.partial_file') else 2}"))
-w.submit(snap(1), blocking_ms=0, reason="t")
-w.submit(snap(2), blocking_ms=0, reason="t")
+w.submit(snap(1), reason="t")
+w.submit(snap(2), reason="t")
 print("survived")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -89,7 +95,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, how: str) -> None
     root = tmp_path / "ck"
     w = writer(root, tmp_path, keep=3)
     for s in (1, 2, 3):
-        w.submit(snap(s), blocking_ms=0, reason="t")
+        w.submit(snap(s), reason="t")
     _corrupt(root / step_dirname(3), how)
     ev = EventLog(tmp_path / "ev.jsonl", run_id="t")
     p = find_resume_point("auto", root, None, verify=True, events=ev)
@@ -104,7 +110,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, how: str) -> None
 def test_explicit_resume_path_refuses_corrupt(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     w = writer(root, tmp_path)
-    w.submit(snap(1), blocking_ms=0, reason="t")
+    w.submit(snap(1), reason="t")
     _corrupt(root / step_dirname(1), "flip")
     with pytest.raises(CorruptCheckpoint, match="sha256 mismatch"):
         find_resume_point(str(root / step_dirname(1)), root, None, verify=True,
@@ -124,15 +130,17 @@ def test_retention_deletes_only_after_new_commit(tmp_path: Path) -> None:
     assert committed_steps(root) == [3, 2]
 
 
-def test_save_error_is_reported_and_previous_intact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_save_error_is_reported_and_previous_intact(tmp_path: Path, mode: str) -> None:
     root = tmp_path / "ck"
-    w = writer(root, tmp_path, mode="thread",
+    w = writer(root, tmp_path, mode=mode,
                faults=FaultPlan.parse("ckpt.after_file@3:enospc"))
-    w.submit(snap(1), blocking_ms=0, reason="t")
-    w.submit(snap(2), blocking_ms=0, reason="t")
+    w.submit(snap(1), reason="t")
+    w.submit(snap(2), reason="t")
     with pytest.raises(CheckpointSaveError, match=r"step 2 .*No space left on device.*step 1 is "
                                                   r"intact"):
         w.wait()
+    w.close()
     assert committed_steps(root) == [1]
     verify_dir(root / step_dirname(1), deep=True)
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
@@ -141,7 +149,7 @@ def test_save_error_is_reported_and_previous_intact(tmp_path: Path) -> None:
 def test_saves_never_overlap(tmp_path: Path) -> None:
     w = writer(tmp_path / "ck", tmp_path, mode="thread", keep=10)
     for s in range(1, 6):
-        w.submit(snap(s, n=200_000), blocking_ms=0, reason="t")
+        w.submit(snap(s, n=200_000), reason="t")
         assert w._thread is not None  # the previous job was joined before this one started
     w.wait()
     assert committed_steps(tmp_path / "ck") == [5, 4, 3, 2, 1]
@@ -166,10 +174,10 @@ def test_real_disk_full_keeps_previous_checkpoint(tmp_path: Path) -> None:
     try:
         root = mnt / "ck"
         w = writer(root, tmp_path, mode="thread", keep=1)
-        w.submit(snap(1, n=250_000), blocking_ms=0, reason="t")  # ~1 MB
+        w.submit(snap(1, n=250_000), reason="t")  # ~1 MB
         w.wait()
         before = (root / step_dirname(1) / "w.safetensors").read_bytes()
-        w.submit(snap(2, n=600_000), blocking_ms=0, reason="t")  # ~2.4 MB: does not fit
+        w.submit(snap(2, n=600_000), reason="t")  # ~2.4 MB: does not fit
         with pytest.raises(CheckpointSaveError) as ei:
             w.wait()
         assert ei.value.__cause__ is not None

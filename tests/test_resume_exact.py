@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from conftest import CLI, FAST, read_events, state_digest, wait_for_step
 
 from shoestring import exitcodes
@@ -17,13 +19,15 @@ def test_reference_is_deterministic(cli: CLI, tmp_path: Path, reference: dict[st
     assert state_digest(tmp_path / "again", 12) == reference
 
 
-def test_sigkill_without_notice_then_resume_is_bit_exact(cli: CLI, tmp_path: Path,
+@pytest.mark.parametrize("mode", ["thread", "process", "off"])
+def test_sigkill_without_notice_then_resume_is_bit_exact(cli: CLI, tmp_path: Path, mode: str,
                                                          reference: dict[str, str]) -> None:
     out = tmp_path / "run"
-    r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
+    args = [*FAST, "--checkpoint.async_mode", mode]
+    r = cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
     assert r.returncode == -signal.SIGKILL
     assert not (out / "final").exists()
-    r = cli.run(out, *FAST)
+    r = cli.run(out, *args)
     assert r.returncode == 0, r.stderr
     resume = [e for e in read_events(out) if e["event"] == "resume"]
     assert resume and resume[0]["from_step"] == 4 and resume[0]["steps_lost"] == 2

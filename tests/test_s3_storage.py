@@ -34,18 +34,16 @@ DATA_FILES = {"adapter.safetensors", "optimizer.safetensors", "rng_rank0.safeten
               "trainer_state.json"}
 
 
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
 # --------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SHOESTRING_CACHE for this module (the tiny model is materialized there once)."""
-    env = os.environ.get("SHOESTRING_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("shoestring-cache")
-
-
+# `cache_dir` (the session's SHOESTRING_CACHE, tiny model materialized) is conftest's.
 def _base_env(cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "SHOESTRING_FAULTS"}
-    env["SHOESTRING_CACHE"] = str(cache)
-    env["PYTHONUNBUFFERED"] = "1"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
+    pythonpath = [str(SRC), *filter(None, [env.get("PYTHONPATH")])]
+    env.update(SHOESTRING_CACHE=str(cache), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(pythonpath))
     return env
 
 
@@ -157,8 +155,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path):
-    ref = Reference(tmp_path_factory.mktemp("ref") / "out", _base_env(cache_dir))
+def s3_reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path):
+    ref = Reference(tmp_path_factory.mktemp("s3-reference") / "out", _base_env(cache_dir))
     yield ref
     ref.stop()
 
@@ -170,8 +168,8 @@ def s3_env(s3_server: S3Server, cache_dir: Path) -> dict[str, str]:  # noqa: F81
 
 # --------------------------------------------------------------------------- tests
 def test_publish_and_retention(s3_server: S3Server, s3_env: dict[str, str],  # noqa: F811
-                               reference: Reference, tmp_path: Path) -> None:
-    # `reference` is requested here only to start it early: it trains alongside this run.
+                               s3_reference: Reference, tmp_path: Path) -> None:
+    # `s3_reference` is requested here only to start it early: it trains alongside this run.
     prefix = "publish"
     out = tmp_path / "out"
     rc, log = run_cli(out, s3_env, "--checkpoint.storage", s3_server.url(prefix))
@@ -194,13 +192,12 @@ def test_publish_and_retention(s3_server: S3Server, s3_env: dict[str, str],  # n
 
 
 def test_resume_from_remote_on_empty_disk(s3_server: S3Server,  # noqa: F811
-                                          s3_env: dict[str, str], reference: Reference,
+                                          s3_env: dict[str, str], s3_reference: Reference,
                                           tmp_path: Path) -> None:
     prefix = "empty-disk"
     out = tmp_path / "out"
-    # Synchronous saves: step 8 is published before step 9 ends. The value is quoted
-    # because a bare `off` is read as the YAML boolean false (a config bug, see report).
-    args = ["--checkpoint.storage", s3_server.url(prefix), "--checkpoint.async_mode", "'off'"]
+    # Synchronous saves: step 8 is published before step 9 ends.
+    args = ["--checkpoint.storage", s3_server.url(prefix), "--checkpoint.async_mode", "off"]
 
     rc, log = run_cli(out, s3_env, *args, faults="step.end@9:kill")
     assert rc == KILLED, f"expected SIGKILL at step 9, got {rc}:\n{log}"
@@ -216,13 +213,13 @@ def test_resume_from_remote_on_empty_disk(s3_server: S3Server,  # noqa: F811
     assert resumes[0]["source"] == "remote" and resumes[0]["from_step"] == 8, resumes[0]
     steps = [r["step"] for r in events(out) if r["event"] == "step"]
     assert steps == list(range(9, MAX_STEPS + 1))
-    assert sha256(out / "final" / "adapter_model.safetensors") == reference.sha()
+    assert sha256(out / "final" / "adapter_model.safetensors") == s3_reference.sha()
     layout = assert_remote_consistent(s3_server, prefix)
     assert sorted(layout) == [step_name(8), step_name(12)]
 
 
 def test_torn_remote_upload_is_ignored(s3_server: S3Server,  # noqa: F811
-                                       s3_env: dict[str, str], reference: Reference,
+                                       s3_env: dict[str, str], s3_reference: Reference,
                                        tmp_path: Path) -> None:
     prefix = "torn"
     out = tmp_path / "out"
@@ -247,7 +244,7 @@ def test_torn_remote_upload_is_ignored(s3_server: S3Server,  # noqa: F811
     # The manifest-less step was never tried, so never reported invalid.
     assert not [r for r in recs if r["event"] == "checkpoint_invalid"]
     assert [r["step"] for r in recs if r["event"] == "step"] == list(range(5, MAX_STEPS + 1))
-    assert sha256(out / "final" / "adapter_model.safetensors") == reference.sha()
+    assert sha256(out / "final" / "adapter_model.safetensors") == s3_reference.sha()
     # Step 8 was re-published completely over the torn upload; step 4 aged out.
     layout = assert_remote_consistent(s3_server, prefix)
     assert sorted(layout) == [step_name(8), step_name(12)]

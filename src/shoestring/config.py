@@ -173,9 +173,10 @@ RESUME_SAFE_PREFIXES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Source:
-    """Where a value came from, for error messages."""
+    """Where a value came from (for error messages) and its raw text, if a scalar."""
 
     where: str  # "path/to/file.yaml:12" or "--train.lr" or "default"
+    raw: str | None = None  # unparsed text: string keys keep "off", "no", "1e-3" as typed
 
     def __str__(self) -> str:
         return self.where
@@ -219,6 +220,8 @@ def _coerce(key: str, value: Any, tp: Any, src: Source) -> Any:
             raise bad("a number")
         return float(value)
     if tp is str:
+        if src.raw is not None and not isinstance(value, (dict, list)):
+            return src.raw
         if value is None:
             return ""
         if isinstance(value, (dict, list)):
@@ -230,7 +233,8 @@ def _coerce(key: str, value: Any, tp: Any, src: Source) -> Any:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise bad("a list")
-        return [_coerce(key, v, item_tp, src) for v in value]
+        item_src = Source(src.where)
+        return [_coerce(key, v, item_tp, item_src) for v in value]
     raise ConfigError(f"{src}: '{key}' has unsupported type {tp}")  # pragma: no cover
 
 
@@ -240,13 +244,15 @@ def _yaml_leaves(node: yaml.Node, path: str, prefix: str = "") -> Iterator[tuple
         raise ConfigError(f"{where}: expected a mapping of config keys")
     for k_node, v_node in node.value:
         key = f"{prefix}{k_node.value}"
-        src = Source(f"{path}:{k_node.start_mark.line + 1}")
+        raw = v_node.value if isinstance(v_node, yaml.ScalarNode) and v_node.tag != \
+            "tag:yaml.org,2002:null" else None
+        src = Source(f"{path}:{k_node.start_mark.line + 1}", raw)
         if isinstance(v_node, yaml.MappingNode):
             yield from _yaml_leaves(v_node, path, key + ".")
         else:
             try:
-                value = yaml.safe_load(yaml.serialize(v_node))
-            except yaml.YAMLError as e:  # pragma: no cover - composed already
+                value = yaml.SafeLoader("").construct_document(v_node)
+            except yaml.YAMLError as e:
                 raise ConfigError(f"{src}: cannot read value of '{key}': {e}") from e
             yield key, value, src
 
@@ -291,7 +297,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any, Source]]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        out.append((key, value, Source(flag)))
+        out.append((key, value, Source(flag, raw)))
     return out
 
 

@@ -41,11 +41,13 @@ class FaultPlan:
     """Which fault fires where. The empty plan (the default) never fires."""
 
     rules: list[_Rule] = field(default_factory=list)
+    spec: str = ""
+    kill_pids: tuple[int, ...] = ()  # also SIGKILLed on a "kill" (the writer process's parent)
     _counts: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def parse(cls, spec: str) -> "FaultPlan":
+    def parse(cls, spec: str, kill_pids: tuple[int, ...] = ()) -> "FaultPlan":
         rules = []
         for part in filter(None, (p.strip() for p in spec.split(","))):
             point, _, action = part.partition(":")
@@ -57,7 +59,7 @@ class FaultPlan:
             if action not in ACTIONS:
                 raise ValueError(f"SHOESTRING_FAULTS: unknown action {action!r} (kill|enospc|hang)")
             rules.append(_Rule(point, int(nth or 1), action))
-        return cls(rules)
+        return cls(rules, spec, kill_pids)
 
     def wants(self, point: str) -> bool:
         """True if the next hit of ``point`` would fire (lets callers stage a partial write)."""
@@ -74,6 +76,8 @@ class FaultPlan:
                     time.sleep(3600)
                 if r.action == "enospc":
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (fault {point})")
+                for pid in self.kill_pids:
+                    os.kill(pid, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,8 +1,8 @@
 """A snapshot: the host-memory copy of everything a checkpoint holds.
 
-Taking a snapshot is the only part of a save that blocks training: tensors are
-copied to host memory (so later steps can mutate the live ones) and small
-JSON documents are deep-copied. Serialization — safetensors for tensors, JSON
+Copying a snapshot is the only part of a save that blocks training: tensors are
+copied to host memory or a shared-memory buffer (so later steps can mutate the
+live ones) and small JSON documents are deep-copied. Serialization — safetensors for tensors, JSON
 for the rest, never pickle — happens later, off the training thread.
 """
 
@@ -37,8 +37,10 @@ def host_copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def make_snapshot(step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]],
                   documents: Mapping[str, Any], meta: Mapping[str, Any]) -> Snapshot:
+    """A snapshot that still references the live tensors; the writer copies them
+    (into host memory or shared memory) before training may continue."""
     return Snapshot(step=step,
-                    tensors={f: host_copy(d) for f, d in tensors.items()},
+                    tensors={f: dict(d) for f, d in tensors.items()},
                     documents=copy.deepcopy(dict(documents)),
                     meta=copy.deepcopy(dict(meta)))
 

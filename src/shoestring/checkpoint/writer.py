@@ -21,7 +21,7 @@ from typing import Any
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.local import apply_retention, commit_local, committed_steps
 from shoestring.checkpoint.remote import RemoteStore
-from shoestring.checkpoint.snapshot import Snapshot, serialize
+from shoestring.checkpoint.snapshot import Snapshot, host_copy, serialize
 from shoestring.events import EventLog
 
 
@@ -67,9 +67,15 @@ def run_commit(snap: Snapshot, root: Path, keep: int, remote: RemoteStore | None
 
 
 class CheckpointWriter:
+    """Serializes, commits, publishes and prunes checkpoints; at most one save in flight.
+
+    ``mode``: ``thread`` (background thread), ``process`` (background process fed
+    through shared memory, see :mod:`shoestring.checkpoint.procworker`) or ``off``.
+    """
+
     def __init__(self, root: Path, *, keep: int, mode: str, events: EventLog,
                  remote: RemoteStore | None = None, faults: FaultPlan = NO_FAULTS) -> None:
-        if mode not in ("thread", "off"):
+        if mode not in ("thread", "process", "off"):
             raise ValueError(f"checkpoint.async_mode: unknown mode {mode!r}")
         self.root = root
         self.keep = keep
@@ -82,37 +88,58 @@ class CheckpointWriter:
         self._failed_step: int | None = None
         self.last_committed: int | None = None
         self.results: list[CommitResult] = []
+        self._proc: Any = None
+        if mode == "process":
+            from shoestring.checkpoint.procworker import ProcessBackend
 
-    def _job(self, snap: Snapshot, blocking_ms: float, reason: str) -> None:
+            self._proc = ProcessBackend(root, keep, remote.url if remote else "", faults.spec)
+
+    def _commit(self, staged: Snapshot) -> CommitResult:
+        if self._proc is not None:
+            return CommitResult(**self._proc.run(staged))
+        return run_commit(staged, self.root, self.keep, self.remote, self.faults)
+
+    def _job(self, staged: Snapshot, blocking_ms: float, reason: str) -> None:
         try:
-            res = run_commit(snap, self.root, self.keep, self.remote, self.faults)
+            res = self._commit(staged)
         except BaseException as e:  # noqa: BLE001 - reported to the training thread
-            self._error, self._failed_step = e, snap.step
-            self.events.emit("checkpoint_failed", step=snap.step, reason=reason,
+            self._error, self._failed_step = e, staged.step
+            self.events.emit("checkpoint_failed", step=staged.step, reason=reason,
                              error=f"{type(e).__name__}: {e}")
             return
-        self.last_committed = snap.step
+        self.last_committed = staged.step
         self.results.append(res)
         fields: dict[str, Any] = asdict(res)
         fields.update(reason=reason, blocking_ms=round(blocking_ms, 3), mode=self.mode,
                       storage=self.remote.url if self.remote else "")
         self.events.emit("checkpoint", **fields)
 
-    def submit(self, snap: Snapshot, *, blocking_ms: float, reason: str,
+    def _stage(self, snap: Snapshot) -> Snapshot:
+        """The blocking copy: host memory (thread/off) or the shared buffer (process)."""
+        if self._proc is not None:
+            return self._proc.stage(snap)
+        return Snapshot(step=snap.step, tensors={f: host_copy(d) for f, d in snap.tensors.items()},
+                        documents=snap.documents, meta=snap.meta)
+
+    def submit(self, snap: Snapshot, *, capture_ms: float = 0.0, reason: str,
                sync: bool = False) -> float:
-        """Start saving ``snap``; returns ms spent waiting for the previous save."""
+        """Save ``snap`` (which may reference live tensors); return the ms training was blocked.
+
+        Blocking = waiting for the previous save + copying tensors out of the live
+        state (+ ``capture_ms`` the caller spent building ``snap``).
+        """
         t0 = time.perf_counter()
         self.wait()
-        waited = _ms(t0)
+        staged = self._stage(snap)
+        blocking = _ms(t0) + capture_ms
         if sync or self.mode == "off":
-            self._job(snap, blocking_ms + waited, reason)
+            self._job(staged, blocking, reason)
             self.check()
         else:
-            self._thread = threading.Thread(target=self._job, args=(snap, blocking_ms + waited,
-                                                                       reason),
+            self._thread = threading.Thread(target=self._job, args=(staged, blocking, reason),
                                             name=f"ckpt-writer-{snap.step}", daemon=True)
             self._thread.start()
-        return waited
+        return blocking
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -134,4 +161,9 @@ class CheckpointWriter:
                                   f"{type(err).__name__}: {err}; {keep}") from err
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            if self._proc is not None:
+                self._proc.close()
+                self._proc = None

@@ -161,15 +161,12 @@ class Finetune:
         return {"config_hash": config_hash(self.cfg), "base_fingerprint": self.base_fp,
                 "world_size": 1, "torch": torch.__version__, "kind": "finetune"}
 
-    def _snapshot(self, progress: S.Progress) -> tuple[Any, float]:
+    def _save(self, progress: S.Progress, reason: str, sync: bool) -> None:
         t0 = time.perf_counter()
         snap = S.capture(progress, self.params, self.optimizer, self.scheduler, self.scaler,
                          rank=0, config=to_flat(self.cfg), meta=self._meta())
-        return snap, (time.perf_counter() - t0) * 1e3
-
-    def _save(self, progress: S.Progress, reason: str, sync: bool) -> None:
-        snap, blocking_ms = self._snapshot(progress)
-        self.writer.submit(snap, blocking_ms=blocking_ms, reason=reason, sync=sync)
+        self.writer.submit(snap, capture_ms=(time.perf_counter() - t0) * 1e3, reason=reason,
+                           sync=sync)
         self.last_save_step, self.last_save_time = progress.step, time.monotonic()
 
     def _resume(self) -> S.Progress:
@@ -277,6 +274,7 @@ class Finetune:
             self.events.emit("preempt", step=None, reason=self.flag.reason, saved=False)
             return exitcodes.PREEMPTED
         finally:
+            self.writer.close()
             self.events.close()
 
     def _run(self) -> int:
