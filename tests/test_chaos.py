@@ -19,8 +19,14 @@ def test_random_sigkills_end_byte_identical(cli: CLI, tmp_path: Path,
     out = tmp_path / "run"
     args = [*FAST, "--checkpoint.every_steps", "2", "--checkpoint.keep", "2"]
     seed = int(os.environ.get("CHAOS_SEED", "1234"))
-    res = run_with_chaos(lambda faults: cli.start(out, *args, env={"SHOESTRING_FAULTS": faults}),
-                         out, kills=int(os.environ.get("CHAOS_KILLS", "6")),
+    modes = random.Random(seed + 1)
+
+    def start(faults: str):  # each restart may use another writer mode (a resume-safe change)
+        mode = modes.choice(["thread", "process", "off"])
+        return cli.start(out, *args, "--checkpoint.async_mode", mode,
+                         env={"SHOESTRING_FAULTS": faults})
+
+    res = run_with_chaos(start, out, kills=int(os.environ.get("CHAOS_KILLS", "6")),
                          rng=random.Random(seed))
     assert res.kills >= 1
     # The last checkpoint at step 12 must be kept for the comparison.

@@ -3,6 +3,10 @@
 Every run is the ``shoestring finetune`` CLI in a subprocess; the server is moto's
 standalone S3 server in another process (see ``s3server.py``), reached through
 ``AWS_ENDPOINT_URL`` exactly as a real bucket would be.
+
+Each CLI start costs seconds of imports, so the scenarios (each a short sequence of
+runs under its own bucket prefix) are launched together by a module fixture, two
+processes at a time, and each test asserts on its scenario's recorded outcome.
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 
-from s3server import S3Server, s3_server  # noqa: F401  (fixture)
+from s3server import S3Server, s3_server  # noqa: F401  (session fixture)
 
 MAX_STEPS = 12
 EVERY = 4
@@ -29,62 +36,19 @@ SMALL = ["--train.max_steps", str(MAX_STEPS), "--train.batch_size", "4",
          "--train.num_threads", "1", "--checkpoint.every_steps", str(EVERY),
          "--checkpoint.keep", str(KEEP), "--eval.max_samples", "8", "--data.max_length", "32"]
 RUN_TIMEOUT = 300
+PARALLEL = 2  # CLI processes at once (each trains with one thread)
 KILLED = -signal.SIGKILL
 DATA_FILES = {"adapter.safetensors", "optimizer.safetensors", "rng_rank0.safetensors",
               "trainer_state.json"}
-
-
 SRC = Path(__file__).resolve().parents[1] / "src"
+ADAPTER = Path("final") / "adapter_model.safetensors"
+
+Layout = dict[str, dict[str, int]]  # {step dir: {file name: size}}
 
 
 # --------------------------------------------------------------------------- helpers
-# `cache_dir` (the session's SHOESTRING_CACHE, tiny model materialized) is conftest's.
-def _base_env(cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
-    pythonpath = [str(SRC), *filter(None, [env.get("PYTHONPATH")])]
-    env.update(SHOESTRING_CACHE=str(cache), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(pythonpath))
-    return env
-
-
-def _cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out),
-            *SMALL, *extra]
-
-
-def _popen(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    fh = open(log, "wb")
-    try:
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=fh,
-                                stderr=subprocess.STDOUT)
-    finally:
-        fh.close()  # the child has its own copy
-
-
-def _wait(proc: subprocess.Popen[bytes], log: Path) -> int:
-    try:
-        return proc.wait(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"run timed out after {RUN_TIMEOUT}s:\n{_tail(log)}")
-
-
-def _tail(log: Path, n: int = 4000) -> str:
-    try:
-        return log.read_text(errors="replace")[-n:]
-    except OSError:
-        return "(no output)"
-
-
-def run_cli(out: Path, env: dict[str, str], *extra: str, faults: str | None = None,
-            log: Path | None = None) -> tuple[int, str]:
-    env = dict(env)
-    if faults:
-        env["SHOESTRING_FAULTS"] = faults
-    log = log or out.parent / f"{out.name}.{len(list(out.parent.glob(out.name + '.*.log')))}.log"
-    proc = _popen(_cmd(out, *extra), env, log)
-    return _wait(proc, log), _tail(log)
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
 def sha256(path: Path) -> str:
@@ -101,150 +65,238 @@ def events(out: Path) -> list[dict[str, Any]]:
     return recs
 
 
-def remote_layout(srv: S3Server, prefix: str) -> dict[str, dict[str, int]]:
-    """{step dir name: {file name: size}} under ``prefix/`` in the bucket."""
-    layout: dict[str, dict[str, int]] = defaultdict(dict)
-    for key, size in srv.list_keys(prefix.rstrip("/") + "/").items():
-        rel = key[len(prefix.rstrip("/")) + 1:]
-        d, _, name = rel.partition("/")
+def remote_layout(srv: S3Server, prefix: str) -> Layout:
+    layout: Layout = defaultdict(dict)
+    for key, size in srv.list_keys(prefix + "/").items():
+        d, _, name = key[len(prefix) + 1:].partition("/")
         layout[d][name] = size
     return dict(layout)
 
 
-def committed(layout: dict[str, dict[str, int]]) -> list[str]:
+def committed(layout: Layout) -> list[str]:
     return sorted(d for d, files in layout.items() if "manifest.json" in files)
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def assert_remote_consistent(srv: S3Server, prefix: str) -> dict[str, dict[str, int]]:
+def check_remote(srv: S3Server, prefix: str) -> Layout:
     """Every committed remote step has each manifest-listed file at the listed size."""
     layout = remote_layout(srv, prefix)
     for d in committed(layout):
         manifest = json.loads(srv.get(f"{prefix}/{d}/manifest.json"))
         assert manifest["step"] == int(d.split("-")[1])
         listed = {name: int(e["size"]) for name, e in manifest["files"].items()}
-        assert set(listed) == DATA_FILES, f"{d}: manifest lists {sorted(listed)}"
+        assert set(listed) == DATA_FILES, f"{prefix}/{d}: manifest lists {sorted(listed)}"
         have = {n: s for n, s in layout[d].items() if n != "manifest.json"}
         assert have == listed, f"{prefix}/{d}: bucket has {have}, manifest lists {listed}"
     return layout
 
 
-class Reference:
-    """The uninterrupted, local-only run, started in the background on first use."""
+@dataclass
+class Run:
+    rc: int
+    log: str
 
-    def __init__(self, out: Path, env: dict[str, str]) -> None:
-        self.out = out
-        self.log = out.parent / "reference.log"
-        self.proc = _popen(_cmd(out), env, self.log)
-        self._sha: str | None = None
 
-    def sha(self) -> str:
-        if self._sha is None:
-            rc = _wait(self.proc, self.log)
-            assert rc == 0, f"reference run exited {rc}:\n{_tail(self.log)}"
-            self._sha = sha256(self.out / "final" / "adapter_model.safetensors")
-        return self._sha
+@dataclass
+class Outcome:
+    """What one scenario did: its runs, the bucket between them, its output dir."""
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+    out: Path
+    prefix: str = ""
+    runs: list[Run] = field(default_factory=list)
+    layout_after_kill: Layout | None = None
+
+
+class Launcher:
+    """Runs the CLI in subprocesses with the session's model cache; kills leftovers."""
+
+    def __init__(self, cache: Path, srv: S3Server) -> None:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
+        pythonpath = [str(SRC), *filter(None, [base.get("PYTHONPATH")])]
+        base.update(SHOESTRING_CACHE=str(cache), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                    TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(pythonpath))
+        self.local_env = base
+        self.s3_env = srv.child_env(base)
+        self._live: set[subprocess.Popen[bytes]] = set()
+        self._lock = threading.Lock()
+        self.closing = False
+
+    def run(self, out: Path, *args: str, s3: bool = True, faults: str = "") -> Run:
+        env = dict(self.s3_env if s3 else self.local_env)
+        if faults:
+            env["SHOESTRING_FAULTS"] = faults
+        log = out.parent / f"{out.name}.run{len(list(out.parent.glob('*.log')))}.log"
+        cmd = [sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out),
+               *SMALL, *args]
+        with open(log, "wb") as fh, self._lock:
+            if self.closing:
+                raise RuntimeError("test module finished; not starting another run")
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=fh,
+                                    stderr=subprocess.STDOUT)
+            self._live.add(proc)
+        try:
+            rc = proc.wait(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = None
+        finally:
+            with self._lock:
+                self._live.discard(proc)
+        text = log.read_text(errors="replace")[-4000:]
+        if rc is None:
+            raise AssertionError(f"{' '.join(cmd)}: timed out after {RUN_TIMEOUT}s:\n{text}")
+        return Run(rc, text)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            self.closing = True
+            for proc in self._live:
+                if proc.poll() is None:
+                    proc.kill()
+
+
+# --------------------------------------------------------------------------- scenarios
+def scenario_reference(cli: Launcher, srv: S3Server, root: Path) -> Outcome:
+    """Uninterrupted, local storage only."""
+    o = Outcome(root / "out")
+    o.runs.append(cli.run(o.out, s3=False))
+    return o
+
+
+def scenario_publish(cli: Launcher, srv: S3Server, root: Path) -> Outcome:
+    o = Outcome(root / "out", "publish")
+    o.runs.append(cli.run(o.out, "--checkpoint.storage", srv.url(o.prefix)))
+    return o
+
+
+def scenario_empty_disk(cli: Launcher, srv: S3Server, root: Path) -> Outcome:
+    """Killed after step 8 was published; rerun on an empty disk."""
+    o = Outcome(root / "out", "empty-disk")
+    # Synchronous saves: step 8 is committed and published before step 9 ends.
+    args = ["--checkpoint.storage", srv.url(o.prefix), "--checkpoint.async_mode", "off"]
+    o.runs.append(cli.run(o.out, *args, faults="step.end@9:kill"))
+    if o.runs[-1].rc != KILLED:
+        return o
+    o.layout_after_kill = remote_layout(srv, o.prefix)
+    shutil.rmtree(o.out)  # a new machine: nothing on local disk
+    o.runs.append(cli.run(o.out, *args))
+    return o
+
+
+def scenario_torn(cli: Launcher, srv: S3Server, root: Path) -> Outcome:
+    """Killed inside the 2nd upload (step 8), between its data files and its manifest."""
+    o = Outcome(root / "out", "torn")
+    args = ["--checkpoint.storage", srv.url(o.prefix)]  # default background (thread) writer
+    o.runs.append(cli.run(o.out, *args, faults="upload.before_manifest@2"))
+    if o.runs[-1].rc != KILLED:
+        return o
+    o.layout_after_kill = remote_layout(srv, o.prefix)
+    shutil.rmtree(o.out)
+    o.runs.append(cli.run(o.out, *args))
+    return o
+
+
+SCENARIOS: dict[str, Callable[[Launcher, S3Server, Path], Outcome]] = {
+    # Submission order = start order: the one-run scenarios first, then the two-run ones.
+    "reference": scenario_reference,
+    "publish": scenario_publish,
+    "empty_disk": scenario_empty_disk,
+    "torn": scenario_torn,
+}
 
 
 @pytest.fixture(scope="module")
-def s3_reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path):
-    ref = Reference(tmp_path_factory.mktemp("s3-reference") / "out", _base_env(cache_dir))
-    yield ref
-    ref.stop()
+def scenarios(s3_server: S3Server, cache_dir: Path,  # noqa: F811
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Outcome]]]:
+    """All scenarios, started at once, PARALLEL processes at a time.
+
+    ``cache_dir`` (SHOESTRING_CACHE with the tiny model materialized) comes from conftest.
+    """
+    cli = Launcher(cache_dir, s3_server)
+    pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="s3-scenario")
+    futures = {name: pool.submit(fn, cli, s3_server, tmp_path_factory.mktemp(f"s3-{name}"))
+               for name, fn in SCENARIOS.items()}
+    try:
+        yield futures
+    finally:
+        for f in futures.values():
+            f.cancel()
+        cli.kill_all()
+        pool.shutdown(wait=True)
 
 
-@pytest.fixture
-def s3_env(s3_server: S3Server, cache_dir: Path) -> dict[str, str]:  # noqa: F811
-    return s3_server.child_env(_base_env(cache_dir))
+def outcome(scenarios: dict[str, Future[Outcome]], name: str) -> Outcome:
+    return scenarios[name].result(timeout=4 * RUN_TIMEOUT)
+
+
+def reference_sha(scenarios: dict[str, Future[Outcome]]) -> str:
+    ref = outcome(scenarios, "reference")
+    assert ref.runs[0].rc == 0, f"reference run exited {ref.runs[0].rc}:\n{ref.runs[0].log}"
+    return sha256(ref.out / ADAPTER)
 
 
 # --------------------------------------------------------------------------- tests
-def test_publish_and_retention(s3_server: S3Server, s3_env: dict[str, str],  # noqa: F811
-                               s3_reference: Reference, tmp_path: Path) -> None:
-    # `s3_reference` is requested here only to start it early: it trains alongside this run.
-    prefix = "publish"
-    out = tmp_path / "out"
-    rc, log = run_cli(out, s3_env, "--checkpoint.storage", s3_server.url(prefix))
-    assert rc == 0, log
+def test_publish_and_retention(scenarios: dict[str, Future[Outcome]],
+                               s3_server: S3Server) -> None:  # noqa: F811
+    o = outcome(scenarios, "publish")
+    assert o.runs[0].rc == 0, o.runs[0].log
 
-    layout = assert_remote_consistent(s3_server, prefix)
-    newest = [step_name(s) for s in range(MAX_STEPS, 0, -EVERY)][:KEEP]
-    assert committed(layout) == sorted(newest)
+    layout = check_remote(s3_server, o.prefix)
+    newest = sorted(step_name(s) for s in range(MAX_STEPS, 0, -EVERY)[:KEEP])
+    assert committed(layout) == newest
     # Retention removes the whole remote dir, not only its manifest.
-    assert sorted(layout) == sorted(newest), f"leftover remote dirs: {sorted(layout)}"
+    assert sorted(layout) == newest, f"leftover remote dirs: {sorted(layout)}"
     # The remote copy is the locally committed checkpoint, byte for byte.
     for d in newest:
-        local = out / "checkpoints" / d
         for name in [*DATA_FILES, "manifest.json"]:
-            assert s3_server.get(f"{prefix}/{d}/{name}") == (local / name).read_bytes(), \
-                f"{d}/{name} differs between local and remote"
-    recs = [r for r in events(out) if r["event"] == "checkpoint"]
+            assert s3_server.get(f"{o.prefix}/{d}/{name}") == \
+                (o.out / "checkpoints" / d / name).read_bytes(), f"{d}/{name}: local != remote"
+    recs = [r for r in events(o.out) if r["event"] == "checkpoint"]
     assert [r["step"] for r in recs] == list(range(EVERY, MAX_STEPS + 1, EVERY))
-    assert all(r["storage"] == s3_server.url(prefix) and r["upload_ms"] > 0 for r in recs)
+    assert all(r["storage"] == s3_server.url(o.prefix) and r["upload_ms"] > 0 for r in recs)
+    # Publishing does not change training.
+    assert sha256(o.out / ADAPTER) == reference_sha(scenarios)
 
 
-def test_resume_from_remote_on_empty_disk(s3_server: S3Server,  # noqa: F811
-                                          s3_env: dict[str, str], s3_reference: Reference,
-                                          tmp_path: Path) -> None:
-    prefix = "empty-disk"
-    out = tmp_path / "out"
-    # Synchronous saves: step 8 is published before step 9 ends.
-    args = ["--checkpoint.storage", s3_server.url(prefix), "--checkpoint.async_mode", "off"]
+def test_resume_from_remote_on_empty_disk(scenarios: dict[str, Future[Outcome]],
+                                          s3_server: S3Server) -> None:  # noqa: F811
+    o = outcome(scenarios, "empty_disk")
+    assert o.runs[0].rc == KILLED, f"expected SIGKILL at step 9, got {o.runs[0].rc}:\n" \
+                                   f"{o.runs[0].log}"
+    assert o.layout_after_kill is not None
+    assert committed(o.layout_after_kill) == [step_name(4), step_name(8)]
+    assert o.runs[1].rc == 0, o.runs[1].log
 
-    rc, log = run_cli(out, s3_env, *args, faults="step.end@9:kill")
-    assert rc == KILLED, f"expected SIGKILL at step 9, got {rc}:\n{log}"
-    layout = assert_remote_consistent(s3_server, prefix)
-    assert committed(layout) == [step_name(4), step_name(8)]
-
-    shutil.rmtree(out)  # a new machine: nothing on local disk
-    rc, log = run_cli(out, s3_env, *args)
-    assert rc == 0, log
-
-    resumes = [r for r in events(out) if r["event"] == "resume"]
+    recs = events(o.out)
+    resumes = [r for r in recs if r["event"] == "resume"]
     assert len(resumes) == 1, resumes
     assert resumes[0]["source"] == "remote" and resumes[0]["from_step"] == 8, resumes[0]
-    steps = [r["step"] for r in events(out) if r["event"] == "step"]
-    assert steps == list(range(9, MAX_STEPS + 1))
-    assert sha256(out / "final" / "adapter_model.safetensors") == s3_reference.sha()
-    layout = assert_remote_consistent(s3_server, prefix)
+    assert [r["step"] for r in recs if r["event"] == "step"] == list(range(9, MAX_STEPS + 1))
+    assert sha256(o.out / ADAPTER) == reference_sha(scenarios)
+    layout = check_remote(s3_server, o.prefix)
     assert sorted(layout) == [step_name(8), step_name(12)]
 
 
-def test_torn_remote_upload_is_ignored(s3_server: S3Server,  # noqa: F811
-                                       s3_env: dict[str, str], s3_reference: Reference,
-                                       tmp_path: Path) -> None:
-    prefix = "torn"
-    out = tmp_path / "out"
-    args = ["--checkpoint.storage", s3_server.url(prefix)]  # background (thread) writer
-
-    # The 2nd upload (step 8) dies after its data files, before its manifest.
-    rc, log = run_cli(out, s3_env, *args, faults="upload.before_manifest@2")
-    assert rc == KILLED, f"expected SIGKILL in the step-8 upload, got {rc}:\n{log}"
-    layout = assert_remote_consistent(s3_server, prefix)
-    assert committed(layout) == [step_name(4)]
-    torn = layout.get(step_name(8), {})
+def test_torn_remote_upload_is_ignored(scenarios: dict[str, Future[Outcome]],
+                                       s3_server: S3Server) -> None:  # noqa: F811
+    o = outcome(scenarios, "torn")
+    assert o.runs[0].rc == KILLED, f"expected SIGKILL in the step-8 upload, got " \
+                                   f"{o.runs[0].rc}:\n{o.runs[0].log}"
+    after_kill = o.layout_after_kill
+    assert after_kill is not None
+    assert committed(after_kill) == [step_name(4)]
+    torn = after_kill.get(step_name(8), {})
     assert "manifest.json" not in torn and set(torn) == DATA_FILES, torn
+    assert o.runs[1].rc == 0, o.runs[1].log
 
-    shutil.rmtree(out)
-    rc, log = run_cli(out, s3_env, *args)
-    assert rc == 0, log
-
-    recs = events(out)
+    recs = events(o.out)
     resumes = [r for r in recs if r["event"] == "resume"]
     assert len(resumes) == 1, resumes
     assert resumes[0]["source"] == "remote" and resumes[0]["from_step"] == 4, resumes[0]
     # The manifest-less step was never tried, so never reported invalid.
     assert not [r for r in recs if r["event"] == "checkpoint_invalid"]
     assert [r["step"] for r in recs if r["event"] == "step"] == list(range(5, MAX_STEPS + 1))
-    assert sha256(out / "final" / "adapter_model.safetensors") == s3_reference.sha()
+    assert sha256(o.out / ADAPTER) == reference_sha(scenarios)
     # Step 8 was re-published completely over the torn upload; step 4 aged out.
-    layout = assert_remote_consistent(s3_server, prefix)
+    layout = check_remote(s3_server, o.prefix)
     assert sorted(layout) == [step_name(8), step_name(12)]
