@@ -100,3 +100,11 @@ def test_help_lists_keys(capsys: pytest.CaptureFixture[str]) -> None:
         main(["finetune", "--help"])
     out = capsys.readouterr().out
     assert "--checkpoint.storage" in out and "--resume" in out and "75" in out
+
+
+def test_shipped_configs_are_valid() -> None:
+    configs = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    assert configs
+    for c in configs:
+        cfg = load(FinetuneConfig, str(c), [])
+        assert cfg.output_dir.startswith("runs/")
