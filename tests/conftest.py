@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from s3server import s3_server  # noqa: F401  (session fixture: a real S3 server on 127.0.0.1)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from typing import Any, Iterator
@@ -100,6 +101,8 @@ class S3Server:
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
+        self._client: Any = None
+        self._client_lock = threading.Lock()
 
     # ---------------------------------------------------------------- what tests use
     @property
@@ -124,10 +127,16 @@ class S3Server:
         return f"s3://{self.bucket}/{prefix.strip('/')}".rstrip("/")
 
     def client(self) -> Any:
-        import boto3
+        """A boto3 S3 client for this server (one, shared: clients are thread-safe)."""
+        with self._client_lock:
+            if self._client is None:
+                import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
+                # A session of its own: boto3's default session is not thread-safe.
+                self._client = boto3.session.Session().client(
+                    "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+                    aws_access_key_id="testing", aws_secret_access_key="testing")
+            return self._client
 
     def list_keys(self, prefix: str = "") -> dict[str, int]:
         """All keys under ``prefix`` in the bucket with their sizes."""
@@ -161,6 +170,7 @@ class S3Server:
             # A port seen free can be taken by someone else before moto binds it: retry.
             port = self.port if fixed_port else free_port(self.host)
             self.port = port
+            self._client = None  # bound to the old endpoint
             self._log = tempfile.TemporaryFile()
             env = {k: v for k, v in os.environ.items() if k not in _AWS_ENV_DROP}
             env.update(_AWS_ENV)

@@ -205,17 +205,30 @@ SCENARIOS: dict[str, Callable[[Launcher, S3Server, Path], Outcome]] = {
 }
 
 
+# The scenarios each test reads; only those of the selected tests are run.
+NEEDS = {
+    "test_publish_and_retention": {"publish", "reference"},
+    "test_resume_from_remote_on_empty_disk": {"empty_disk", "reference"},
+    "test_torn_remote_upload_is_ignored": {"torn", "reference"},
+}
+
+
 @pytest.fixture(scope="module")
-def scenarios(s3_server: S3Server, cache_dir: Path,  # noqa: F811
+def scenarios(request: pytest.FixtureRequest, s3_server: S3Server,  # noqa: F811
+              cache_dir: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Outcome]]]:
-    """All scenarios, started at once, PARALLEL processes at a time.
+    """The selected tests' scenarios, started at once, PARALLEL processes at a time.
 
     ``cache_dir`` (SHOESTRING_CACHE with the tiny model materialized) comes from conftest.
     """
+    wanted: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module:
+            wanted |= NEEDS.get(getattr(item, "originalname", item.name), set(SCENARIOS))
     cli = Launcher(cache_dir, s3_server)
     pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="s3-scenario")
     futures = {name: pool.submit(fn, cli, s3_server, tmp_path_factory.mktemp(f"s3-{name}"))
-               for name, fn in SCENARIOS.items()}
+               for name, fn in SCENARIOS.items() if name in wanted}
     try:
         yield futures
     finally:
@@ -300,3 +313,17 @@ def test_torn_remote_upload_is_ignored(scenarios: dict[str, Future[Outcome]],
     # Step 8 was re-published completely over the torn upload; step 4 aged out.
     layout = check_remote(s3_server, o.prefix)
     assert sorted(layout) == [step_name(8), step_name(12)]
+
+
+def test_unreachable_bucket_fails_before_training(s3_server: S3Server, cache_dir: Path,  # noqa: F811
+                                                  tmp_path: Path) -> None:
+    env = s3_server.child_env(dict(os.environ), SHOESTRING_CACHE=str(cache_dir),
+                              PYTHONPATH=str(SRC))
+    env.pop("SHOESTRING_FAULTS", None)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out),
+                        *SMALL, "--checkpoint.storage", "s3://no-such-bucket/x"],
+                       env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert r.returncode == 2, r.stderr
+    assert "checkpoint.storage: cannot use 's3://no-such-bucket/x'" in r.stderr
+    assert not (out / "checkpoints").exists()

@@ -46,6 +46,16 @@ class RemoteStore:
         self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
                                    else (self.fs.protocol,))
 
+    def check(self) -> None:
+        """Fail early (before any training) if the storage cannot be reached or written."""
+        if self.is_local:
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+            return
+        bucket = self.root.split("/", 1)[0]
+        self.fs.invalidate_cache()
+        if not self.fs.exists(bucket):
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist or is not accessible")
+
     def _p(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
@@ -153,9 +163,21 @@ class RemoteStore:
             pass
         self.fs.invalidate_cache()
 
+    def _all_steps(self) -> list[int]:
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        steps = (parse_step(n.rstrip("/").split("/")[-1]) for n in names)
+        return sorted({s for s in steps if s is not None}, reverse=True)
+
     def apply_retention(self, keep: int) -> list[int]:
+        """Keep the newest ``keep`` committed steps; also drop unfinished uploads older
+        than the newest committed one (a single writer never resumes those)."""
         steps = self.committed_steps()
         doomed = steps[keep:]
+        if steps:
+            doomed += [s for s in self._all_steps() if s < steps[0] and s not in steps]
         for step in doomed:
             self.delete(step)
-        return doomed
+        return sorted(set(doomed), reverse=True)

@@ -29,6 +29,10 @@ class CheckpointSaveError(RuntimeError):
     """Saving a checkpoint failed; earlier committed checkpoints are untouched."""
 
 
+class PublishError(RuntimeError):
+    """The local commit succeeded but publishing to ``checkpoint.storage`` failed."""
+
+
 @dataclass
 class CommitResult:
     step: int
@@ -57,7 +61,12 @@ def run_commit(snap: Snapshot, root: Path, keep: int, remote: RemoteStore | None
     upload_ms = 0.0
     if remote is not None:
         t2 = time.perf_counter()
-        remote.publish(path, manifest, faults)
+        try:
+            remote.publish(path, manifest, faults)
+        except Exception as e:
+            raise PublishError(f"publishing step {snap.step} to {remote.url} failed "
+                               f"({type(e).__name__}: {e}); the local copy {path} is "
+                               "committed") from e
         upload_ms = _ms(t2)
     deleted = apply_retention(root, keep, faults)
     if remote is not None:

@@ -128,6 +128,10 @@ class Finetune:
         storage = cfg.checkpoint.storage
         if storage and Path(storage).expanduser().resolve() != self.ckroot.resolve():
             self.remote = RemoteStore(storage)
+            try:
+                self.remote.check()
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"checkpoint.storage: cannot use {storage!r}: {e}") from e
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -180,6 +184,10 @@ class Finetune:
             raise ConfigError(f"cannot resume from {point.path}: model.path {self.model_dir} is "
                               "not the base model this checkpoint was trained on "
                               "(fingerprint differs)")
+        if self.remote is not None and point.source == "local" \
+                and point.step not in self.remote.committed_steps():
+            # The previous run died before this checkpoint reached durable storage.
+            self.remote.publish(point.path, point.manifest)
         tensors, docs = load_files(point.path, list(point.manifest.files))
         _check_compatible(docs[S.STATE]["config"], self.cfg, str(point.path))
         progress = S.restore(tensors, docs, self.params, self.optimizer, self.scheduler,
