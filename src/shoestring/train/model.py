@@ -70,9 +70,21 @@ def load_tokenizer(model_dir: Path) -> Any:
     return tok
 
 
+def quiet_hf() -> None:
+    """Our own progress display is the one users read; silence the library's bars."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                            category=FutureWarning)
+
+
 def load_base_model(model_dir: Path, cfg: ModelConfig) -> Any:
     from transformers import AutoModelForCausalLM
 
+    quiet_hf()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_DTYPES[cfg.dtype])
     model.config.use_cache = False
     return model
