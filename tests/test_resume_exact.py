@@ -27,6 +27,9 @@ def test_sigkill_without_notice_then_resume_is_bit_exact(cli: CLI, tmp_path: Pat
     r = cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
     assert r.returncode == -signal.SIGKILL
     assert not (out / "final").exists()
+    # Resume from the newest checkpoint that was committed before the kill.
+    committed = max(e["step"] for e in read_events(out) if e["event"] == "checkpoint")
+    assert committed == 4
     r = cli.run(out, *args)
     assert r.returncode == 0, r.stderr
     resume = [e for e in read_events(out) if e["event"] == "resume"]

@@ -21,7 +21,9 @@ from typing import Any
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.local import apply_retention, commit_local, committed_steps
 from shoestring.checkpoint.remote import RemoteStore
-from shoestring.checkpoint.snapshot import Snapshot, host_copy, serialize
+import torch
+
+from shoestring.checkpoint.snapshot import Snapshot, serialize
 from shoestring.events import EventLog
 
 
@@ -75,6 +77,42 @@ def run_commit(snap: Snapshot, root: Path, keep: int, remote: RemoteStore | None
                         upload_ms, _ms(t0), deleted)
 
 
+class _Blocking:
+    """The training thread's blocked time, known only after the job has started."""
+
+    def __init__(self, background: bool) -> None:
+        self.background = background
+        self.ms = 0.0
+        self._ready = threading.Event()
+
+    def set(self, ms: float) -> None:
+        self.ms = ms
+        self._ready.set()
+
+    def wait(self) -> float:
+        self._ready.wait()
+        return self.ms
+
+
+class HostBuffers:
+    """Reused host-memory copies of snapshot tensors (fresh allocations page-fault)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, str], torch.Tensor] = {}
+
+    def stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for f, d in tensors.items():
+            out[f] = {}
+            for k, t in d.items():
+                buf = self._bufs.get((f, k))
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = self._bufs[(f, k)] = torch.empty(t.shape, dtype=t.dtype)
+                buf.copy_(t.detach())
+                out[f][k] = buf
+        return out
+
+
 class CheckpointWriter:
     """Serializes, commits, publishes and prunes checkpoints; at most one save in flight.
 
@@ -98,6 +136,7 @@ class CheckpointWriter:
         self.last_committed: int | None = None
         self.results: list[CommitResult] = []
         self._proc: Any = None
+        self._host = HostBuffers()
         if mode == "process":
             from shoestring.checkpoint.procworker import ProcessBackend
 
@@ -108,7 +147,7 @@ class CheckpointWriter:
             return CommitResult(**self._proc.run(staged))
         return run_commit(staged, self.root, self.keep, self.remote, self.faults)
 
-    def _job(self, staged: Snapshot, blocking_ms: float, reason: str) -> None:
+    def _job(self, staged: Snapshot, blocking: "_Blocking", reason: str) -> None:
         try:
             res = self._commit(staged)
         except BaseException as e:  # noqa: BLE001 - reported to the training thread
@@ -119,15 +158,17 @@ class CheckpointWriter:
         self.last_committed = staged.step
         self.results.append(res)
         fields: dict[str, Any] = asdict(res)
-        fields.update(reason=reason, blocking_ms=round(blocking_ms, 3), mode=self.mode,
+        # Synchronous saves block training for the whole commit.
+        ms = blocking.wait() + (0.0 if blocking.background else res.background_ms)
+        fields.update(reason=reason, blocking_ms=round(ms, 3), mode=self.mode,
                       storage=self.remote.url if self.remote else "")
         self.events.emit("checkpoint", **fields)
 
     def _stage(self, snap: Snapshot) -> Snapshot:
-        """The blocking copy: host memory (thread/off) or the shared buffer (process)."""
+        """The blocking copy: reused host buffers (thread/off) or the shared buffer (process)."""
         if self._proc is not None:
             return self._proc.stage(snap)
-        return Snapshot(step=snap.step, tensors={f: host_copy(d) for f, d in snap.tensors.items()},
+        return Snapshot(step=snap.step, tensors=self._host.stage(snap.tensors),
                         documents=snap.documents, meta=snap.meta)
 
     def submit(self, snap: Snapshot, *, capture_ms: float = 0.0, reason: str,
@@ -135,20 +176,24 @@ class CheckpointWriter:
         """Save ``snap`` (which may reference live tensors); return the ms training was blocked.
 
         Blocking = waiting for the previous save + copying tensors out of the live
-        state (+ ``capture_ms`` the caller spent building ``snap``).
+        state + starting the background job (+ ``capture_ms`` the caller spent
+        building ``snap``); for a synchronous save, also the whole commit.
         """
         t0 = time.perf_counter()
-        self.wait()
+        self.wait()  # also makes the reused staging buffers free again
         staged = self._stage(snap)
-        blocking = _ms(t0) + capture_ms
-        if sync or self.mode == "off":
+        background = not (sync or self.mode == "off")
+        blocking = _Blocking(background)
+        if not background:
+            blocking.set(_ms(t0) + capture_ms)
             self._job(staged, blocking, reason)
             self.check()
-        else:
-            self._thread = threading.Thread(target=self._job, args=(staged, blocking, reason),
-                                            name=f"ckpt-writer-{snap.step}", daemon=True)
-            self._thread.start()
-        return blocking
+            return blocking.ms
+        self._thread = threading.Thread(target=self._job, args=(staged, blocking, reason),
+                                        name=f"ckpt-writer-{snap.step}", daemon=True)
+        self._thread.start()
+        blocking.set(_ms(t0) + capture_ms)
+        return blocking.ms
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

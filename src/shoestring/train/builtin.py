@@ -38,10 +38,10 @@ _MODEL_PARAMS: dict[str, Any] = {
     "tie_word_embeddings": False,
     "rms_norm_eps": 1e-5,
 }
-#: Std of the token embedding and the output head after the default init. The
-#: default (initializer_range) makes logits too flat for a frozen head to express
-#: a confident prediction, which stalls LoRA learning.
-_INIT_STD: dict[str, float] = {"embed": 1.0, "lm_head": 0.08}
+#: Std of the output head, re-drawn after the default init. With initializer_range
+#: (0.02) the logits of a frozen head are too flat to express a confident
+#: prediction, and LoRA training stalls.
+_INIT_STD: dict[str, float] = {"lm_head": 0.15}
 _COMPLETE_MARKER = ".complete"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json",
                    "tokenizer_config.json", _COMPLETE_MARKER)
@@ -92,8 +92,6 @@ def _write_model(target: Path) -> None:
         torch.manual_seed(_MODEL_SEED)
         model = LlamaForCausalLM(config)
         with torch.no_grad():
-            model.model.embed_tokens.weight.normal_(0.0, _INIT_STD["embed"])
-            model.model.embed_tokens.weight[pad_id].zero_()
             if not config.tie_word_embeddings:
                 model.lm_head.weight.normal_(0.0, _INIT_STD["lm_head"])
     model.generation_config.pad_token_id = pad_id

@@ -135,6 +135,8 @@ class Finetune:
 
     def _build(self) -> None:
         cfg = self.cfg
+        # The config cannot change during a run; do this work once, not on every save.
+        self.cfg_flat, self.cfg_hash = to_flat(cfg), config_hash(cfg)
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         self.model_dir = resolve_model_dir(cfg.model, self.opts.cache_dir)
@@ -152,7 +154,7 @@ class Finetune:
         self.model.train()
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay)
+                                           weight_decay=cfg.train.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.train.warmup_steps, cfg.train.max_steps,
                                       cfg.train.min_lr_ratio))
@@ -162,13 +164,13 @@ class Finetune:
 
     # ------------------------------------------------------------------ pieces
     def _meta(self) -> dict[str, Any]:
-        return {"config_hash": config_hash(self.cfg), "base_fingerprint": self.base_fp,
+        return {"config_hash": self.cfg_hash, "base_fingerprint": self.base_fp,
                 "world_size": 1, "torch": torch.__version__, "kind": "finetune"}
 
     def _save(self, progress: S.Progress, reason: str, sync: bool) -> None:
         t0 = time.perf_counter()
         snap = S.capture(progress, self.params, self.optimizer, self.scheduler, self.scaler,
-                         rank=0, config=to_flat(self.cfg), meta=self._meta())
+                         rank=0, config=self.cfg_flat, meta=self._meta())
         self.writer.submit(snap, capture_ms=(time.perf_counter() - t0) * 1e3, reason=reason,
                            sync=sync)
         self.last_save_step, self.last_save_time = progress.step, time.monotonic()
