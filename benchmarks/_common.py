@@ -57,8 +57,7 @@ def model_dir(cache: Path, hidden: int | None = None, layers: int | None = None,
         torch.manual_seed(1234)
         model = LlamaForCausalLM(cfg)
         with torch.no_grad():  # same init tweak as builtin:tiny (confident frozen head)
-            model.model.embed_tokens.weight.normal_(0.0, 1.0)
-            model.lm_head.weight.normal_(0.0, 0.08)
+            model.lm_head.weight.normal_(0.0, 0.15)
     model.save_pretrained(tmp, safe_serialization=True)
     for f in tiny.iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":

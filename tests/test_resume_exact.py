@@ -75,7 +75,7 @@ def test_changed_config_refuses_resume_but_max_steps_may_change(cli: CLI, tmp_pa
     assert r.returncode == -signal.SIGKILL
     r = cli.run(out, *FAST, "--train.lr", "0.001")
     assert r.returncode == exitcodes.USAGE
-    assert "config changed" in r.stderr and "train.lr: 0.003 -> 0.001" in r.stderr
+    assert "config changed" in r.stderr and "train.lr: 0.002 -> 0.001" in r.stderr
     # Extending the run is declared safe.
     r = cli.run(out, *FAST, "--train.max_steps", "14")
     assert r.returncode == 0, r.stderr

@@ -75,20 +75,20 @@ class DataConfig:
                       "'builtin:reverse' uses the bundled word-reversal task.")
     eval: str = knob("auto", "Held-out JSONL in the same format. 'auto': the bundled task's "
                      "held-out split when data.train is built in, else none. Empty: no eval.")
-    max_length: int = knob(128, "Maximum tokens per sample (packing block size when packing).",
+    max_length: int = knob(64, "Maximum tokens per sample (packing block size when packing).",
                            check=positive)
     packing: bool = knob(False, "Pack samples into max_length blocks instead of padding each batch.")
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = knob(300, "Optimizer steps to train for.", check=positive)
+    max_steps: int = knob(1000, "Optimizer steps to train for.", check=positive)
     seed: int = knob(0, "Seed for LoRA init, dropout and data order.")
     batch_size: int = knob(16, "Samples per micro-batch.", check=positive)
     grad_accum: int = knob(1, "Micro-batches accumulated per optimizer step.", check=positive)
-    lr: float = knob(3e-3, "Peak learning rate of AdamW.", check=positive)
+    lr: float = knob(2e-3, "Peak learning rate of AdamW.", check=positive)
     weight_decay: float = knob(0.0, "AdamW weight decay.", check=non_negative)
-    warmup_steps: int = knob(20, "Linear warm-up steps before the cosine decay.", check=non_negative)
+    warmup_steps: int = knob(30, "Linear warm-up steps before the cosine decay.", check=non_negative)
     min_lr_ratio: float = knob(0.1, "Final learning rate as a fraction of train.lr.",
                                check=unit_interval)
     max_grad_norm: float = knob(1.0, "Clip the gradient norm to this (0: no clipping).",
