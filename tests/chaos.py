@@ -46,7 +46,8 @@ def run_with_chaos(start: Callable[[str], subprocess.Popen[str]], out: Path, kil
             faults = f"{rng.choice(FAULT_POINTS)}@{rng.randint(1, 3)}"
         proc = start(faults)
         how = faults or "clean"
-        if chaos and not faults:
+        if chaos:
+            # Also kill from outside, so a fault point that is never reached still costs a kill.
             seen = _steps_seen(out)
             deadline = time.time() + 120
             while proc.poll() is None and _steps_seen(out) <= seen and time.time() < deadline:
@@ -54,7 +55,7 @@ def run_with_chaos(start: Callable[[str], subprocess.Popen[str]], out: Path, kil
             time.sleep(rng.uniform(0, max_delay))
             if proc.poll() is None:
                 proc.kill()
-                how = "external-sigkill"
+                how = f"{faults}+external-sigkill" if faults else "external-sigkill"
         rc = proc.wait(timeout=300)
         if proc.stdout:
             proc.stdout.read()
