@@ -55,7 +55,7 @@ def test_completion_only_labels_and_truncation() -> None:
         tokenize(recs[:1], ByteTok(), max_length=3)
 
 
-def read_jsonl_text(text: str, _n: list[int] = [0]) -> list:  # noqa: B006
+def read_jsonl_text(text: str) -> list:
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:

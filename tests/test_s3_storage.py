@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from s3server import S3Server, s3_server  # noqa: F401  (session fixture)
+from s3server import S3Server  # the session fixture s3_server comes from conftest
 
 MAX_STEPS = 12
 EVERY = 4
@@ -214,7 +214,7 @@ NEEDS = {
 
 
 @pytest.fixture(scope="module")
-def scenarios(request: pytest.FixtureRequest, s3_server: S3Server,  # noqa: F811
+def scenarios(request: pytest.FixtureRequest, s3_server: S3Server,
               cache_dir: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Outcome]]]:
     """The selected tests' scenarios, started at once, PARALLEL processes at a time.
@@ -250,7 +250,7 @@ def reference_sha(scenarios: dict[str, Future[Outcome]]) -> str:
 
 # --------------------------------------------------------------------------- tests
 def test_publish_and_retention(scenarios: dict[str, Future[Outcome]],
-                               s3_server: S3Server) -> None:  # noqa: F811
+                               s3_server: S3Server) -> None:
     o = outcome(scenarios, "publish")
     assert o.runs[0].rc == 0, o.runs[0].log
 
@@ -272,7 +272,7 @@ def test_publish_and_retention(scenarios: dict[str, Future[Outcome]],
 
 
 def test_resume_from_remote_on_empty_disk(scenarios: dict[str, Future[Outcome]],
-                                          s3_server: S3Server) -> None:  # noqa: F811
+                                          s3_server: S3Server) -> None:
     o = outcome(scenarios, "empty_disk")
     assert o.runs[0].rc == KILLED, f"expected SIGKILL at step 9, got {o.runs[0].rc}:\n" \
                                    f"{o.runs[0].log}"
@@ -291,7 +291,7 @@ def test_resume_from_remote_on_empty_disk(scenarios: dict[str, Future[Outcome]],
 
 
 def test_torn_remote_upload_is_ignored(scenarios: dict[str, Future[Outcome]],
-                                       s3_server: S3Server) -> None:  # noqa: F811
+                                       s3_server: S3Server) -> None:
     o = outcome(scenarios, "torn")
     assert o.runs[0].rc == KILLED, f"expected SIGKILL in the step-8 upload, got " \
                                    f"{o.runs[0].rc}:\n{o.runs[0].log}"
@@ -315,7 +315,7 @@ def test_torn_remote_upload_is_ignored(scenarios: dict[str, Future[Outcome]],
     assert sorted(layout) == [step_name(8), step_name(12)]
 
 
-def test_unreachable_bucket_fails_before_training(s3_server: S3Server, cache_dir: Path,  # noqa: F811
+def test_unreachable_bucket_fails_before_training(s3_server: S3Server, cache_dir: Path,
                                                   tmp_path: Path) -> None:
     env = s3_server.child_env(dict(os.environ), SHOESTRING_CACHE=str(cache_dir),
                               PYTHONPATH=str(SRC))

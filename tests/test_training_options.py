@@ -7,9 +7,7 @@ import json
 import signal
 from pathlib import Path
 
-import torch
 from conftest import CLI, FAST, read_events, state_digest
-from safetensors.torch import load_file
 
 
 def test_gradient_checkpointing_matches_plain_run(cli: CLI, tmp_path: Path,
@@ -17,10 +15,8 @@ def test_gradient_checkpointing_matches_plain_run(cli: CLI, tmp_path: Path,
     out = tmp_path / "gc"
     r = cli.run(out, *FAST, "--model.gradient_checkpointing", "true")
     assert r.returncode == 0, r.stderr
-    # Recompute replays dropout with the saved RNG state, so the update is the same.
-    got = load_file(str(out / "checkpoints" / "step-00000012" / "adapter.safetensors"))
-    assert state_digest(out, 12)["adapter.safetensors"] == reference["adapter.safetensors"] or \
-        all(torch.allclose(t, got[k]) for k, t in got.items())
+    # Recompute replays dropout with the saved RNG state, so the update is the same bits.
+    assert state_digest(out, 12) == reference
 
 
 def test_packing_text_data_with_grad_accum_resumes_exactly(cli: CLI, tmp_path: Path) -> None:

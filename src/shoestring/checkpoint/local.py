@@ -56,6 +56,20 @@ def write_file_durably(path: Path, data: bytes | memoryview, faults: FaultPlan =
         os.fsync(f.fileno())
 
 
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Atomically put ``tmp`` at ``final``; an existing ``final`` is moved aside first,
+    so at every moment ``final`` is either the old or the new complete directory."""
+    if final.exists():
+        aside = final.parent / f".replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+
+
 def commit_local(root: Path, step: int, files: Mapping[str, bytes | memoryview],
                  meta: dict[str, Any], faults: FaultPlan = NO_FAULTS) -> tuple[Path, Manifest]:
     """Write ``files`` as checkpoint ``step`` under ``root`` with the commit protocol."""
@@ -74,17 +88,8 @@ def commit_local(root: Path, step: int, files: Mapping[str, bytes | memoryview],
         fsync_dir(tmp)
         faults.hit("ckpt.before_rename")
         final = root / step_dirname(step)
-        if final.exists():
-            # Same step saved again (e.g. an emergency save right after a periodic one,
-            # or a rerun that re-reached this step). Move the old one aside first.
-            aside = root / f".replaced-{step_dirname(step)}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            fsync_dir(root)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-            fsync_dir(root)
+        # The same step may be saved again (a rerun that re-reached it): replace it.
+        replace_dir(tmp, final)
         faults.hit("ckpt.after_rename")
         return final, manifest
     except BaseException:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
-from shoestring.checkpoint.local import fsync_dir, parse_step, step_dirname
+from shoestring.checkpoint.local import fsync_dir, parse_step, replace_dir, step_dirname
 from shoestring.checkpoint.manifest import MANIFEST, CorruptCheckpoint, Manifest, verify_dir
 
 
@@ -115,15 +115,7 @@ class RemoteStore:
                 if fname != MANIFEST:
                     faults.hit("upload.after_file")
             fsync_dir(tmp)
-            final = root / name
-            if final.exists():
-                aside = root / f".replaced-{name}-{uuid.uuid4().hex[:8]}"
-                os.rename(final, aside)
-                os.rename(tmp, final)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            fsync_dir(root)
+            replace_dir(tmp, root / name)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -141,10 +133,7 @@ class RemoteStore:
             self.fs.get_file(self._p(name, MANIFEST), str(tmp / MANIFEST))
             verify_dir(tmp, deep=deep)
             final = cache_root / name
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync_dir(cache_root)
+            replace_dir(tmp, final)
             return final
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

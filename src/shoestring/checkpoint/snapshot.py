@@ -30,11 +30,6 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for d in self.tensors.values() for t in d.values())
 
 
-def host_copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached, contiguous host copies (the blocking part of a save)."""
-    return {k: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}
-
-
 def make_snapshot(step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]],
                   documents: Mapping[str, Any], meta: Mapping[str, Any]) -> Snapshot:
     """A snapshot that still references the live tensors; the writer copies them

@@ -133,8 +133,6 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._failed_step: int | None = None
-        self.last_committed: int | None = None
-        self.results: list[CommitResult] = []
         self._proc: Any = None
         self._host = HostBuffers()
         if mode == "process":
@@ -155,8 +153,6 @@ class CheckpointWriter:
             self.events.emit("checkpoint_failed", step=staged.step, reason=reason,
                              error=f"{type(e).__name__}: {e}")
             return
-        self.last_committed = staged.step
-        self.results.append(res)
         fields: dict[str, Any] = asdict(res)
         # Synchronous saves block training for the whole commit.
         ms = blocking.wait() + (0.0 if blocking.background else res.background_ms)

@@ -3,21 +3,11 @@ optional merged model. Both are written to a temp dir and renamed into place."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
-
-def _publish_dir(tmp: Path, final: Path) -> None:
-    if final.exists():
-        aside = final.with_name(f".old-{final.name}-{uuid.uuid4().hex[:6]}")
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+from shoestring.checkpoint.local import replace_dir
 
 
 def export_adapter(model: Any, tok: Any, out_dir: Path) -> Path:
@@ -26,7 +16,7 @@ def export_adapter(model: Any, tok: Any, out_dir: Path) -> Path:
     tmp = out_dir / f".tmp-final-{uuid.uuid4().hex[:6]}"
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
-    _publish_dir(tmp, final)
+    replace_dir(tmp, final)
     return final
 
 
@@ -37,5 +27,5 @@ def export_merged(model: Any, tok: Any, out_dir: Path) -> Path:
     merged = model.merge_and_unload()
     merged.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
-    _publish_dir(tmp, final)
+    replace_dir(tmp, final)
     return final

@@ -22,12 +22,13 @@ from shoestring import exitcodes
 from shoestring.checkpoint import (NO_FAULTS, CheckpointWriter, FaultPlan, RemoteStore,
                                    find_resume_point, load_files)
 from shoestring.checkpoint.local import clean_stale, committed_steps
-from shoestring.config import (ConfigError, FinetuneConfig, config_hash, resume_relevant, to_flat,
-                               to_yaml)
+from shoestring.config import (RESUME_SAFE_PREFIXES, ConfigError, FinetuneConfig, config_hash,
+                               resume_relevant, to_flat, to_yaml)
 from shoestring.events import EventLog
 from shoestring.preempt import PreemptionFlag, SignalSource
 from shoestring.train import data as D
 from shoestring.train import state as S
+from shoestring.train.builtin import BUILTIN_TASK, builtin_records
 from shoestring.train.evaluate import eval_loss, exact_match
 from shoestring.train.export import export_adapter, export_merged
 from shoestring.train.model import (apply_lora, fingerprint, load_base_model, load_tokenizer,
@@ -58,8 +59,6 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
 
 
 def _records(spec: str, split: str) -> list[D.Record]:
-    from shoestring.train.builtin import BUILTIN_TASK, builtin_records
-
     if spec == BUILTIN_TASK:
         return D.from_dicts(builtin_records(split), f"{BUILTIN_TASK}[{split}]")
     return D.read_jsonl(spec)
@@ -99,8 +98,8 @@ def _check_compatible(saved: dict[str, Any], cfg: FinetuneConfig, where: str) ->
                if old.get(k) != new.get(k)]
     if changed:
         raise ConfigError(f"cannot resume from {where}: the config changed in ways that break "
-                          f"an exact continuation: {'; '.join(changed)}. Only train.max_steps, "
-                          "checkpoint.*, eval.*, logging and export keys may change on resume. "
+                          f"an exact continuation: {'; '.join(changed)}. Keys that may change on resume: "
+                          f"{', '.join(p + '*' if p.endswith('.') else p for p in RESUME_SAFE_PREFIXES)}. "
                           "Use a new output_dir or --resume never to start over.")
 
 
@@ -118,8 +117,6 @@ class Finetune:
         """Everything cheap that can fail on bad input, before loading weights."""
         cfg = self.cfg
         self.train_records = _records(cfg.data.train, "train")
-        from shoestring.train.builtin import BUILTIN_TASK
-
         eval_spec = cfg.data.eval
         if eval_spec == "auto":
             eval_spec = BUILTIN_TASK if cfg.data.train == BUILTIN_TASK else ""
@@ -173,7 +170,7 @@ class Finetune:
                          rank=0, config=self.cfg_flat, meta=self._meta())
         self.writer.submit(snap, capture_ms=(time.perf_counter() - t0) * 1e3, reason=reason,
                            sync=sync)
-        self.last_save_step, self.last_save_time = progress.step, time.monotonic()
+        self.last_save_time = time.monotonic()
 
     def _resume(self) -> S.Progress:
         point = find_resume_point(self.opts.resume, self.ckroot, self.remote,
@@ -294,7 +291,7 @@ class Finetune:
         self._build()
         progress = self._resume()
         fresh = progress.step == 0
-        self.last_save_step, self.last_save_time = progress.step, time.monotonic()
+        self.last_save_time = time.monotonic()
         self.events.emit("run_start", step=progress.step, max_steps=cfg.train.max_steps,
                          model=str(self.model_dir), base_fingerprint=self.base_fp,
                          config_hash=config_hash(cfg), train_samples=len(self.train_examples),
