@@ -13,7 +13,7 @@ from shoestring.config import ConfigError, FinetuneConfig, config_hash, help_tab
 def test_defaults_and_required_keys_exist() -> None:
     keys = {k for k, _f, _t in iter_fields(FinetuneConfig)}
     required = {"model.path", "data.train", "data.eval", "output_dir", "train.max_steps",
-                "train.seed", "train.batch_size", "train.grad_accum", "train.lr", "lora.r",
+                "train.seed", "train.batch_size", "train.micro_batch_size", "train.lr", "lora.r",
                 "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep",
                 "checkpoint.storage"}
     assert required <= keys

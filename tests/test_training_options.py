@@ -25,11 +25,12 @@ def test_packing_text_data_with_grad_accum_resumes_exactly(cli: CLI, tmp_path: P
     with open(data, "w") as f:
         for i in range(300):
             f.write(json.dumps({"text": " ".join(words[(i * k) % 8] for k in range(1, 9))}) + "\n")
-    args = [*FAST, "--data.train", str(data), "--data.packing", "true", "--train.grad_accum", "2"]
+    args = [*FAST, "--data.train", str(data), "--data.packing", "true", "--train.batch_size", "8",
+            "--train.micro_batch_size", "4"]
     ref = tmp_path / "ref"
     assert cli.run(ref, *args).returncode == 0
     steps = [e for e in read_events(ref) if e["event"] == "step"]
-    assert all(e["tokens"] == 2 * 4 * 32 for e in steps)  # packed blocks, no padding
+    assert all(e["tokens"] == 8 * 32 for e in steps)  # packed blocks, no padding
     out = tmp_path / "run"
     assert cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@6:kill"}).returncode == \
         -signal.SIGKILL
@@ -54,3 +55,33 @@ def test_time_based_saves_and_resume_from_path(cli: CLI, tmp_path: Path,
     res = [e for e in read_events(other) if e["event"] == "resume"]
     assert res[0]["from_step"] == 5 and res[0]["source"] == "path"
     assert state_digest(other, 12) == reference
+
+
+def test_longer_max_steps_on_resume_uses_the_new_schedule() -> None:
+    # train.max_steps may change on resume; the next step's lr must come from the new
+    # cosine schedule, not from the param group saved under the old one.
+    import torch
+
+    from shoestring.train.loop import lr_lambda
+    from shoestring.train.state import _load_schedule
+
+    def make(total: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(2, total, 0.1))
+
+    opt, sched = make(8)
+    for _ in range(6):
+        opt.step()
+        sched.step()
+    saved = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+    opt2, sched2 = make(12)
+    opt2.load_state_dict(opt.state_dict())  # carries the old schedule's lr
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    _load_schedule({"scheduler": saved, "scaler": None}, sched2, None, 1)
+    assert opt2.param_groups[0]["lr"] == 1e-3 * lr_lambda(2, 12, 0.1)(6)
+    assert opt2.param_groups[0]["lr"] != opt.param_groups[0]["lr"]
+    # Unchanged max_steps: the same value as before (exact resume is untouched).
+    opt3, sched3 = make(8)
+    opt3.load_state_dict(opt.state_dict())
+    _load_schedule({"scheduler": saved, "scaler": None}, sched3, None, 1)
+    assert opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]

@@ -34,7 +34,10 @@ exit codes:
 environment (read here only):
   SHOESTRING_CACHE   where the built-in tiny model is materialized
                      (default ~/.cache/shoestring)
-  SHOESTRING_FAULTS  fault injection for tests, e.g. ckpt.before_rename@2:kill
+  SHOESTRING_FAULTS  fault injection for tests, e.g. ckpt.before_rename@2:kill or
+                     step.end@6:kill:rank1:once (only rank 1; once per output_dir)
+  RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT   set by torchrun: run as one rank
+  SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_JOB_NODELIST   the same under srun
 """
 
 
@@ -54,6 +57,7 @@ def _finetune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 def _run_finetune(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
     from shoestring.checkpoint import FaultPlan
     from shoestring.checkpoint.local import committed_steps
+    from shoestring.distributed import DistEnv
     from shoestring.train.loop import RunOptions, finetune
 
     cfg = load(FinetuneConfig, args.config, rest)
@@ -62,17 +66,62 @@ def _run_finetune(args: argparse.Namespace, rest: list[str], env: dict[str, str]
                           "choose another output_dir or delete them yourself")
     if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
         raise ConfigError(f"--resume: {args.resume} is not a checkpoint directory")
+    dist = DistEnv.from_environ(env)
     try:
-        faults = FaultPlan.parse(env.get("SHOESTRING_FAULTS", ""))
+        faults = FaultPlan.parse(env.get("SHOESTRING_FAULTS", ""), rank=dist.rank,
+                                 once_dir=Path(cfg.output_dir) / ".faults-fired")
     except ValueError as e:
         raise ConfigError(str(e)) from e
     cache = Path(env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
-    return finetune(cfg, RunOptions(resume=args.resume, faults=faults, cache_dir=cache))
+    return finetune(cfg, RunOptions(resume=args.resume, faults=faults, cache_dir=cache,
+                                    dist=dist))
+
+
+def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "run", help="launch a job (torchrun for several processes) and restart it on failure",
+        description="Run COMMAND, through torchrun when --nproc-per-node > 1 (or under a "
+                    "multi-node Slurm allocation), and restart the whole job after a crash, "
+                    "a killed rank or a preemption exit, so it continues from its last "
+                    "checkpoint. A signal to this process is forwarded to the job and ends "
+                    "the run without a restart.",
+        epilog="example: shoestring run --nproc-per-node 2 --max-restarts 3 --run-dir runs/x "
+               "-- shoestring finetune --output_dir runs/x")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                   help="processes (ranks) on this node (default 1)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="R",
+                   help="restarts after failures before giving up (default 3)")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="the job's output_dir: attempts and restarts are logged to its "
+                        "events.jsonl")
+    p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the job to run and its arguments")
+    return p
+
+
+def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+    from shoestring.supervise.launch import LaunchSpec, launch_argv
+    from shoestring.supervise.supervisor import Supervisor, SupervisorConfig
+
+    command = list(args.job or []) + list(rest)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("run: no COMMAND given (usage: shoestring run [options] -- COMMAND ...)")
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node: must be >= 1, got {args.nproc_per_node}")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
+    argv = launch_argv(LaunchSpec(tuple(command), args.nproc_per_node), env)
+    cfg = SupervisorConfig(max_restarts=args.max_restarts,
+                           run_dir=Path(args.run_dir) if args.run_dir else None)
+    return Supervisor(argv, cfg, env).run()
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
                           Callable[[argparse.Namespace, list[str], dict[str, str]], int]]] = {
     "finetune": (_finetune_parser, _run_finetune),
+    "run": (_run_parser, _run_run),
 }
 
 

@@ -84,8 +84,14 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = knob(1000, "Optimizer steps to train for.", check=positive)
     seed: int = knob(0, "Seed for LoRA init, dropout and data order.")
-    batch_size: int = knob(16, "Samples per micro-batch.", check=positive)
-    grad_accum: int = knob(1, "Micro-batches accumulated per optimizer step.", check=positive)
+    batch_size: int = knob(16, "Global batch: samples per optimizer step, summed over ranks and "
+                           "accumulated micro-batches. The same at any world size.",
+                           check=positive)
+    micro_batch_size: int = knob(0, "Samples per forward pass on one rank (0: batch_size / world "
+                                 "size, no accumulation). Accumulation steps = batch_size / "
+                                 "(micro_batch_size x world size). Dropout masks are drawn per "
+                                 "micro-batch: keep it fixed to resume exactly at another world "
+                                 "size.", check=non_negative)
     lr: float = knob(2e-3, "Peak learning rate of AdamW.", check=positive)
     weight_decay: float = knob(0.0, "AdamW weight decay.", check=non_negative)
     warmup_steps: int = knob(30, "Linear warm-up steps before the cosine decay.", check=non_negative)
@@ -148,6 +154,19 @@ class ExportConfig:
 
 
 @dataclass
+class DistributedConfig:
+    strategy: str = knob("ddp", "With several processes (torchrun, shoestring run "
+                         "--nproc-per-node, srun): 'ddp' replicates the model on each rank; "
+                         "'fsdp' shards weights, gradients and optimizer state (FSDP2) for "
+                         "models that do not fit one device. Ignored in a single process.",
+                         choices=("ddp", "fsdp"))
+    backend: str = knob("auto", "torch.distributed backend ('auto': nccl on GPUs, gloo on CPU).",
+                        choices=("auto", "gloo", "nccl"))
+    timeout_s: float = knob(1800.0, "Collective timeout in seconds (the last resort; "
+                            "shoestring run detects hangs sooner).", check=positive)
+
+
+@dataclass
 class FinetuneConfig:
     output_dir: str = knob("runs/finetune", "Run directory: events.jsonl, checkpoints/, final/.")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -158,13 +177,14 @@ class FinetuneConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preempt: PreemptConfig = field(default_factory=PreemptConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 #: Keys that may change between a checkpoint and its resume without breaking
 #: the continuation. Anything else changed makes ``--resume`` refuse.
 RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "output_dir", "train.max_steps", "train.log_every_steps", "train.num_threads",
-    "eval.", "checkpoint.", "preempt.", "export.", "data.eval",
+    "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.",
 )
 
 

@@ -10,6 +10,10 @@ Points: ``ckpt.after_file``, ``ckpt.partial_file`` (dies with a half-written
 file), ``ckpt.before_manifest``, ``ckpt.before_rename``, ``ckpt.after_rename``,
 ``ckpt.retention``, ``upload.after_file``, ``upload.before_manifest``,
 ``resume.after_load``, ``step.end``.
+
+Qualifiers after the action: ``rankN`` fires only in rank N of a distributed
+run; ``once`` fires at most once per run directory (a marker file records it),
+so a supervisor that restarts the job does not meet the same fault again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 POINTS = frozenset({
     "ckpt.after_file", "ckpt.partial_file", "ckpt.before_manifest", "ckpt.before_rename",
@@ -34,6 +39,9 @@ class _Rule:
     point: str
     nth: int
     action: str
+    rank: int | None = None
+    once: bool = False
+    text: str = ""
 
 
 @dataclass
@@ -43,23 +51,52 @@ class FaultPlan:
     rules: list[_Rule] = field(default_factory=list)
     spec: str = ""
     kill_pids: tuple[int, ...] = ()  # also SIGKILLed on a "kill" (the writer process's parent)
+    once_dir: Path | None = None  # where "once" rules leave their marker
     _counts: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def parse(cls, spec: str, kill_pids: tuple[int, ...] = ()) -> "FaultPlan":
+    def parse(cls, spec: str, kill_pids: tuple[int, ...] = (), *, rank: int = 0,
+              once_dir: Path | None = None) -> "FaultPlan":
+        """Parse ``point[@N][:action[:rankR][:once]]``, comma-separated. Rules for other
+        ranks are dropped here, so a plan only holds this process's faults."""
         rules = []
         for part in filter(None, (p.strip() for p in spec.split(","))):
-            point, _, action = part.partition(":")
+            point, *quals = part.split(":")
             point, _, nth = point.partition("@")
+            action = quals.pop(0) if quals else "kill"
             action = action or "kill"
             if point not in POINTS:
                 raise ValueError(f"SHOESTRING_FAULTS: unknown fault point {point!r}; "
                                  f"known: {', '.join(sorted(POINTS))}")
             if action not in ACTIONS:
                 raise ValueError(f"SHOESTRING_FAULTS: unknown action {action!r} (kill|enospc|hang)")
-            rules.append(_Rule(point, int(nth or 1), action))
-        return cls(rules, spec, kill_pids)
+            rule = _Rule(point, int(nth or 1), action, text=part)
+            for q in quals:
+                if q == "once":
+                    rule.once = True
+                elif q.startswith("rank") and q[4:].isdigit():
+                    rule.rank = int(q[4:])
+                else:
+                    raise ValueError(f"SHOESTRING_FAULTS: unknown qualifier {q!r} in {part!r} "
+                                     "(rankN|once)")
+            if rule.rank is None or rule.rank == rank:
+                rules.append(rule)
+        return cls(rules, spec, kill_pids, once_dir)
+
+    def _claim(self, rule: _Rule) -> bool:
+        """For a ``once`` rule: True the first time in this run directory."""
+        if self.once_dir is None:
+            return True
+        self.once_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            name = "".join(c if c.isalnum() else "_" for c in rule.text)
+            fd = os.open(self.once_dir / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.fsync(fd)
+        os.close(fd)
+        return True
 
     def wants(self, point: str) -> bool:
         """True if the next hit of ``point`` would fire (lets callers stage a partial write)."""
@@ -72,6 +109,8 @@ class FaultPlan:
             n = self._counts[point] = self._counts.get(point, 0) + 1
         for r in self.rules:
             if r.point == point and r.nth == n:
+                if r.once and not self._claim(r):
+                    continue
                 if r.action == "hang":  # a stalled disk or network
                     time.sleep(3600)
                 if r.action == "enospc":

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.manifest import (MANIFEST, CorruptCheckpoint, FileEntry, Manifest,
-                                            read_manifest, sha256_bytes)
+                                            read_manifest, sha256_bytes, sha256_file)
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
@@ -82,19 +82,36 @@ def commit_local(root: Path, step: int, files: Mapping[str, bytes | memoryview],
             write_file_durably(tmp / name, data, faults)
             entries[name] = FileEntry(len(data), sha256_bytes(data))
             faults.hit("ckpt.after_file")
-        manifest = Manifest(step=step, files=entries, meta=dict(meta))
-        faults.hit("ckpt.before_manifest")
-        write_file_durably(tmp / MANIFEST, manifest.to_json().encode())
-        fsync_dir(tmp)
-        faults.hit("ckpt.before_rename")
-        final = root / step_dirname(step)
-        # The same step may be saved again (a rerun that re-reached it): replace it.
-        replace_dir(tmp, final)
-        faults.hit("ckpt.after_rename")
-        return final, manifest
+        return seal(tmp, root, step, meta, faults, entries)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def seal(tmp: Path, root: Path, step: int, meta: dict[str, Any], faults: FaultPlan = NO_FAULTS,
+         entries: dict[str, FileEntry] | None = None) -> tuple[Path, Manifest]:
+    """Commit a temp dir whose data files are durable: manifest last, fsync, rename.
+
+    ``entries`` (size + sha256 per file) is computed from the files on disk when
+    not given — the case of files written by other processes (the shards of a
+    distributed checkpoint on a shared filesystem).
+    """
+    if entries is None:
+        entries = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file() and p.name != MANIFEST:
+                entries[p.relative_to(tmp).as_posix()] = FileEntry(p.stat().st_size,
+                                                                   sha256_file(p))
+    manifest = Manifest(step=step, files=entries, meta=dict(meta))
+    faults.hit("ckpt.before_manifest")
+    write_file_durably(tmp / MANIFEST, manifest.to_json().encode())
+    fsync_dir(tmp)
+    faults.hit("ckpt.before_rename")
+    final = root / step_dirname(step)
+    # The same step may be saved again (a rerun that re-reached it): replace it.
+    replace_dir(tmp, final)
+    faults.hit("ckpt.after_rename")
+    return final, manifest
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -143,6 +143,11 @@ def pack(examples: Sequence[Example], block: int) -> list[Example]:
             for i in range(n)]
 
 
+def label_count(ex: Example) -> int:
+    """Label tokens that enter the loss (labels are shifted by one, so the first never does)."""
+    return sum(1 for t in ex.labels[1:] if t != IGNORE_INDEX)
+
+
 def collate(batch: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example; padding is masked out of attention and loss."""
     width = max(len(ex.input_ids) for ex in batch)

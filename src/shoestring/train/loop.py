@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import struct
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,16 +24,20 @@ import torch
 from shoestring import exitcodes
 from shoestring.checkpoint import (NO_FAULTS, CheckpointWriter, FaultPlan, RemoteStore,
                                    find_resume_point, load_files)
-from shoestring.checkpoint.local import clean_stale, committed_steps
+from shoestring.checkpoint.local import clean_stale
+from shoestring.checkpoint.manifest import verify_dir
+from shoestring.checkpoint.sharded import ShardedWriter, is_sharded
 from shoestring.config import (RESUME_SAFE_PREFIXES, ConfigError, FinetuneConfig, config_hash,
                                resume_relevant, to_flat, to_yaml)
+from shoestring.distributed import DistEnv, ProcessGroups, barrier, broadcast_object
 from shoestring.events import EventLog
 from shoestring.preempt import PreemptionFlag, SignalSource
 from shoestring.train import data as D
 from shoestring.train import state as S
 from shoestring.train.builtin import BUILTIN_TASK, builtin_records
 from shoestring.train.evaluate import eval_loss, exact_match
-from shoestring.train.export import export_adapter, export_merged
+from shoestring.train.export import export_adapter, export_merged, export_merged_from
+from shoestring.train import parallel as P
 from shoestring.train.model import (apply_lora, fingerprint, load_base_model, load_tokenizer,
                                     model_summary, resolve_model_dir, trainable_parameters)
 from shoestring.train.progress import ProgressDisplay
@@ -47,6 +54,7 @@ class RunOptions:
     cache_dir: Path = Path.home() / ".cache" / "shoestring"
     tty: bool | None = None
     flag: PreemptionFlag | None = None
+    dist: DistEnv = field(default_factory=DistEnv)
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
@@ -104,18 +112,24 @@ def _check_compatible(saved: dict[str, Any], cfg: FinetuneConfig, where: str) ->
 
 
 class Finetune:
-    """One invocation of ``shoestring finetune``. Use :meth:`run`."""
+    """One invocation of ``shoestring finetune`` (one rank of it when distributed)."""
 
     def __init__(self, cfg: FinetuneConfig, opts: RunOptions) -> None:
         self.cfg, self.opts = cfg, opts
+        self.dist = opts.dist
+        self.rank = self.dist.rank
         self.out = Path(cfg.output_dir)
         self.ckroot = self.out / "checkpoints"
         self.flag = opts.flag or PreemptionFlag()
+        self.strategy: str | None = cfg.distributed.strategy if self.dist.is_distributed else None
+        self.groups: ProcessGroups | None = None
 
     # ------------------------------------------------------------------ setup
     def _prepare_inputs(self) -> None:
         """Everything cheap that can fail on bad input, before loading weights."""
         cfg = self.cfg
+        self.batch = P.BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size,
+                                      self.dist.world_size, self.rank)
         self.train_records = _records(cfg.data.train, "train")
         eval_spec = cfg.data.eval
         if eval_spec == "auto":
@@ -125,10 +139,11 @@ class Finetune:
         storage = cfg.checkpoint.storage
         if storage and Path(storage).expanduser().resolve() != self.ckroot.resolve():
             self.remote = RemoteStore(storage)
-            try:
-                self.remote.check()
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"checkpoint.storage: cannot use {storage!r}: {e}") from e
+            if self.rank == 0:
+                try:
+                    self.remote.check()
+                except (OSError, ValueError) as e:
+                    raise ConfigError(f"checkpoint.storage: cannot use {storage!r}: {e}") from e
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -136,7 +151,11 @@ class Finetune:
         self.cfg_flat, self.cfg_hash = to_flat(cfg), config_hash(cfg)
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
+        if self.rank != 0:
+            barrier()  # rank 0 materializes the built-in model first
         self.model_dir = resolve_model_dir(cfg.model, self.opts.cache_dir)
+        if self.rank == 0:
+            barrier()
         self.base_fp = fingerprint(self.model_dir)
         self.tok = load_tokenizer(self.model_dir)
         stop = self.flag.is_set
@@ -149,6 +168,12 @@ class Finetune:
         base = load_base_model(self.model_dir, cfg.model)
         self.model = apply_lora(base, cfg.lora, cfg.train.seed, cfg.model.gradient_checkpointing)
         self.model.train()
+        self.param_names = list(trainable_parameters(self.model))
+        self.wrapped: torch.nn.Module = self.model
+        if self.strategy is not None:
+            assert self.groups is not None
+            self.wrapped = P.wrap(self.model, self.strategy, self.groups.device())
+        # Under FSDP2 the parameters are DTensor shards now: collect them after wrapping.
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay, fused=True)
@@ -162,45 +187,100 @@ class Finetune:
     # ------------------------------------------------------------------ pieces
     def _meta(self) -> dict[str, Any]:
         return {"config_hash": self.cfg_hash, "base_fingerprint": self.base_fp,
-                "world_size": 1, "torch": torch.__version__, "kind": "finetune"}
+                "world_size": self.dist.world_size, "strategy": self.strategy or "single",
+                "torch": torch.__version__, "kind": "finetune"}
 
     def _save(self, progress: S.Progress, reason: str, sync: bool) -> None:
         t0 = time.perf_counter()
-        snap = S.capture(progress, self.params, self.optimizer, self.scheduler, self.scaler,
-                         rank=0, config=self.cfg_flat, meta=self._meta())
-        self.writer.submit(snap, capture_ms=(time.perf_counter() - t0) * 1e3, reason=reason,
-                           sync=sync)
+        if isinstance(self.writer, ShardedWriter):
+            state = S.dcp_state(self.wrapped, self.optimizer)
+            own = S.rank_files(progress, self.scheduler, self.scaler, rank=self.rank,
+                               world_size=self.dist.world_size, param_names=self.param_names,
+                               config=self.cfg_flat)
+            self.writer.submit(progress.step, state, own,
+                               {**self._meta(), "step": progress.step,
+                                "consumed": progress.consumed},
+                               reason=reason, sync=sync,
+                               capture_ms=(time.perf_counter() - t0) * 1e3)
+        else:
+            snap = S.capture(progress, self.params, self.optimizer, self.scheduler, self.scaler,
+                             rank=0, config=self.cfg_flat, meta=self._meta())
+            self.writer.submit(snap, capture_ms=(time.perf_counter() - t0) * 1e3, reason=reason,
+                               sync=sync)
         self.last_save_time = time.monotonic()
+        self.saved_step = progress.step
+
+    def _find_resume_point(self) -> tuple[int, str, str] | None:
+        """Rank 0 chooses (it may quarantine or fetch); every rank gets the same answer."""
+        choice = None
+        if self.rank == 0:
+            point = find_resume_point(self.opts.resume, self.ckroot, self.remote,
+                                      verify=self.cfg.checkpoint.verify, events=self.events)
+            if point is not None:
+                if self.remote is not None and point.source == "local" \
+                        and point.step not in self.remote.committed_steps():
+                    # The previous run died before this checkpoint reached durable storage.
+                    self.remote.publish(point.path, point.manifest)
+                choice = (point.step, str(point.path), point.source)
+        if self.dist.is_distributed:
+            choice = broadcast_object(choice)
+        return choice
 
     def _resume(self) -> S.Progress:
-        point = find_resume_point(self.opts.resume, self.ckroot, self.remote,
-                                  verify=self.cfg.checkpoint.verify, events=self.events)
-        if point is None:
+        choice = self._find_resume_point()
+        if choice is None:
             S.seed_everything(self.cfg.train.seed)
             return S.Progress()
-        meta = point.manifest.meta
+        _step, path_s, source = choice
+        path = Path(path_s)
+        manifest = verify_dir(path, deep=False)  # rank 0 verified the hashes
+        meta = manifest.meta
         if meta.get("base_fingerprint") != self.base_fp:
-            raise ConfigError(f"cannot resume from {point.path}: model.path {self.model_dir} is "
+            raise ConfigError(f"cannot resume from {path}: model.path {self.model_dir} is "
                               "not the base model this checkpoint was trained on "
                               "(fingerprint differs)")
-        if self.remote is not None and point.source == "local" \
-                and point.step not in self.remote.committed_steps():
-            # The previous run died before this checkpoint reached durable storage.
-            self.remote.publish(point.path, point.manifest)
-        tensors, docs = load_files(point.path, list(point.manifest.files))
-        _check_compatible(docs[S.STATE]["config"], self.cfg, str(point.path))
-        progress = S.restore(tensors, docs, self.params, self.optimizer, self.scheduler,
-                             self.scaler, rank=0)
+        saved_world = int(meta.get("world_size", 1))
+        group = self.groups.checkpoint_group if self.groups else None
+        if is_sharded(manifest.files):
+            import json as _json
+            state_doc = _json.loads((path / S.STATE).read_text())
+            _check_compatible(state_doc["config"], self.cfg, str(path))
+            progress, own_rng = S.restore_sharded(path, self.wrapped, self.optimizer,
+                                                  self.scheduler, self.scaler, rank=self.rank,
+                                                  group=group)
+        else:
+            names = [n for n in manifest.files
+                     if not n.startswith("rng_rank") or n == S.rng_file(self.rank)]
+            tensors, docs = load_files(path, names)
+            _check_compatible(docs[S.STATE]["config"], self.cfg, str(path))
+            own_rng = S.rng_file(self.rank) in tensors
+            if self.strategy == "fsdp":
+                progress = S.restore_full(tensors, docs, self.wrapped, self.optimizer,
+                                          self.scheduler, self.scaler)
+            else:
+                progress = S.restore(tensors, docs, self.params, self.optimizer, self.scheduler,
+                                     self.scaler, rank=self.rank)
+        if not own_rng:
+            # More ranks than were saved: this rank's streams start from the seed. Training
+            # draws dropout per micro-batch from (seed, step, chunk), so this changes nothing.
+            S.seed_everything(self.cfg.train.seed + 7919 * self.rank + progress.step)
+        self.saved_step = progress.step
         last = _last_logged_step(self.out / "events.jsonl")
         lost = max((last or 0) - progress.step, 0)
-        self.events.emit("resume", from_step=progress.step, source=point.source,
-                         path=str(point.path), steps_lost=lost, last_logged_step=last)
-        log.info("resumed from step %d (%s); %d steps redone", progress.step, point.source, lost)
+        self.events.emit("resume", from_step=progress.step, source=source, path=str(path),
+                         steps_lost=lost, last_logged_step=last, from_world_size=saved_world,
+                         world_size=self.dist.world_size,
+                         format="dcp" if is_sharded(manifest.files) else "files",
+                         **S.state_digests(self.wrapped, self.optimizer))
+        log.info("resumed from step %d (%s, saved by %d rank(s), now %d); %d steps redone",
+                 progress.step, source, saved_world, self.dist.world_size, lost)
         self.opts.faults.hit("resume.after_load")
         return progress
 
     def _evaluate(self, step: int, tag: str) -> dict[str, Any] | None:
-        if not self.eval_records:
+        """Under DDP rank 0 evaluates alone on the unwrapped model; under FSDP2 every rank
+        runs the same evaluation (each forward needs every rank's shards)."""
+        if not self.eval_records or (self.strategy == "ddp" and self.rank != 0):
             return None
         c = self.cfg.eval
         t0 = time.perf_counter()
@@ -220,29 +300,34 @@ class Finetune:
         return res
 
     def _train_step(self, progress: S.Progress) -> dict[str, float]:
-        cfg = self.cfg.train
+        cfg, plan = self.cfg.train, self.batch
         t0 = time.perf_counter()
-        n = cfg.batch_size * cfg.grad_accum
-        idx = self.order.indices(progress.consumed, n)
-        micro = [D.collate([self.train_examples[i] for i in idx[k:k + cfg.batch_size]],
-                           self.tok.pad_token_id) for k in range(0, n, cfg.batch_size)]
-        n_items = sum(int((b["labels"][:, 1:] != D.IGNORE_INDEX).sum()) for b in micro)
-        tokens = sum(int(b["attention_mask"].sum()) for b in micro)
+        idx = self.order.indices(progress.consumed, plan.batch_size)
+        # Loss normalizer and token count over the *global* batch, computed locally.
+        n_items = sum(D.label_count(self.train_examples[i]) for i in idx)
+        tokens = sum(len(self.train_examples[i].input_ids) for i in idx)
+        chunks = list(plan.my_chunks())
         total = 0.0
-        for batch in micro:
-            out = self.model(**batch, num_items_in_batch=n_items)
-            loss = out.loss
-            if self.scaler is not None:  # pragma: no cover - CUDA fp16 only
-                self.scaler.scale(loss).backward()
-            else:
-                loss.backward()
+        for k, (chunk, start, size) in enumerate(chunks):
+            batch = D.collate([self.train_examples[i] for i in idx[start:start + size]],
+                              self.tok.pad_token_id)
+            S.seed_micro_batch(cfg.seed, progress.step, chunk)
+            with P.grad_sync(self.wrapped, self.strategy, sync=k == len(chunks) - 1):
+                out = self.wrapped(**batch, num_items_in_batch=n_items)
+                loss = out.loss
+                # DDP/FSDP average gradients over ranks; each rank's share is a sum.
+                scaled = loss * plan.world_size if plan.world_size > 1 else loss
+                if self.scaler is not None:  # pragma: no cover - CUDA fp16 only
+                    self.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
             total += float(loss.detach())
         if self.scaler is not None:  # pragma: no cover
             self.scaler.unscale_(self.optimizer)
         grad_norm = 0.0
         if cfg.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params.values(),
-                                                             cfg.max_grad_norm))
+            grad_norm = P.grad_norm_value(torch.nn.utils.clip_grad_norm_(
+                list(self.params.values()), cfg.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         if self.scaler is not None:  # pragma: no cover
             self.scaler.step(self.optimizer)
@@ -251,29 +336,77 @@ class Finetune:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if plan.world_size > 1:
+            total = self._agree(total)
         progress.step += 1
-        progress.consumed += n
+        progress.consumed += plan.batch_size
         progress.tokens += tokens
         dt = time.perf_counter() - t0
         return {"loss": total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "tokens_per_s": tokens / dt, "step_ms": dt * 1e3}
+                "tokens_per_s": tokens / dt, "step_ms": dt * 1e3,
+                # Which samples made this step: equal across world sizes and resumes.
+                "batch_crc": zlib.crc32(struct.pack(f"<{len(idx)}q", *idx))}
+
+    def _agree(self, local_loss: float) -> float:
+        """One small all-reduce per step: the global loss, and whether any rank was told
+        to stop (so every rank stops after the same step and saves together)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([local_loss, 1.0 if self.flag.is_set() else 0.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        if t[1].item() > 0 and not self.flag.is_set():
+            self.flag.set("peer")
+        return float(t[0].item())
 
     def _save_due(self, step: int) -> str | None:
         c = self.cfg.checkpoint
         if c.every_steps and step % c.every_steps == 0:
             return "steps"
-        if c.every_seconds and time.monotonic() - self.last_save_time >= c.every_seconds:
+        if c.every_seconds and self._elapsed_since_save() >= c.every_seconds:
             return "seconds"
         return None
+
+    def _elapsed_since_save(self) -> float:
+        elapsed = time.monotonic() - self.last_save_time
+        if self.dist.is_distributed:  # every rank must decide the same
+            elapsed = float(broadcast_object(elapsed))
+        return elapsed
 
     # ------------------------------------------------------------------ main
     def run(self) -> int:
         self._prepare_inputs()
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.events = EventLog(self.out / "events.jsonl", run_id=_run_id(self.out))
-        self.writer = CheckpointWriter(self.ckroot, keep=self.cfg.checkpoint.keep,
-                                       mode=self.cfg.checkpoint.async_mode, events=self.events,
-                                       remote=self.remote, faults=self.opts.faults)
+        if self.dist.is_distributed:
+            c = self.cfg.distributed
+            with ProcessGroups(self.dist, c.backend, c.timeout_s) as groups:
+                self.groups = groups
+                return self._run_with_log()
+        return self._run_with_log()
+
+    def _run_with_log(self) -> int:
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            run_id = _run_id(self.out)
+            clean_stale(self.ckroot)
+            (self.out / "config.yaml").write_text(to_yaml(self.cfg))
+        else:
+            run_id = ""
+        if self.dist.is_distributed:
+            run_id = broadcast_object(run_id)
+        # Rank 0 owns events.jsonl; other ranks log beside it (the watchdog reads those).
+        log_path = self.out / "events.jsonl" if self.rank == 0 else \
+            self.out / "ranks" / f"rank{self.rank}" / "events.jsonl"
+        self.events = EventLog(log_path, run_id=run_id, rank=self.rank)
+        c = self.cfg.checkpoint
+        if self.dist.is_distributed:
+            assert self.groups is not None
+            self.writer: CheckpointWriter | ShardedWriter = ShardedWriter(
+                self.ckroot, rank=self.rank, group=self.groups.checkpoint_group, keep=c.keep,
+                mode="off" if c.async_mode == "off" else "thread", events=self.events,
+                remote=self.remote, faults=self.opts.faults)
+        else:
+            self.writer = CheckpointWriter(self.ckroot, keep=c.keep, mode=c.async_mode,
+                                           events=self.events, remote=self.remote,
+                                           faults=self.opts.faults)
         try:
             with SignalSource(self.flag, self.cfg.preempt.signal):
                 return self._run()
@@ -286,18 +419,21 @@ class Finetune:
 
     def _run(self) -> int:
         cfg = self.cfg
-        clean_stale(self.ckroot)
-        (self.out / "config.yaml").write_text(to_yaml(cfg))
         self._build()
+        self.saved_step = -1
         progress = self._resume()
         fresh = progress.step == 0
         self.last_save_time = time.monotonic()
         self.events.emit("run_start", step=progress.step, max_steps=cfg.train.max_steps,
                          model=str(self.model_dir), base_fingerprint=self.base_fp,
-                         config_hash=config_hash(cfg), train_samples=len(self.train_examples),
+                         config_hash=self.cfg_hash, train_samples=len(self.train_examples),
+                         world_size=self.dist.world_size, strategy=self.strategy or "single",
+                         micro_batch_size=self.batch.micro_batch_size,
+                         grad_accum=self.batch.accum, pid=os.getpid(),
                          **model_summary(self.model))
         display = ProgressDisplay(cfg.train.max_steps, progress.step,
-                                  log_every=cfg.train.log_every_steps, tty=self.opts.tty)
+                                  log_every=cfg.train.log_every_steps, tty=self.opts.tty,
+                                  enabled=self.rank == 0)
         if fresh:
             before = self._evaluate(0, "before")
             if before:
@@ -323,30 +459,41 @@ class Finetune:
         if self.flag.is_set():
             return self._preempted(progress)
         self.writer.wait()
-        if not self._has_checkpoint(progress.step):
+        if self.saved_step != progress.step:
             self._save(progress, "final", sync=True)
         after = self._evaluate(progress.step, "after")
-        final = export_adapter(self.model, self.tok, self.out)
-        summary = {"step": progress.step, "final": str(final)}
-        if after:
-            summary["eval"] = after
-            display.write("after: " + _fmt_eval(after))
-        if cfg.export.merged:
-            summary["merged"] = str(export_merged(self.model, self.tok, self.out))
-        self.events.emit("run_end", status="completed", **summary)
-        display.write(f"done: step {progress.step}, adapter in {final}")
+        summary: dict[str, Any] = {"step": progress.step}
+        final = self._export()
+        if self.rank == 0:
+            summary["final"] = str(final)
+            if after:
+                summary["eval"] = after
+                display.write("after: " + _fmt_eval(after))
+            if cfg.export.merged:
+                summary["merged"] = str(export_merged(self.model, self.tok, self.out)
+                                        if self.strategy != "fsdp" else
+                                        export_merged_from(self.model_dir, final, self.cfg.model,
+                                                           self.tok, self.out))
+            self.events.emit("run_end", status="completed", **summary)
+            display.write(f"done: step {progress.step}, adapter in {final}")
+        barrier()
         return exitcodes.OK
 
-    def _has_checkpoint(self, step: int) -> bool:
-        """A committed checkpoint of ``step`` exists (call after ``writer.wait()``)."""
-        return step in committed_steps(self.ckroot)
+    def _export(self) -> Path:
+        if self.strategy == "fsdp":
+            state = P.full_adapter_state(self.wrapped)  # a collective: every rank
+            return export_adapter(self.model, self.tok, self.out, state_dict=state) \
+                if self.rank == 0 else self.out / "final"
+        if self.rank == 0:
+            return export_adapter(self.model, self.tok, self.out)
+        return self.out / "final"
 
     def _preempted(self, progress: S.Progress) -> int:
         t0 = time.perf_counter()
         saved = False
         self.writer.wait()
         if progress.step > 0:
-            if not self._has_checkpoint(progress.step):
+            if self.saved_step != progress.step:
                 self._save(progress, "emergency", sync=True)
             saved = True
         self.events.emit("preempt", step=progress.step, reason=self.flag.reason, saved=saved,

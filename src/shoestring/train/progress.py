@@ -16,9 +16,11 @@ def _fmt_eta(seconds: float) -> str:
 
 class ProgressDisplay:
     def __init__(self, total: int, start: int, *, log_every: int, stream: TextIO = sys.stderr,
-                 tty: bool | None = None) -> None:
+                 tty: bool | None = None, enabled: bool = True) -> None:
+        """``enabled=False`` (ranks other than 0) prints nothing."""
         self.total, self.start, self.log_every, self.stream = total, start, log_every, stream
-        self.tty = stream.isatty() if tty is None else tty
+        self.enabled = enabled
+        self.tty = enabled and (stream.isatty() if tty is None else tty)
         self._t0 = time.perf_counter()
         self._bar: Any = None
         if self.tty:
@@ -33,6 +35,8 @@ class ProgressDisplay:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
                                   refresh=False)
             return
+        if not self.enabled:
+            return
         if step % self.log_every == 0 or step == self.total:
             done = step - self.start
             rate = done / max(time.perf_counter() - self._t0, 1e-9)
@@ -43,7 +47,7 @@ class ProgressDisplay:
     def write(self, msg: str) -> None:
         if self._bar is not None:
             self._bar.write(msg, file=self.stream)
-        else:
+        elif self.enabled:
             print(msg, file=self.stream, flush=True)
 
     def close(self) -> None:

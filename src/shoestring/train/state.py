@@ -120,10 +120,176 @@ def restore(tensors: Mapping[str, Mapping[str, torch.Tensor]], docs: Mapping[str
         idx, k = key.split(".", 1)
         state.setdefault(int(idx), {})[k] = v
     optimizer.load_state_dict({"state": state, "param_groups": doc["optimizer"]["param_groups"]})
+    _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
+    if rng_file(rank) in tensors:  # absent for ranks beyond the saved world size
+        _rng_restore(tensors[rng_file(rank)], doc["rng"][str(rank)])
+    return Progress(**doc["progress"])
+
+
+# --------------------------------------------------------------------------- distributed
+# At world size > 1 the adapter and optimizer go through torch.distributed.checkpoint
+# (FQN-keyed, resharded on load); each rank adds its RNG files, rank 0 the trainer state.
+
+def _dcp_options(**kw: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, **kw)
+
+
+def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The sharded state of ``model`` (plain, DDP or FSDP2) and its optimizer, by FQN."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    return {"model": get_model_state_dict(model, options=_dcp_options()),
+            "optim": get_optimizer_state_dict(model, optimizer, options=_dcp_options())}
+
+
+def rank_files(progress: Progress, scheduler: Any, scaler: Any, *, rank: int, world_size: int,
+               param_names: list[str], config: Mapping[str, Any]) -> dict[str, bytes]:
+    """This rank's own small files of a sharded checkpoint (rank 0 adds the trainer state)."""
+    import json
+
+    from safetensors.torch import save
+
+    rng_tensors, rng_doc = _rng_capture()
+    files = {rng_file(rank): save(rng_tensors),
+             rng_doc_file(rank): json.dumps(rng_doc).encode()}
+    if rank == 0:
+        doc = {
+            "progress": asdict(progress),
+            "param_names": param_names,
+            "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "world_size": world_size,
+            "config": dict(config),
+        }
+        files[STATE] = json.dumps(doc, indent=1, sort_keys=True).encode()
+    return files
+
+
+def rng_doc_file(rank: int) -> str:
+    return f"rng_rank{rank}.json"
+
+
+def restore_sharded(path: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, scaler: Any, *, rank: int, group: Any) -> tuple[Progress, bool]:
+    """Load a DCP checkpoint into ``model`` at any world size (also a single process).
+
+    Returns the progress and whether this rank found its own RNG streams (it
+    does not after a change of world size to more ranks than were saved).
+    """
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    path = Path(path)
+    state = dcp_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path), process_group=group,
+             no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"], options=_dcp_options(strict=False))
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=_dcp_options())
+    doc = json.loads((path / STATE).read_text())
+    _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
+    own = (path / rng_file(rank)).is_file()
+    if own:
+        _rng_restore(load_file(str(path / rng_file(rank))),
+                     json.loads((path / rng_doc_file(rank)).read_text()))
+    return Progress(**doc["progress"]), own
+
+
+def restore_full(tensors: Mapping[str, Mapping[str, torch.Tensor]], docs: Mapping[str, Any],
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 scaler: Any) -> Progress:
+    """Load a single-process checkpoint into a sharded (FSDP2) model: full tensors in,
+    each rank keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    doc = docs[STATE]
+    names: list[str] = doc["param_names"]
+    ostate: dict[str, dict[str, Any]] = {}
+    for key, v in tensors[OPTIMIZER].items():
+        _, idx, k = key.split(".", 2)
+        ostate.setdefault(names[int(idx)], {})[k] = v
+    for key, v in doc["optimizer"]["scalars"].items():
+        idx, k = key.split(".", 1)
+        ostate.setdefault(names[int(idx)], {})[k] = v
+    groups = [dict(g, params=[names[i] for i in g["params"]])
+              for g in doc["optimizer"]["param_groups"]]
+    full = _dcp_options(full_state_dict=True, strict=False)
+    set_model_state_dict(model, dict(tensors[ADAPTER]), options=full)
+    set_optimizer_state_dict(model, optimizer, {"state": ostate, "param_groups": groups},
+                             options=_dcp_options(full_state_dict=True))
+    _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
+    return Progress(**doc["progress"])
+
+
+def _load_schedule(doc: Mapping[str, Any], scheduler: Any, scaler: Any, n_groups: int) -> None:
     sched = dict(doc["scheduler"])
-    sched["lr_lambdas"] = [None] * len(optimizer.param_groups)
+    sched["lr_lambdas"] = [None] * n_groups
     scheduler.load_state_dict(sched)
+    # The loaded param-group lr came from the old schedule; if train.max_steps changed
+    # (a resume-safe key) the new schedule decides the next step's lr. Unchanged: same value.
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                               scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
     if scaler is not None and doc.get("scaler"):
         scaler.load_state_dict(doc["scaler"])
-    _rng_restore(tensors[rng_file(rank)], doc["rng"][str(rank)])
-    return Progress(**doc["progress"])
+
+
+def seed_micro_batch(seed: int, step: int, chunk: int) -> None:
+    """Seed dropout for micro-batch ``chunk`` of optimizer step ``step``.
+
+    The chunk index counts micro-batches across the whole global batch, so the
+    masks depend on (seed, step, chunk) only — not on which rank computes the
+    chunk, nor on the world size. That is what lets a run resume at another
+    world size and draw the same masks (given the same micro-batch size).
+
+    The seed is a hash, not an arithmetic mix: nearby seeds (step, step + 1) gave
+    visibly correlated dropout streams and a default run that learned far worse.
+    """
+    import hashlib
+
+    h = hashlib.blake2b(f"{seed}:{step}:{chunk}".encode(), digest_size=8).digest()
+    torch.manual_seed(int.from_bytes(h, "little") >> 1)
+
+
+def digest(flat: Mapping[str, Any]) -> str:
+    """sha256 over sorted keys and tensor bytes: equal digests mean equal state."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(flat):
+        v = flat[k]
+        h.update(k.encode())
+        if torch.is_tensor(v):
+            t = v.detach().cpu().contiguous()
+            h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def flat_optimizer_state(state: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``{fqn: {key: value}}`` → ``{"fqn.key": value}``."""
+    return {f"{fqn}.{k}": v for fqn, st in state.items() for k, v in st.items()}
+
+
+def state_digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """Digests of the complete adapter and optimizer state, whatever the sharding
+    (a collective under FSDP2: call on every rank). Logged at resume so a run can prove
+    what it continued from."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    full = _dcp_options(full_state_dict=True)  # (cpu_offload would leave ranks > 0 empty)
+    msd = get_model_state_dict(model, options=full)
+    osd = get_optimizer_state_dict(model, optimizer, options=full)
+    return {"adapter_sha": digest(msd), "optimizer_sha": digest(flat_optimizer_state(osd["state"]))}

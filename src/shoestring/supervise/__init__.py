@@ -1,0 +1,1 @@
+"""`shoestring run`: launch a job (through torchrun for several processes), restart it."""

@@ -1,0 +1,114 @@
+"""The restart loop of ``shoestring run``.
+
+Each attempt runs the launch command as a child in its own process group. A
+clean exit ends the run; any other exit (a crash, a killed rank, a preemption
+exit 75 of a job that should continue here) starts the next attempt, up to
+``max_restarts``; the job itself resumes from its last committed checkpoint.
+A signal to the supervisor (the machine is being taken away) is forwarded to
+the job, and the supervisor then exits with the job's code without restarting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Mapping
+
+from shoestring import exitcodes
+from shoestring.events import EventLog
+
+log = logging.getLogger("shoestring.run")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    run_dir: Path | None = None
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], cfg: SupervisorConfig, env: Mapping[str, str]) -> None:
+        self.argv, self.cfg, self.env = argv, cfg, dict(env)
+        self._child: subprocess.Popen[bytes] | None = None
+        self._signalled: int | None = None
+
+    def _events(self) -> EventLog | None:
+        if self.cfg.run_dir is None:
+            return None
+        run_id = "supervisor"
+        try:
+            run_id = json.loads((self.cfg.run_dir / "run.json").read_text())["run_id"]
+        except (OSError, ValueError, KeyError):
+            pass
+        return EventLog(self.cfg.run_dir / "events.jsonl", run_id=run_id, rank=-1)
+
+    def _emit(self, event: str, **fields: object) -> None:
+        # Opened per record and only between attempts: rank 0 owns the file while a job runs.
+        ev = self._events()
+        if ev is not None:
+            with ev:
+                ev.emit(event, **fields)
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        self._signalled = signum
+        if self._child is not None and self._child.poll() is None:
+            try:
+                os.killpg(self._child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._forward) for s in FORWARDED}
+        try:
+            return self._loop()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _loop(self) -> int:
+        attempt = 0
+        while True:
+            t0 = time.monotonic()
+            self._emit("attempt_start", attempt=attempt, argv=self.argv)
+            self._child = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+            rc = self._child.wait()
+            self._child = None
+            wall = round(time.monotonic() - t0, 3)
+            self._emit("attempt_end", attempt=attempt, exit_code=rc, wall_s=wall)
+            if rc == 0:
+                return exitcodes.OK
+            if self._signalled is not None:
+                log.warning("stopped by signal %d; job exited %d; not restarting here",
+                            self._signalled, rc)
+                return rc if rc in (exitcodes.PREEMPTED, exitcodes.PREEMPTED_HARD) \
+                    else exitcodes.PREEMPTED
+            if rc == exitcodes.USAGE:
+                log.error("the job rejected its config (exit 2); restarting cannot help")
+                return rc
+            if attempt >= self.cfg.max_restarts:
+                log.error("job failed with exit %d after %d restart(s); giving up", rc, attempt)
+                self._emit("gave_up", attempts=attempt + 1, exit_code=rc)
+                return rc if rc > 0 else exitcodes.FAILED
+            attempt += 1
+            log.warning("job exited %d; restart %d/%d from the last checkpoint",
+                        rc, attempt, self.cfg.max_restarts)
+            self._emit("restart", attempt=attempt, exit_code=rc, reason=_reason(rc))
+            time.sleep(self.cfg.backoff_s)
+
+
+def _reason(rc: int) -> str:
+    if rc == exitcodes.PREEMPTED:
+        return "preempted"
+    if rc < 0:
+        return f"killed by {signal.Signals(-rc).name}"
+    return "failed"
