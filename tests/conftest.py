@@ -110,4 +110,30 @@ def reference(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     return state_digest(out, 12)
 
 
-__all__ = ["CLI", "FAST", "read_events", "sha256", "signal", "state_digest", "wait_for_step"]
+#: Global batch 8 in micro-batches of 2: 4 accumulated micro-batches at world size 1,
+#: 2 per rank at world size 2 — the same chunks, so the same dropout masks.
+DIST = [*FAST, "--train.batch_size", "8", "--train.micro_batch_size", "2"]
+
+
+def run_job(cli: CLI, out: Path, nproc: int, *args: str, restarts: int = 0,
+            env: dict[str, str] | None = None,
+            run_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``shoestring run --nproc-per-node N ... -- shoestring finetune --output_dir OUT ARGS``."""
+    cmd = [sys.executable, "-m", "shoestring", "run", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(restarts), "--run-dir", str(out), *run_args, "--",
+           sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out), *args]
+    r = subprocess.run(cmd, env=cli.env(**(env or {})), capture_output=True, text=True,
+                       timeout=600)
+    return r
+
+
+@pytest.fixture(scope="session")
+def ddp_ref(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp") / "ref"
+    r = run_job(cli, out, 2, *DIST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+__all__ = ["CLI", "DIST", "FAST", "read_events", "run_job", "sha256", "signal", "state_digest",
+           "wait_for_step"]

@@ -5,32 +5,15 @@ FSDP2 exact resume."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import CLI, FAST, read_events, sha256
+from conftest import CLI, DIST, FAST, read_events, run_job, sha256
 
 from shoestring.train import state as S
-
-#: Global batch 8 in micro-batches of 2: 4 accumulated micro-batches at world size 1,
-#: 2 per rank at world size 2 — the same chunks, so the same dropout masks.
-DIST = [*FAST, "--train.batch_size", "8", "--train.micro_batch_size", "2"]
-
-
-def run_job(cli: CLI, out: Path, nproc: int, *args: str, restarts: int = 0,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "shoestring", "run", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--run-dir", str(out), "--",
-           sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out), *args]
-    r = subprocess.run(cmd, env=cli.env(**(env or {})), capture_output=True, text=True,
-                       timeout=600)
-    return r
-
 
 def steps(out: Path) -> dict[int, dict[str, Any]]:
     """Step events of rank 0, last record per step (a redone step overwrites)."""
@@ -75,14 +58,6 @@ def resume_records(out: Path) -> list[dict[str, Any]]:
     for p in sorted((out / "ranks").glob("rank*/events.jsonl")):
         recs += [e for e in read_events(p.parent) if e["event"] == "resume"]
     return recs
-
-
-@pytest.fixture(scope="module")
-def ddp_ref(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp") / "ref"
-    r = run_job(cli, out, 2, *DIST)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
 
 
 @pytest.fixture(scope="module")

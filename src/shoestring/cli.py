@@ -94,6 +94,15 @@ def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", metavar="DIR",
                    help="the job's output_dir: attempts and restarts are logged to its "
                         "events.jsonl")
+    p.add_argument("--no-watch", action="store_true",
+                   help="do not watch the ranks for hangs (default: watch when --run-dir is set)")
+    p.add_argument("--hang-multiple", type=float, default=3.0, metavar="K",
+                   help="a phase hangs after K x its p99 duration so far (default 3)")
+    p.add_argument("--hang-floor", type=float, default=10.0, metavar="S",
+                   help="... but never before S seconds (default 10)")
+    p.add_argument("--first-phase-timeout", type=float, default=300.0, metavar="S",
+                   help="budget of a phase seen fewer than 3 times: first step, first eval, "
+                        "first checkpoint (default 300)")
     p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the job to run and its arguments")
     return p
@@ -102,6 +111,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
     from shoestring.supervise.launch import LaunchSpec, launch_argv
     from shoestring.supervise.supervisor import Supervisor, SupervisorConfig
+    from shoestring.watch.hang import HangPolicy
 
     command = list(args.job or []) + list(rest)
     if command and command[0] == "--":
@@ -113,8 +123,15 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     argv = launch_argv(LaunchSpec(tuple(command), args.nproc_per_node), env)
+    for flag, v in (("--hang-multiple", args.hang_multiple), ("--hang-floor", args.hang_floor),
+                    ("--first-phase-timeout", args.first_phase_timeout)):
+        if v <= 0:
+            raise ConfigError(f"{flag}: must be > 0, got {v}")
+    policy = HangPolicy(multiple=args.hang_multiple, floor_s=args.hang_floor,
+                        first_timeout_s=args.first_phase_timeout)
     cfg = SupervisorConfig(max_restarts=args.max_restarts,
-                           run_dir=Path(args.run_dir) if args.run_dir else None)
+                           run_dir=Path(args.run_dir) if args.run_dir else None,
+                           watch=not args.no_watch, hang=policy)
     return Supervisor(argv, cfg, env).run()
 
 

@@ -167,6 +167,14 @@ class DistributedConfig:
 
 
 @dataclass
+class WatchConfig:
+    enabled: bool = knob(True, "Publish this rank's live state (phase, step, collectives) to "
+                         "OUTPUT/ranks/rank<R>/live.json for the shoestring run watchdog.")
+    interval_s: float = knob(0.5, "How often the live state is written, in seconds.",
+                             check=positive)
+
+
+@dataclass
 class FinetuneConfig:
     output_dir: str = knob("runs/finetune", "Run directory: events.jsonl, checkpoints/, final/.")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -178,13 +186,14 @@ class FinetuneConfig:
     preempt: PreemptConfig = field(default_factory=PreemptConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
 
 
 #: Keys that may change between a checkpoint and its resume without breaking
 #: the continuation. Anything else changed makes ``--resume`` refuse.
 RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "output_dir", "train.max_steps", "train.log_every_steps", "train.num_threads",
-    "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.",
+    "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.", "watch.",
 )
 
 

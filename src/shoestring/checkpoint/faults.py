@@ -9,7 +9,9 @@ spec from ``SHOESTRING_FAULTS`` once; library code receives the plan object.
 Points: ``ckpt.after_file``, ``ckpt.partial_file`` (dies with a half-written
 file), ``ckpt.before_manifest``, ``ckpt.before_rename``, ``ckpt.after_rename``,
 ``ckpt.retention``, ``upload.after_file``, ``upload.before_manifest``,
-``resume.after_load``, ``step.end``.
+``resume.after_load``, ``step.end``, ``step.data`` (while building a batch),
+``step.agree`` (the per-step all-reduce of distributed runs; ``skip`` leaves it
+out on this rank, ``extra`` issues an additional mis-shaped one).
 
 Qualifiers after the action: ``rankN`` fires only in rank N of a distributed
 run; ``once`` fires at most once per run directory (a marker file records it),
@@ -29,9 +31,11 @@ from pathlib import Path
 POINTS = frozenset({
     "ckpt.after_file", "ckpt.partial_file", "ckpt.before_manifest", "ckpt.before_rename",
     "ckpt.after_rename", "ckpt.retention", "upload.after_file", "upload.before_manifest",
-    "resume.after_load", "step.end",
+    "resume.after_load", "step.end", "step.data", "step.agree",
 })
-ACTIONS = frozenset({"kill", "enospc", "hang"})
+#: kill | enospc | hang act here; skip and extra are returned to the call site, which
+#: skips its collective or issues an extra, mis-shaped one (``step.agree``).
+ACTIONS = frozenset({"kill", "enospc", "hang", "skip", "extra"})
 
 
 @dataclass
@@ -70,7 +74,8 @@ class FaultPlan:
                 raise ValueError(f"SHOESTRING_FAULTS: unknown fault point {point!r}; "
                                  f"known: {', '.join(sorted(POINTS))}")
             if action not in ACTIONS:
-                raise ValueError(f"SHOESTRING_FAULTS: unknown action {action!r} (kill|enospc|hang)")
+                raise ValueError(f"SHOESTRING_FAULTS: unknown action {action!r} "
+                                 f"({'|'.join(sorted(ACTIONS))})")
             rule = _Rule(point, int(nth or 1), action, text=part)
             for q in quals:
                 if q == "once":
@@ -104,13 +109,17 @@ class FaultPlan:
             n = self._counts.get(point, 0) + 1
         return any(r.point == point and r.nth == n for r in self.rules)
 
-    def hit(self, point: str) -> None:
+    def hit(self, point: str) -> str | None:
+        """Count a hit of ``point``; fire a rule that matches. Returns ``skip`` or
+        ``extra`` for the call site to act on, else ``None``."""
         with self._lock:
             n = self._counts[point] = self._counts.get(point, 0) + 1
         for r in self.rules:
             if r.point == point and r.nth == n:
                 if r.once and not self._claim(r):
                     continue
+                if r.action in ("skip", "extra"):
+                    return r.action
                 if r.action == "hang":  # a stalled disk or network
                     time.sleep(3600)
                 if r.action == "enospc":
@@ -118,6 +127,7 @@ class FaultPlan:
                 for pid in self.kill_pids:
                     os.kill(pid, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
+        return None
 
 
 NO_FAULTS = FaultPlan()

@@ -23,6 +23,8 @@ from typing import Mapping
 
 from shoestring import exitcodes
 from shoestring.events import EventLog
+from shoestring.watch.hang import HangPolicy, Verdict
+from shoestring.watch.watchdog import Watchdog
 
 log = logging.getLogger("shoestring.run")
 
@@ -34,6 +36,8 @@ class SupervisorConfig:
     max_restarts: int = 3
     backoff_s: float = 1.0
     run_dir: Path | None = None
+    watch: bool = True  # needs run_dir: the ranks publish their live state under it
+    hang: HangPolicy = HangPolicy()
 
 
 class Supervisor:
@@ -41,6 +45,7 @@ class Supervisor:
         self.argv, self.cfg, self.env = argv, cfg, dict(env)
         self._child: subprocess.Popen[bytes] | None = None
         self._signalled: int | None = None
+        self._hung: Verdict | None = None
 
     def _events(self) -> EventLog | None:
         if self.cfg.run_dir is None:
@@ -58,6 +63,36 @@ class Supervisor:
         if ev is not None:
             with ev:
                 ev.emit(event, **fields)
+
+    def _on_hang(self, verdict: Verdict) -> None:
+        """Record the verdict, then kill the whole job hard (a hung rank cannot take part
+        in an orderly emergency save); the restart loop takes it from there."""
+        self._hung = verdict
+        rec = verdict.to_json()
+        assert self.cfg.run_dir is not None
+        vdir = self.cfg.run_dir / "verdicts"
+        vdir.mkdir(parents=True, exist_ok=True)
+        path = vdir / f"hang-{int(time.time() * 1000)}.json"
+        path.write_text(json.dumps(rec, indent=1))
+        ev = self._events()
+        if ev is not None:
+            with ev:
+                ev.emit("hang", **{k: v for k, v in rec.items() if k != "ranks"},
+                        verdict_file=str(path),
+                        ranks={r: {k: v for k, v in d.items() if k != "stacks"}
+                               for r, d in rec["ranks"].items()})
+        log.error("HANG: %s (verdict with stacks: %s); killing the job", verdict.summary, path)
+        for info in verdict.ranks.values():
+            try:
+                os.kill(int(info["pid"]), signal.SIGKILL)
+            except (KeyError, ProcessLookupError, PermissionError, ValueError):
+                pass
+        child = self._child
+        if child is not None and child.poll() is None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self._signalled = signum
@@ -80,11 +115,17 @@ class Supervisor:
         while True:
             t0 = time.monotonic()
             self._emit("attempt_start", attempt=attempt, argv=self.argv)
+            self._hung = None
             self._child = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
-            rc = self._child.wait()
+            if self.cfg.watch and self.cfg.run_dir is not None:
+                with Watchdog(self.cfg.run_dir, self.cfg.hang, self._on_hang):
+                    rc = self._child.wait()
+            else:
+                rc = self._child.wait()
             self._child = None
             wall = round(time.monotonic() - t0, 3)
-            self._emit("attempt_end", attempt=attempt, exit_code=rc, wall_s=wall)
+            self._emit("attempt_end", attempt=attempt, exit_code=rc, wall_s=wall,
+                       hung=self._hung is not None)
             if rc == 0:
                 return exitcodes.OK
             if self._signalled is not None:
@@ -102,7 +143,8 @@ class Supervisor:
             attempt += 1
             log.warning("job exited %d; restart %d/%d from the last checkpoint",
                         rc, attempt, self.cfg.max_restarts)
-            self._emit("restart", attempt=attempt, exit_code=rc, reason=_reason(rc))
+            self._emit("restart", attempt=attempt, exit_code=rc,
+                       reason="hang" if self._hung is not None else _reason(rc))
             time.sleep(self.cfg.backoff_s)
 
 

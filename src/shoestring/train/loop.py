@@ -41,6 +41,7 @@ from shoestring.train import parallel as P
 from shoestring.train.model import (apply_lora, fingerprint, load_base_model, load_tokenizer,
                                     model_summary, resolve_model_dir, trainable_parameters)
 from shoestring.train.progress import ProgressDisplay
+from shoestring.watch.recorder import NullRecorder, Recorder
 
 log = logging.getLogger("shoestring.finetune")
 
@@ -173,6 +174,8 @@ class Finetune:
         if self.strategy is not None:
             assert self.groups is not None
             self.wrapped = P.wrap(self.model, self.strategy, self.groups.device())
+            if self.strategy == "ddp" and isinstance(self.rec, Recorder):  # traced all-reduces
+                self.wrapped.register_comm_hook(None, self.rec.ddp_comm_hook)  # type: ignore[operator]
         # Under FSDP2 the parameters are DTensor shards now: collect them after wrapping.
         self.params = trainable_parameters(self.model)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.lr,
@@ -309,6 +312,7 @@ class Finetune:
         chunks = list(plan.my_chunks())
         total = 0.0
         for k, (chunk, start, size) in enumerate(chunks):
+            self.opts.faults.hit("step.data")
             batch = D.collate([self.train_examples[i] for i in idx[start:start + size]],
                               self.tok.pad_token_id)
             S.seed_micro_batch(cfg.seed, progress.step, chunk)
@@ -353,6 +357,11 @@ class Finetune:
         import torch.distributed as dist
 
         t = torch.tensor([local_loss, 1.0 if self.flag.is_set() else 0.0], dtype=torch.float64)
+        fault = self.opts.faults.hit("step.agree")
+        if fault == "skip":  # injected: this rank leaves the collective out
+            return local_loss
+        if fault == "extra":  # injected: an additional, mis-shaped collective
+            dist.all_reduce(torch.zeros(3, dtype=torch.float64))
         dist.all_reduce(t)
         if t[1].item() > 0 and not self.flag.is_set():
             self.flag.set("peer")
@@ -407,8 +416,13 @@ class Finetune:
             self.writer = CheckpointWriter(self.ckroot, keep=c.keep, mode=c.async_mode,
                                            events=self.events, remote=self.remote,
                                            faults=self.opts.faults)
+        w = self.cfg.watch
+        self.rec: Recorder | NullRecorder = (
+            Recorder(self.out, self.rank, world_size=self.dist.world_size, interval_s=w.interval_s)
+            if w.enabled else NullRecorder())
         try:
-            with SignalSource(self.flag, self.cfg.preempt.signal):
+            with SignalSource(self.flag, self.cfg.preempt.signal), self.rec, \
+                    self.rec.trace_collectives():
                 return self._run()
         except InterruptedError:
             self.events.emit("preempt", step=None, reason=self.flag.reason, saved=False)
@@ -419,9 +433,10 @@ class Finetune:
 
     def _run(self) -> int:
         cfg = self.cfg
-        self._build()
-        self.saved_step = -1
-        progress = self._resume()
+        with self.rec.phase("setup"):
+            self._build()
+            self.saved_step = -1
+            progress = self._resume()
         fresh = progress.step == 0
         self.last_save_time = time.monotonic()
         self.events.emit("run_start", step=progress.step, max_steps=cfg.train.max_steps,
@@ -435,35 +450,44 @@ class Finetune:
                                   log_every=cfg.train.log_every_steps, tty=self.opts.tty,
                                   enabled=self.rank == 0)
         if fresh:
-            before = self._evaluate(0, "before")
+            with self.rec.phase("eval"):
+                before = self._evaluate(0, "before")
             if before:
                 display.write("before: " + _fmt_eval(before))
         try:
             while progress.step < cfg.train.max_steps and not self.flag.is_set():
-                m = self._train_step(progress)
-                self.opts.faults.hit("step.end")
-                self.writer.check()
+                with self.rec.phase("train_step"):
+                    m = self._train_step(progress)
+                    self.opts.faults.hit("step.end")
+                    self.writer.check()
+                self.rec.step_done(progress.step)
                 self.events.emit("step", step=progress.step, epoch=self.order.epoch_of(
                     progress.consumed - 1), **{k: round(v, 6) for k, v in m.items()})
                 display.update(progress.step, m["loss"], m["lr"], m["tokens_per_s"])
                 if cfg.eval.every_steps and progress.step % cfg.eval.every_steps == 0 \
                         and progress.step < cfg.train.max_steps:
-                    res = self._evaluate(progress.step, "periodic")
+                    with self.rec.phase("eval"):
+                        res = self._evaluate(progress.step, "periodic")
                     if res:
                         display.write(f"step {progress.step}: " + _fmt_eval(res))
                 reason = self._save_due(progress.step)
                 if reason and not self.flag.is_set():
-                    self._save(progress, reason, sync=False)
+                    with self.rec.phase("checkpoint"):
+                        self._save(progress, reason, sync=False)
         finally:
             display.close()
         if self.flag.is_set():
-            return self._preempted(progress)
-        self.writer.wait()
-        if self.saved_step != progress.step:
-            self._save(progress, "final", sync=True)
-        after = self._evaluate(progress.step, "after")
+            with self.rec.phase("checkpoint"):
+                return self._preempted(progress)
+        with self.rec.phase("checkpoint"):
+            self.writer.wait()
+            if self.saved_step != progress.step:
+                self._save(progress, "final", sync=True)
+        with self.rec.phase("eval"):
+            after = self._evaluate(progress.step, "after")
         summary: dict[str, Any] = {"step": progress.step}
-        final = self._export()
+        with self.rec.phase("export"):
+            final = self._export()
         if self.rank == 0:
             summary["final"] = str(final)
             if after:

@@ -1,0 +1,271 @@
+"""The per-rank recorder: what this rank is doing right now, published out of band.
+
+A :class:`Recorder` lives in the training process. The training thread marks
+phases (``with rec.phase("train_step"):``) and the recorder traces collectives:
+Python-level ``torch.distributed`` calls on the default group (while
+:meth:`Recorder.trace_collectives` is active) and DDP's gradient all-reduces
+(through a DDP communication hook, :meth:`Recorder.ddp_comm_hook`). Each
+collective gets a per-rank sequence number, so ranks can be compared: the
+N-th collective of every rank must be the same op on the same shapes.
+
+Nothing here talks to other ranks. A daemon thread writes a small JSON
+snapshot (``ranks/rank<R>/live.json``, atomically replaced) every
+``interval_s``; the watchdog in ``shoestring run`` reads those files. Marking a
+phase or a collective only updates a few fields under a lock — it never
+blocks on I/O. Memory is bounded: per-phase duration windows and a ring of the
+last collectives.
+
+``faulthandler`` is registered on :data:`STACK_SIGNAL`, so the watchdog can
+ask a live rank for the Python stacks of all its threads — even when the
+training thread is stuck inside a C++ collective — and read them from
+``ranks/rank<R>/stacks.txt``.
+
+Use from any PyTorch loop::
+
+    with Recorder(run_dir, rank=dist.get_rank()) as rec, rec.trace_collectives():
+        ddp.register_comm_hook(None, rec.ddp_comm_hook)
+        for step in ...:
+            with rec.phase("train_step"):
+                ...
+            rec.step_done(step)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import functools
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+#: Signal that makes a rank dump all thread stacks (faulthandler, no ptrace needed).
+STACK_SIGNAL = signal.SIGRTMIN + 3
+
+#: torch.distributed functions traced by :meth:`Recorder.trace_collectives`.
+TRACED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
+          "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all_single",
+          "all_gather_object", "broadcast_object_list")
+
+LIVE = "live.json"
+STACKS = "stacks.txt"
+
+
+def rank_dir(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "ranks" / f"rank{rank}"
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Recorder:
+    """One per rank. Thread-safe; cheap to call from the training thread."""
+
+    def __init__(self, run_dir: Path, rank: int, *, world_size: int = 1, interval_s: float = 0.5,
+                 window: int = 200, ring: int = 64, clock: Callable[[], float] = time.time) -> None:
+        self.dir = rank_dir(run_dir, rank)
+        self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._durations: dict[str, deque[float]] = {}
+        self._window = window
+        self._phase: list[tuple[str, float]] = []
+        self._step = 0
+        self._seq = 0
+        self._open: dict[int, dict[str, Any]] = {}
+        self._recent: deque[dict[str, Any]] = deque(maxlen=ring)
+        self._depth = threading.local()
+        self._traced_thread: int | None = None
+        self._status = "starting"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stack_file: Any = None
+        self._patched: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Recorder":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._stack_file = open(self.dir / STACKS, "a")
+        faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
+        self._status = "running"
+        self._thread = threading.Thread(target=self._publish_loop, name="shoestring-recorder",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        self._status = "failed" if exc_type else "done"
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.publish()
+        faulthandler.unregister(STACK_SIGNAL)
+        if self._stack_file is not None:
+            self._stack_file.close()
+
+    # ------------------------------------------------------------------ phases
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a phase (nested phases allowed; the innermost is 'current')."""
+        t0 = self._clock()
+        with self._lock:
+            self._phase.append((name, t0))
+        try:
+            yield
+        finally:
+            dt = self._clock() - t0
+            with self._lock:
+                self._phase.pop()
+                self._durations.setdefault(name, deque(maxlen=self._window)).append(dt)
+
+    def step_done(self, step: int) -> None:
+        with self._lock:
+            self._step = step
+
+    # ------------------------------------------------------------------ collectives
+    def _begin(self, op: str, group: str, shapes: list[list[int]], dtype: str) -> int:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._open[seq] = {"seq": seq, "op": op, "group": group, "shapes": shapes,
+                               "dtype": dtype, "start": self._clock(), "end": None}
+        return seq
+
+    def _end(self, seq: int) -> None:
+        with self._lock:
+            rec = self._open.pop(seq, None)
+            if rec is not None:
+                rec["end"] = self._clock()
+                self._recent.append(rec)
+
+    @contextlib.contextmanager
+    def collective(self, op: str, tensors: list[Any] = (), group: str = "default") -> Iterator[int]:  # type: ignore[assignment]
+        seq = self._begin(op, group, [list(getattr(t, "shape", ())) for t in tensors],
+                          str(getattr(tensors[0], "dtype", "")) if tensors else "")
+        try:
+            yield seq
+        finally:
+            self._end(seq)
+
+    @property
+    def ddp_comm_hook(self) -> Callable[[Any, Any], Any]:
+        """A DDP communication hook: the default all-reduce, traced.
+
+        (Returned unannotated: DDP rejects hooks whose annotations are not its own
+        types, and this module's annotations are strings.)
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            buf = bucket.buffer()
+            seq = self._begin("allreduce[ddp]", "default", [list(buf.shape)], str(buf.dtype))
+            fut = default_hooks.allreduce_hook(state, bucket)
+
+            def done(f):  # type: ignore[no-untyped-def]
+                self._end(seq)
+                return f.value()
+
+            return fut.then(done)
+
+        return hook
+
+    @contextlib.contextmanager
+    def trace_collectives(self) -> Iterator[None]:
+        """Trace this thread's torch.distributed collectives on the default group.
+
+        Wraps the functions in :data:`TRACED` for the duration of the block and
+        restores them after. Calls from other threads, or on another group (the
+        checkpoint writer's), are not traced; nested calls count once.
+        """
+        import torch.distributed as dist
+
+        self._traced_thread = threading.get_ident()
+        for name in TRACED:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._patched[name] = fn
+                setattr(dist, name, self._wrap(name, fn))
+        try:
+            yield
+        finally:
+            for name, fn in self._patched.items():
+                setattr(dist, name, fn)
+            self._patched.clear()
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            depth = getattr(self._depth, "n", 0)
+            if depth or group is not None or threading.get_ident() != self._traced_thread:
+                return fn(*args, **kwargs)
+            tensors = [a for a in args if hasattr(a, "shape")][:1]
+            self._depth.n = 1
+            try:
+                with self.collective(name, tensors):
+                    return fn(*args, **kwargs)
+            finally:
+                self._depth.n = 0
+        return traced
+
+    # ------------------------------------------------------------------ publishing
+    def snapshot(self) -> dict[str, Any]:
+        now = self._clock()
+        with self._lock:
+            phase, since = self._phase[-1] if self._phase else ("idle", now)
+            outer = self._phase[0][0] if self._phase else "idle"
+            stats = {k: {"n": len(v), "p50": round(_quantile(list(v), 0.5), 6),
+                         "p99": round(_quantile(list(v), 0.99), 6), "max": round(max(v), 6)}
+                     for k, v in self._durations.items() if v}
+            open_ = sorted(self._open.values(), key=lambda r: r["seq"])
+            return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                    "host": socket.gethostname(), "ts": now, "status": self._status,
+                    "step": self._step, "phase": phase, "outer_phase": outer,
+                    "phase_start": since,
+                    "outer_start": self._phase[0][1] if self._phase else now,
+                    "seq": self._seq,
+                    "open_collectives": [dict(r) for r in open_],
+                    "recent_collectives": [dict(r) for r in list(self._recent)[-8:]],
+                    "stats": stats}
+
+    def publish(self) -> None:
+        snap = self.snapshot()
+        tmp = self.dir / f".{LIVE}.tmp"
+        try:
+            tmp.write_text(json.dumps(snap, separators=(",", ":")))
+            os.replace(tmp, self.dir / LIVE)
+        except OSError:
+            pass  # a full disk must not stop training; the watchdog sees a stale file
+
+    def _publish_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.publish()
+
+
+class NullRecorder:
+    """The same interface, doing nothing (single process without a watchdog)."""
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+    def step_done(self, step: int) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def trace_collectives(self) -> Iterator[None]:
+        yield
+
+    def __enter__(self) -> "NullRecorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass

@@ -1,0 +1,109 @@
+"""The watchdog thread of ``shoestring run``: reads the ranks' live snapshots,
+decides whether the job is hung, and on a verdict captures every rank's Python
+stacks (faulthandler, in-process), records the verdict and asks the supervisor
+to kill and restart the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from shoestring.watch.hang import HangPolicy, Verdict, analyze
+from shoestring.watch.recorder import LIVE, STACK_SIGNAL, STACKS
+
+log = logging.getLogger("shoestring.watch")
+
+
+def read_snapshots(run_dir: Path, since: float) -> dict[int, dict[str, Any]]:
+    """Live snapshots written after ``since`` (older ones belong to an earlier attempt)."""
+    out: dict[int, dict[str, Any]] = {}
+    for p in (run_dir / "ranks").glob(f"rank*/{LIVE}"):
+        try:
+            snap = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if snap.get("ts", 0) >= since:
+            out[int(snap["rank"])] = snap
+    return out
+
+
+def capture_stacks(run_dir: Path, snaps: dict[int, dict[str, Any]], wait_s: float = 1.0,
+                   ) -> dict[int, str]:
+    """Signal each live rank to dump all thread stacks; return what each one wrote."""
+    host = os.uname().nodename
+    sizes: dict[int, int] = {}
+    for r, s in snaps.items():
+        path = run_dir / "ranks" / f"rank{r}" / STACKS
+        sizes[r] = path.stat().st_size if path.exists() else 0
+        if s.get("host") == host:
+            try:
+                os.kill(int(s["pid"]), STACK_SIGNAL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    time.sleep(wait_s)
+    stacks: dict[int, str] = {}
+    for r in snaps:
+        path = run_dir / "ranks" / f"rank{r}" / STACKS
+        try:
+            with open(path, "rb") as f:
+                f.seek(sizes[r])
+                stacks[r] = f.read(64 * 1024).decode("utf-8", "replace")
+        except OSError:
+            stacks[r] = ""
+    return stacks
+
+
+class Watchdog:
+    """Context manager around one attempt; ``verdict`` is set when a hang was found."""
+
+    def __init__(self, run_dir: Path, policy: HangPolicy, on_hang: Callable[[Verdict], None],
+                 *, poll_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
+        self.run_dir, self.policy, self.on_hang = run_dir, policy, on_hang
+        self.poll_s, self._clock = poll_s, clock
+        self.verdict: Verdict | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._since = 0.0
+
+    def __enter__(self) -> "Watchdog":
+        self._since = self._clock()
+        self._thread = threading.Thread(target=self._loop, name="shoestring-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def check_once(self) -> Verdict | None:
+        snaps = read_snapshots(self.run_dir, self._since)
+        if not snaps:
+            return None
+        world = max(int(s.get("world_size", 1)) for s in snaps.values())
+        verdict = analyze(snaps, self._clock(), self.policy, world)
+        if verdict is None:
+            return None
+        stacks = capture_stacks(self.run_dir, {r: snaps[r] for r in snaps})
+        for r, text in stacks.items():
+            verdict.ranks.setdefault(r, {})["stacks"] = text
+        return verdict
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                verdict = self.check_once()
+            except Exception as e:  # noqa: BLE001 - the watchdog must not die silently
+                log.warning("watchdog check failed: %s", e)
+                continue
+            if verdict is not None:
+                self.verdict = verdict
+                self.on_hang(verdict)
+                return

@@ -1,0 +1,89 @@
+"""The hang rules on hand-made rank snapshots with a fake clock (no processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoestring.watch import HangPolicy, analyze
+
+POLICY = HangPolicy(multiple=3.0, floor_s=10.0, first_timeout_s=300.0)
+STEP_STATS = {"train_step": {"n": 50, "p50": 0.1, "p99": 0.2, "max": 0.3},
+              "eval": {"n": 5, "p50": 20.0, "p99": 25.0, "max": 25.0},
+              "checkpoint": {"n": 5, "p50": 3.0, "p99": 4.0, "max": 4.0}}
+
+
+def snap(rank: int, phase: str, since: float, *, seq: int, open_: dict[str, Any] | None = None,
+         ts: float = 1000.0, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"rank": rank, "world_size": 2, "pid": 100 + rank, "host": "h", "ts": ts,
+            "status": "running", "step": 7, "phase": phase, "outer_phase": phase,
+            "phase_start": since, "outer_start": since, "seq": seq,
+            "open_collectives": [open_] if open_ else [], "recent_collectives": [],
+            "stats": STEP_STATS if stats is None else stats}
+
+
+def coll(seq: int, op: str = "allreduce[ddp]", shapes: Any = ((278528,),), start: float = 0.0
+         ) -> dict[str, Any]:
+    return {"seq": seq, "op": op, "group": "default", "shapes": [list(s) for s in shapes],
+            "dtype": "torch.float32", "start": start, "end": None}
+
+
+def test_rank_that_never_enters_the_collective_is_the_culprit() -> None:
+    snaps = {0: snap(0, "train_step", 985.0, seq=412, open_=coll(412, start=986.0)),
+             1: snap(1, "train_step", 985.0, seq=411)}
+    v = analyze(snaps, now=1000.0, policy=POLICY, world_size=2)
+    assert v is not None and v.kind == "stuck_rank" and v.culprits == [1]
+    assert v.collective is not None and v.collective["seq"] == 412
+    assert "never entered" in v.summary and "allreduce[ddp] #412" in v.summary
+
+
+def test_within_budget_is_not_a_hang() -> None:
+    snaps = {0: snap(0, "train_step", 995.0, seq=412, open_=coll(412, start=996.0)),
+             1: snap(1, "train_step", 995.0, seq=411)}  # 5 s < max(3 x 0.2, 10)
+    assert analyze(snaps, now=1000.0, policy=POLICY, world_size=2) is None
+
+
+def test_rank0_only_eval_while_peers_wait_is_not_a_hang() -> None:
+    # Rank 0 evaluates for 60 s (budget 3 x 25 s); rank 1 waits in the next all-reduce.
+    snaps = {0: snap(0, "eval", 940.0, seq=411),
+             1: snap(1, "train_step", 941.0, seq=412, open_=coll(412, start=941.0))}
+    assert analyze(snaps, now=1000.0, policy=POLICY, world_size=2) is None
+    # ... but an eval beyond 3 x its own p99 is.
+    for s in snaps.values():
+        s["ts"] = 1016.0
+    v = analyze(snaps, now=940.0 + 76.0, policy=POLICY, world_size=2)
+    assert v is not None and v.culprits == [0]
+
+
+def test_first_occurrence_of_a_phase_gets_the_first_timeout() -> None:
+    snaps = {0: snap(0, "checkpoint", 900.0, seq=5, stats={}),
+             1: snap(1, "checkpoint", 900.0, seq=5, stats={})}
+    assert analyze(snaps, now=1000.0, policy=POLICY, world_size=2) is None  # 100 s < 300 s
+    for s in snaps.values():
+        s["ts"] = 1201.0
+    v = analyze(snaps, now=1201.0, policy=POLICY, world_size=2)
+    assert v is not None and v.culprits == [0, 1]
+
+
+def test_mismatched_collectives_at_the_same_sequence_number() -> None:
+    snaps = {0: snap(0, "train_step", 980.0, seq=412,
+                     open_=coll(412, op="all_reduce", shapes=((2,),), start=981.0)),
+             1: snap(1, "train_step", 980.0, seq=412, open_=coll(412, start=982.0))}
+    v = analyze(snaps, now=1000.0, policy=POLICY, world_size=2)
+    assert v is not None and v.kind == "collective_mismatch"
+    assert "rank 0: all_reduce #412" in v.summary and "rank 1: allreduce[ddp] #412" in v.summary
+
+
+def test_everyone_in_the_same_collective_for_too_long() -> None:
+    snaps = {r: snap(r, "train_step", 980.0, seq=9, open_=coll(9, start=985.0 + r))
+             for r in (0, 1)}
+    assert analyze(snaps, now=990.0, policy=POLICY, world_size=2) is None
+    v = analyze(snaps, now=1000.0, policy=POLICY, world_size=2)
+    assert v is not None and v.kind == "collective_hang" and v.culprits == [0, 1]
+
+
+def test_frozen_rank_is_stale_and_missing_ranks_mean_not_started() -> None:
+    snaps = {0: snap(0, "train_step", 999.0, seq=3),
+             1: snap(1, "train_step", 960.0, seq=3, ts=970.0)}
+    v = analyze(snaps, now=1000.0, policy=POLICY, world_size=2)
+    assert v is not None and v.kind == "stale" and v.culprits == [1]
+    assert analyze({0: snaps[0]}, now=1000.0, policy=POLICY, world_size=2) is None

@@ -1,0 +1,57 @@
+"""`shoestring run` watches every rank: an injected hang is caught within its budget,
+the verdict names the culprit rank and the collective the others wait in, carries
+every rank's Python stacks, and the restarted job ends exactly like an undisturbed one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import CLI, DIST, read_events, run_job, sha256
+
+
+@pytest.mark.parametrize("fault,culprit,frame", [
+    ("step.end@6:hang:rank1:once", 1, "in hit"),    # a rank that stops after a step
+    ("step.data@13:hang:rank0:once", 0, "in hit"),  # a rank stuck loading data (step 7)
+])
+def test_hang_is_caught_named_and_restarted(cli: CLI, tmp_path: Path, ddp_ref: Path,
+                                            fault: str, culprit: int, frame: str) -> None:
+    out = tmp_path / "run"
+    r = run_job(cli, out, 2, *DIST, restarts=1, env={"SHOESTRING_FAULTS": fault})
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = read_events(out)
+    (hang,) = [e for e in ev if e["event"] == "hang"]
+    assert hang["kind"] == "stuck_rank" and hang["culprits"] == [culprit]
+    other = 1 - culprit
+    # The healthy rank is named as waiting in the gradient all-reduce the culprit never joined.
+    assert hang["ranks"][str(other)]["waiting_in"].startswith("allreduce[ddp] #")
+    assert hang["ranks"][str(culprit)]["waiting_in"] is None
+    assert hang["collective"]["op"] == "allreduce[ddp]"
+    # Within the budget: max(3 x p99 step, 10 s floor) plus one poll; not minutes.
+    budget = hang["ranks"][str(culprit)]["budget_s"]
+    assert budget == 10.0 and 10.0 <= hang["detected_after_s"] <= budget + 3.0
+    verdict = json.loads(Path(hang["verdict_file"]).read_text())
+    assert frame in verdict["ranks"][str(culprit)]["stacks"]  # live stack of the stuck rank
+    assert "_train_step" in verdict["ranks"][str(other)]["stacks"]
+    (restart,) = [e for e in ev if e["event"] == "restart"]
+    assert restart["reason"] == "hang"
+    assert sha256(out / "final" / "adapter_model.safetensors") == \
+        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+
+
+def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_path: Path) -> None:
+    # Rank 0 evaluates alone (DDP) while rank 1 waits in the next all-reduce, and
+    # checkpoints are written every 3 steps: none of that is a hang, even with a tight
+    # floor of 2 s and a first-phase timeout far below an eval.
+    out = tmp_path / "run"
+    r = run_job(cli, out, 2, *DIST, "--data.eval", "builtin:reverse", "--eval.max_samples", "48",
+                "--eval.every_steps", "4", "--checkpoint.every_steps", "3",
+                run_args=("--hang-floor", "2", "--first-phase-timeout", "60"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = read_events(out)
+    assert not [e for e in ev if e["event"] in ("hang", "restart")]
+    evals = [e for e in ev if e["event"] == "eval"]
+    steps = [e["step_ms"] for e in ev if e["event"] == "step"]
+    assert len(evals) == 4 and max(e["eval_ms"] for e in evals) > 3 * max(steps)
