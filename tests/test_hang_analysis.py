@@ -87,3 +87,24 @@ def test_frozen_rank_is_stale_and_missing_ranks_mean_not_started() -> None:
     v = analyze(snaps, now=1000.0, policy=POLICY, world_size=2)
     assert v is not None and v.kind == "stale" and v.culprits == [1]
     assert analyze({0: snaps[0]}, now=1000.0, policy=POLICY, world_size=2) is None
+
+
+def _work(data: float, fwd: float, n: int = 30) -> dict[str, list[float]]:
+    return {"data": [data] * n, "forward": [fwd] * n}
+
+
+def test_straggler_is_named_with_its_slow_part() -> None:
+    from shoestring.watch.straggler import StragglerPolicy, straggler
+
+    pol = StragglerPolicy(threshold=0.10, window=30, min_steps=20)
+    snaps = {0: {"work": _work(7e-6, 600e-6)}, 1: {"work": _work(7e-6, 680e-6)},
+             2: {"work": _work(7e-6, 610e-6)}}
+    found = straggler(snaps, pol)
+    assert found is not None and found["rank"] == 1 and found["part"] == "forward"
+    assert abs(found["slower_by"] - (687 / 612 - 1)) < 1e-3  # peers: median of 607 and 617
+    # 5 % slower is within the threshold; a noisy but negligible part never decides.
+    snaps[1] = {"work": _work(9e-6, 630e-6)}
+    assert straggler(snaps, pol) is None
+    # Too few steps yet: no judgement.
+    snaps[1] = {"work": _work(7e-6, 900e-6, n=10)}
+    assert straggler(snaps, pol) is None

@@ -42,16 +42,41 @@ def test_hang_is_caught_named_and_restarted(cli: CLI, tmp_path: Path, ddp_ref: P
 
 
 def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_path: Path) -> None:
-    # Rank 0 evaluates alone (DDP) while rank 1 waits in the next all-reduce, and
-    # checkpoints are written every 3 steps: none of that is a hang, even with a tight
-    # floor of 2 s and a first-phase timeout far below an eval.
+    # Rank 0 evaluates alone (DDP) while rank 1 waits in the next all-reduce, checkpoints
+    # are written every 5 steps and the run crosses epoch boundaries (tiny dataset): none
+    # of that is a hang or a straggler, even with a 2 s floor and a first-phase timeout
+    # far below an eval.
     out = tmp_path / "run"
-    r = run_job(cli, out, 2, *DIST, "--data.eval", "builtin:reverse", "--eval.max_samples", "48",
-                "--eval.every_steps", "4", "--checkpoint.every_steps", "3",
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{w} ->", "completion": f" {w[::-1]}"}) + "\n"
+                            for w in ["spot", "gpu", "cheap", "resume", "adapter", "token",
+                                      "shard", "bucket", "slurm", "node", "rank", "step"] * 4))
+    r = run_job(cli, out, 2, *DIST, "--train.max_steps", "40", "--data.train", str(data),
+                "--data.eval", "builtin:reverse", "--eval.max_samples", "48",
+                "--eval.every_steps", "10", "--checkpoint.every_steps", "5",
                 run_args=("--hang-floor", "2", "--first-phase-timeout", "60"))
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
-    assert not [e for e in ev if e["event"] in ("hang", "restart")]
+    assert not [e for e in ev if e["event"] in ("hang", "straggler", "restart")]
     evals = [e for e in ev if e["event"] == "eval"]
-    steps = [e["step_ms"] for e in ev if e["event"] == "step"]
-    assert len(evals) == 4 and max(e["eval_ms"] for e in evals) > 3 * max(steps)
+    steps = [e for e in ev if e["event"] == "step"]
+    assert len(evals) == 5 and max(e["eval_ms"] for e in evals) > 3 * max(e["step_ms"]
+                                                                           for e in steps)
+    assert steps[-1]["epoch"] >= 4  # 48 samples, 8 per step: several epoch boundaries
+    # The straggler check did judge this run (enough quiet steps on every rank).
+    for r in (0, 1):
+        live = json.loads((out / "ranks" / f"rank{r}" / "live.json").read_text())
+        assert len(live["work"]["forward"]) >= 20
+
+
+def test_slow_rank_is_flagged_with_its_slow_phase(cli: CLI, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    # Every forward pass of rank 1 takes 20 % longer from the first step on.
+    r = run_job(cli, out, 2, *DIST, "--train.max_steps", "30",
+                env={"SHOESTRING_FAULTS": "step.forward@1:slow20:rank1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = read_events(out)
+    (alarm,) = [e for e in ev if e["event"] == "straggler"]
+    assert alarm["rank"] == 1 and alarm["part"] == "forward"
+    assert alarm["slower_by"] > 0.10 and alarm["step"] <= 50
+    assert not [e for e in ev if e["event"] in ("hang", "restart")]

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Mapping
+from typing import Any, Mapping
 
 from shoestring import exitcodes
 from shoestring.events import EventLog
@@ -63,6 +63,11 @@ class Supervisor:
         if ev is not None:
             with ev:
                 ev.emit(event, **fields)
+
+    def _on_alarm(self, kind: str, fields: dict[str, Any]) -> None:
+        """An alarm that does not stop the job (a straggler): event log and stderr."""
+        self._emit(kind, **fields)
+        log.warning("%s: %s", kind.upper(), ", ".join(f"{k}={v}" for k, v in fields.items()))
 
     def _on_hang(self, verdict: Verdict) -> None:
         """Record the verdict, then kill the whole job hard (a hung rank cannot take part
@@ -118,7 +123,8 @@ class Supervisor:
             self._hung = None
             self._child = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
             if self.cfg.watch and self.cfg.run_dir is not None:
-                with Watchdog(self.cfg.run_dir, self.cfg.hang, self._on_hang):
+                with Watchdog(self.cfg.run_dir, self.cfg.hang, self._on_hang,
+                              on_alarm=self._on_alarm):
                     rc = self._child.wait()
             else:
                 rc = self._child.wait()

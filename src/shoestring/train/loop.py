@@ -312,13 +312,21 @@ class Finetune:
         chunks = list(plan.my_chunks())
         total = 0.0
         for k, (chunk, start, size) in enumerate(chunks):
+            t_data = time.perf_counter()
             self.opts.faults.hit("step.data")
             batch = D.collate([self.train_examples[i] for i in idx[start:start + size]],
                               self.tok.pad_token_id)
+            padded = batch["input_ids"].numel()
+            t_fwd = time.perf_counter()
+            self.rec.work("data", t_fwd - t_data, padded)
             S.seed_micro_batch(cfg.seed, progress.step, chunk)
             with P.grad_sync(self.wrapped, self.strategy, sync=k == len(chunks) - 1):
                 out = self.wrapped(**batch, num_items_in_batch=n_items)
                 loss = out.loss
+                slow = self.opts.faults.hit("step.forward")
+                if slow:  # injected straggler: this forward takes NN % longer
+                    time.sleep((time.perf_counter() - t_fwd) * int(slow[4:]) / 100)
+                self.rec.work("forward", time.perf_counter() - t_fwd, padded)
                 # DDP/FSDP average gradients over ranks; each rank's share is a sum.
                 scaled = loss * plan.world_size if plan.world_size > 1 else loss
                 if self.scaler is not None:  # pragma: no cover - CUDA fp16 only
@@ -457,10 +465,12 @@ class Finetune:
         try:
             while progress.step < cfg.train.max_steps and not self.flag.is_set():
                 with self.rec.phase("train_step"):
+                    quiet = not self.writer.busy()
                     m = self._train_step(progress)
+                    quiet = quiet and not self.writer.busy()
                     self.opts.faults.hit("step.end")
                     self.writer.check()
-                self.rec.step_done(progress.step)
+                self.rec.step_done(progress.step, count_work=quiet)
                 self.events.emit("step", step=progress.step, epoch=self.order.epoch_of(
                     progress.consumed - 1), **{k: round(v, 6) for k, v in m.items()})
                 display.update(progress.step, m["loss"], m["lr"], m["tokens_per_s"])

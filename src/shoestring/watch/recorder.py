@@ -89,6 +89,8 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._stack_file: Any = None
         self._patched: dict[str, Any] = {}
+        self._work_step: dict[str, list[float]] = {}
+        self._work: dict[str, deque[float]] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Recorder":
@@ -126,9 +128,23 @@ class Recorder:
                 self._phase.pop()
                 self._durations.setdefault(name, deque(maxlen=self._window)).append(dt)
 
-    def step_done(self, step: int) -> None:
+    def work(self, part: str, seconds: float, tokens: int) -> None:
+        """Collective-free work of this step (``data``, ``forward``) and the padded tokens it
+        covered; summed per step, kept per token for the straggler check."""
+        with self._lock:
+            acc = self._work_step.setdefault(part, [0.0, 0.0])
+            acc[0] += seconds
+            acc[1] += tokens
+
+    def step_done(self, step: int, count_work: bool = True) -> None:
+        """End of step ``step``. ``count_work=False`` drops this step's work timings (a
+        background checkpoint write was competing for the CPU: not the rank's own speed)."""
         with self._lock:
             self._step = step
+            for part, (sec, tok) in self._work_step.items() if count_work else ():
+                if tok > 0:
+                    self._work.setdefault(part, deque(maxlen=self._window)).append(sec / tok)
+            self._work_step.clear()
 
     # ------------------------------------------------------------------ collectives
     def _begin(self, op: str, group: str, shapes: list[list[int]], dtype: str) -> int:
@@ -234,7 +250,9 @@ class Recorder:
                     "seq": self._seq,
                     "open_collectives": [dict(r) for r in open_],
                     "recent_collectives": [dict(r) for r in list(self._recent)[-8:]],
-                    "stats": stats}
+                    "stats": stats,
+                    "work": {k: [round(x, 9) for x in list(v)[-64:]]
+                             for k, v in self._work.items()}}
 
     def publish(self) -> None:
         snap = self.snapshot()
@@ -257,7 +275,10 @@ class NullRecorder:
     def phase(self, name: str) -> Iterator[None]:
         yield
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int, count_work: bool = True) -> None:
+        pass
+
+    def work(self, part: str, seconds: float, tokens: int) -> None:
         pass
 
     @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from shoestring.watch.hang import HangPolicy, Verdict, analyze
 from shoestring.watch.recorder import LIVE, STACK_SIGNAL, STACKS
+from shoestring.watch.straggler import StragglerPolicy, straggler
 
 log = logging.getLogger("shoestring.watch")
 
@@ -63,8 +64,12 @@ class Watchdog:
     """Context manager around one attempt; ``verdict`` is set when a hang was found."""
 
     def __init__(self, run_dir: Path, policy: HangPolicy, on_hang: Callable[[Verdict], None],
-                 *, poll_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
+                 *, on_alarm: Callable[[str, dict[str, Any]], None] | None = None,
+                 stragglers: StragglerPolicy = StragglerPolicy(),
+                 poll_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
         self.run_dir, self.policy, self.on_hang = run_dir, policy, on_hang
+        self.on_alarm, self.stragglers = on_alarm, stragglers
+        self._reported: set[tuple[int, str]] = set()
         self.poll_s, self._clock = poll_s, clock
         self.verdict: Verdict | None = None
         self._stop = threading.Event()
@@ -88,6 +93,7 @@ class Watchdog:
         if not snaps:
             return None
         world = max(int(s.get("world_size", 1)) for s in snaps.values())
+        self._check_stragglers(snaps, world)
         verdict = analyze(snaps, self._clock(), self.policy, world)
         if verdict is None:
             return None
@@ -95,6 +101,17 @@ class Watchdog:
         for r, text in stacks.items():
             verdict.ranks.setdefault(r, {})["stacks"] = text
         return verdict
+
+    def _check_stragglers(self, snaps: dict[int, dict[str, Any]], world: int) -> None:
+        running = {r: s for r, s in snaps.items() if s.get("status") == "running"}
+        if self.on_alarm is None or len(running) < max(world, 2):
+            return
+        found = straggler(running, self.stragglers)
+        if found is None or (found["rank"], found["part"]) in self._reported:
+            return
+        self._reported.add((found["rank"], found["part"]))
+        found["step"] = running[found["rank"]]["step"]
+        self.on_alarm("straggler", found)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
