@@ -103,6 +103,28 @@ def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--first-phase-timeout", type=float, default=300.0, metavar="S",
                    help="budget of a phase seen fewer than 3 times: first step, first eval, "
                         "first checkpoint (default 300)")
+    p.add_argument("--window", type=float, default=60.0, metavar="S",
+                   help="degradation window: per S seconds and rank, communication time per "
+                        "step and throughput are compared with the run's baseline (default 60)")
+    p.add_argument("--comm-rise", type=float, default=0.10, metavar="F",
+                   help="alarm when communication time per step is more than F above the "
+                        "baseline for 3 windows in a row (default 0.10)")
+    p.add_argument("--throughput-drop", type=float, default=0.05, metavar="F",
+                   help="alarm when throughput is more than F below the baseline for 3 "
+                        "windows in a row (default 0.05)")
+    p.add_argument("--metrics-interval", type=float, default=10.0, metavar="S",
+                   help="sample CPU, memory, I/O and (with NVML) GPU metrics of every rank "
+                        "into events.jsonl every S seconds (0: off; default 10)")
+    p.add_argument("--prometheus-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics of the job on this port (0: any free port; "
+                        "default: no endpoint)")
+    p.add_argument("--prometheus-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address the Prometheus endpoint binds to (default 127.0.0.1)")
+    p.add_argument("--alert-webhook", metavar="URL",
+                   help="POST every alarm as JSON (Slack-compatible 'text' field) to URL")
+    p.add_argument("--job-id", metavar="ID",
+                   help="job label of alerts and metrics (default: $SLURM_JOB_ID, else the "
+                        "run directory's name)")
     p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the job to run and its arguments")
     return p
@@ -111,6 +133,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
     from shoestring.supervise.launch import LaunchSpec, launch_argv
     from shoestring.supervise.supervisor import Supervisor, SupervisorConfig
+    from shoestring.watch.degrade import DegradePolicy
     from shoestring.watch.hang import HangPolicy
 
     command = list(args.job or []) + list(rest)
@@ -127,11 +150,27 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
                     ("--first-phase-timeout", args.first_phase_timeout)):
         if v <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {v}")
+    for flag, v in (("--window", args.window), ("--comm-rise", args.comm_rise),
+                    ("--throughput-drop", args.throughput_drop)):
+        if v <= 0:
+            raise ConfigError(f"{flag}: must be > 0, got {v}")
+    if args.metrics_interval < 0:
+        raise ConfigError(f"--metrics-interval: must be >= 0, got {args.metrics_interval}")
+    if args.prometheus_port is not None and not 0 <= args.prometheus_port < 65536:
+        raise ConfigError(f"--prometheus-port: must be in 0..65535, got {args.prometheus_port}")
+    if args.alert_webhook and not args.alert_webhook.startswith(("http://", "https://")):
+        raise ConfigError(f"--alert-webhook: expected an http(s) URL, got {args.alert_webhook!r}")
     policy = HangPolicy(multiple=args.hang_multiple, floor_s=args.hang_floor,
                         first_timeout_s=args.first_phase_timeout)
-    cfg = SupervisorConfig(max_restarts=args.max_restarts,
-                           run_dir=Path(args.run_dir) if args.run_dir else None,
-                           watch=not args.no_watch, hang=policy)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    job = args.job_id or env.get("SLURM_JOB_ID") or (run_dir.resolve().name if run_dir else "job")
+    cfg = SupervisorConfig(max_restarts=args.max_restarts, run_dir=run_dir,
+                           watch=not args.no_watch, hang=policy,
+                           degrade=DegradePolicy(window_s=args.window, comm_rise=args.comm_rise,
+                                                 throughput_drop=args.throughput_drop),
+                           metrics_interval_s=args.metrics_interval, job=job,
+                           prometheus_port=args.prometheus_port,
+                           prometheus_addr=args.prometheus_addr, webhook=args.alert_webhook)
     return Supervisor(argv, cfg, env).run()
 
 

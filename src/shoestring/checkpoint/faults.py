@@ -13,7 +13,8 @@ file), ``ckpt.before_manifest``, ``ckpt.before_rename``, ``ckpt.after_rename``,
 ``step.agree`` (the per-step all-reduce of distributed runs; ``skip`` leaves it
 out on this rank, ``extra`` issues an additional mis-shaped one), ``step.forward``
 (after each forward pass; ``slowNN`` makes every forward from the N-th hit on NN %
-slower — a straggler).
+slower — a straggler), ``comm.ddp`` (each DDP gradient all-reduce; ``delayMS``
+holds every one from the N-th bucket on for MS milliseconds more — a degrading link).
 
 Qualifiers after the action: ``rankN`` fires only in rank N of a distributed
 run; ``once`` fires at most once per run directory (a marker file records it),
@@ -35,6 +36,7 @@ POINTS = frozenset({
     "ckpt.after_file", "ckpt.partial_file", "ckpt.before_manifest", "ckpt.before_rename",
     "ckpt.after_rename", "ckpt.retention", "upload.after_file", "upload.before_manifest",
     "resume.after_load", "step.end", "step.data", "step.agree", "step.forward",
+    "comm.ddp",
 })
 #: kill | enospc | hang act here; skip and extra are returned to the call site, which
 #: skips its collective or issues an extra, mis-shaped one (``step.agree``).
@@ -76,9 +78,9 @@ class FaultPlan:
             if point not in POINTS:
                 raise ValueError(f"SHOESTRING_FAULTS: unknown fault point {point!r}; "
                                  f"known: {', '.join(sorted(POINTS))}")
-            if action not in ACTIONS and not re.fullmatch(r"slow\d+", action):
+            if action not in ACTIONS and not re.fullmatch(r"(slow|delay)\d+", action):
                 raise ValueError(f"SHOESTRING_FAULTS: unknown action {action!r} "
-                                 f"({'|'.join(sorted(ACTIONS))}|slowNN)")
+                                 f"({'|'.join(sorted(ACTIONS))}|slowNN|delayMS)")
             rule = _Rule(point, int(nth or 1), action, text=part)
             for q in quals:
                 if q == "once":
@@ -118,7 +120,7 @@ class FaultPlan:
         with self._lock:
             n = self._counts[point] = self._counts.get(point, 0) + 1
         for r in self.rules:
-            if r.action.startswith("slow") and r.point == point and n >= r.nth:
+            if r.action.startswith(("slow", "delay")) and r.point == point and n >= r.nth:
                 return r.action  # every hit from the nth on: the call site slows down
             if r.point == point and r.nth == n:
                 if r.once and not self._claim(r):

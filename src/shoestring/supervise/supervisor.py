@@ -23,6 +23,9 @@ from typing import Any, Mapping
 
 from shoestring import exitcodes
 from shoestring.events import EventLog
+from shoestring.watch.alerts import Alerts, AlertSink, CallbackSink, StderrSink, WebhookSink
+from shoestring.watch.degrade import DegradePolicy
+from shoestring.watch.exporter import JobState, PrometheusExporter
 from shoestring.watch.hang import HangPolicy, Verdict
 from shoestring.watch.watchdog import Watchdog
 
@@ -38,6 +41,12 @@ class SupervisorConfig:
     run_dir: Path | None = None
     watch: bool = True  # needs run_dir: the ranks publish their live state under it
     hang: HangPolicy = HangPolicy()
+    degrade: DegradePolicy = DegradePolicy()
+    metrics_interval_s: float = 10.0  # 0: no host/GPU metric samples
+    job: str = "job"  # the `job` label of alerts and Prometheus series
+    prometheus_port: int | None = None  # None: no endpoint; 0: any free port
+    prometheus_addr: str = "127.0.0.1"
+    webhook: str | None = None
 
 
 class Supervisor:
@@ -46,6 +55,14 @@ class Supervisor:
         self._child: subprocess.Popen[bytes] | None = None
         self._signalled: int | None = None
         self._hung: Verdict | None = None
+        host = os.uname().nodename
+        self.state = JobState(cfg.job, host)
+        sinks: list[AlertSink] = [CallbackSink(self._emit_alarm), StderrSink(cfg.job)]
+        if cfg.webhook:
+            sinks.append(WebhookSink(cfg.webhook, cfg.job, host))
+        self.alerts = Alerts(sinks)
+        self.exporter: PrometheusExporter | None = None
+        self._sampler: Any = None
 
     def _events(self) -> EventLog | None:
         if self.cfg.run_dir is None:
@@ -64,10 +81,22 @@ class Supervisor:
             with ev:
                 ev.emit(event, **fields)
 
+    def _emit_alarm(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind != "hang":  # the hang record is written by _on_hang, with the verdict file
+            self._emit(kind, **fields)
+
     def _on_alarm(self, kind: str, fields: dict[str, Any]) -> None:
-        """An alarm that does not stop the job (a straggler): event log and stderr."""
-        self._emit(kind, **fields)
-        log.warning("%s: %s", kind.upper(), ", ".join(f"{k}={v}" for k, v in fields.items()))
+        """An alarm that does not stop the job (a straggler, a degradation): every sink."""
+        self.state.alarm(fields.get("kind", kind), fields.get("rank"))
+        self.alerts(kind, fields)
+
+    def _on_record(self, event: str, fields: dict[str, Any]) -> None:
+        """A periodic record (``window``, ``metrics``): event log and the Prometheus view."""
+        if event == "window":
+            self.state.update(windows=[fields])
+        elif event == "metrics":
+            self.state.update(metrics=fields)
+        self._emit(event, **fields)
 
     def _on_hang(self, verdict: Verdict) -> None:
         """Record the verdict, then kill the whole job hard (a hung rank cannot take part
@@ -87,6 +116,11 @@ class Supervisor:
                         ranks={r: {k: v for k, v in d.items() if k != "stacks"}
                                for r, d in rec["ranks"].items()})
         log.error("HANG: %s (verdict with stacks: %s); killing the job", verdict.summary, path)
+        self.state.alarm("hang", ",".join(map(str, verdict.culprits)))
+        self.alerts("hang", {"summary": verdict.summary, "culprits": verdict.culprits,
+                             "verdict_kind": verdict.kind, "collective": verdict.collective,
+                             "detected_after_s": round(verdict.detected_after_s, 3),
+                             "verdict_file": str(path)})
         for info in verdict.ranks.values():
             try:
                 os.kill(int(info["pid"]), signal.SIGKILL)
@@ -109,22 +143,44 @@ class Supervisor:
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._forward) for s in FORWARDED}
+        if self.cfg.prometheus_port is not None:
+            self.exporter = PrometheusExporter(self.state, self.cfg.prometheus_port,
+                                               self.cfg.prometheus_addr)
+            log.info("Prometheus metrics on http://%s:%d/metrics", self.exporter.addr,
+                     self.exporter.port)
         try:
             return self._loop()
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+            self.alerts.close()
+            if self._sampler is not None:
+                self._sampler.close()
+            if self.exporter is not None:
+                self.exporter.close()
+
+    def _watchdog(self) -> Watchdog:
+        from shoestring.watch.metrics import MetricsSampler
+
+        assert self.cfg.run_dir is not None
+        if self._sampler is None and self.cfg.metrics_interval_s > 0:
+            self._sampler = MetricsSampler()
+        return Watchdog(self.cfg.run_dir, self.cfg.hang, self._on_hang, on_alarm=self._on_alarm,
+                        on_record=self._on_record,
+                        on_snapshots=lambda snaps: self.state.update(snaps=snaps),
+                        degrade=self.cfg.degrade, sampler=self._sampler,
+                        metrics_interval_s=self.cfg.metrics_interval_s or 1e9)
 
     def _loop(self) -> int:
         attempt = 0
         while True:
             t0 = time.monotonic()
             self._emit("attempt_start", attempt=attempt, argv=self.argv)
+            self.state.new_attempt(attempt)
             self._hung = None
             self._child = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
             if self.cfg.watch and self.cfg.run_dir is not None:
-                with Watchdog(self.cfg.run_dir, self.cfg.hang, self._on_hang,
-                              on_alarm=self._on_alarm):
+                with self._watchdog():
                     rc = self._child.wait()
             else:
                 rc = self._child.wait()

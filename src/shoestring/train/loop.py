@@ -426,7 +426,8 @@ class Finetune:
                                            faults=self.opts.faults)
         w = self.cfg.watch
         self.rec: Recorder | NullRecorder = (
-            Recorder(self.out, self.rank, world_size=self.dist.world_size, interval_s=w.interval_s)
+            Recorder(self.out, self.rank, world_size=self.dist.world_size, interval_s=w.interval_s,
+                     faults=self.opts.faults)
             if w.enabled else NullRecorder())
         try:
             with SignalSource(self.flag, self.cfg.preempt.signal), self.rec, \

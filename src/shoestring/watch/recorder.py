@@ -70,10 +70,12 @@ class Recorder:
     """One per rank. Thread-safe; cheap to call from the training thread."""
 
     def __init__(self, run_dir: Path, rank: int, *, world_size: int = 1, interval_s: float = 0.5,
-                 window: int = 200, ring: int = 64, clock: Callable[[], float] = time.time) -> None:
+                 window: int = 200, ring: int = 64, clock: Callable[[], float] = time.time,
+                 faults: Any = None) -> None:
         self.dir = rank_dir(run_dir, rank)
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
         self._clock = clock
+        self._faults = faults  # a FaultPlan: ``comm.ddp`` slows the traced all-reduce (tests)
         self._lock = threading.Lock()
         self._durations: dict[str, deque[float]] = {}
         self._window = window
@@ -91,6 +93,10 @@ class Recorder:
         self._patched: dict[str, Any] = {}
         self._work_step: dict[str, list[float]] = {}
         self._work: dict[str, deque[float]] = {}
+        # Cumulative over quiet steps: the watchdog turns deltas into per-minute windows.
+        self._totals = {"steps": 0, "tokens": 0, "train_s": 0.0, "comm_s": 0.0}
+        self._step_train_s = 0.0
+        self._step_comm_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Recorder":
@@ -120,6 +126,8 @@ class Recorder:
         t0 = self._clock()
         with self._lock:
             self._phase.append((name, t0))
+            if name == "train_step":
+                self._step_comm_s = 0.0
         try:
             yield
         finally:
@@ -127,6 +135,8 @@ class Recorder:
             with self._lock:
                 self._phase.pop()
                 self._durations.setdefault(name, deque(maxlen=self._window)).append(dt)
+                if name == "train_step":
+                    self._step_train_s = dt
 
     def work(self, part: str, seconds: float, tokens: int) -> None:
         """Collective-free work of this step (``data``, ``forward``) and the padded tokens it
@@ -144,6 +154,12 @@ class Recorder:
             for part, (sec, tok) in self._work_step.items() if count_work else ():
                 if tok > 0:
                     self._work.setdefault(part, deque(maxlen=self._window)).append(sec / tok)
+            if count_work:
+                t = self._totals
+                t["steps"] += 1
+                t["tokens"] += int(self._work_step.get("forward", (0.0, 0))[1])
+                t["train_s"] += self._step_train_s
+                t["comm_s"] += self._step_comm_s
             self._work_step.clear()
 
     # ------------------------------------------------------------------ collectives
@@ -160,6 +176,7 @@ class Recorder:
             rec = self._open.pop(seq, None)
             if rec is not None:
                 rec["end"] = self._clock()
+                self._step_comm_s += rec["end"] - rec["start"]
                 self._recent.append(rec)
 
     @contextlib.contextmanager
@@ -186,6 +203,9 @@ class Recorder:
             fut = default_hooks.allreduce_hook(state, bucket)
 
             def done(f):  # type: ignore[no-untyped-def]
+                delay = self._faults.hit("comm.ddp") if self._faults is not None else None
+                if delay:  # injected slow link: this all-reduce completes MS ms later
+                    time.sleep(int(delay[5:]) / 1000)
                 self._end(seq)
                 return f.value()
 
@@ -251,6 +271,7 @@ class Recorder:
                     "open_collectives": [dict(r) for r in open_],
                     "recent_collectives": [dict(r) for r in list(self._recent)[-8:]],
                     "stats": stats,
+                    "totals": {k: round(v, 6) for k, v in self._totals.items()},
                     "work": {k: [round(x, 9) for x in list(v)[-64:]]
                              for k, v in self._work.items()}}
 

@@ -1,7 +1,9 @@
 """The watchdog thread of ``shoestring run``: reads the ranks' live snapshots,
 decides whether the job is hung, and on a verdict captures every rank's Python
 stacks (faulthandler, in-process), records the verdict and asks the supervisor
-to kill and restart the job.
+to kill and restart the job. On the same poll it checks for stragglers, closes
+the per-window degradation statistics and, at its own interval, samples host
+and GPU metrics; records and alarms go to the supervisor's callbacks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from shoestring.watch.degrade import DegradationMonitor, DegradePolicy
 from shoestring.watch.hang import HangPolicy, Verdict, analyze
 from shoestring.watch.recorder import LIVE, STACK_SIGNAL, STACKS
 from shoestring.watch.straggler import StragglerPolicy, straggler
@@ -60,24 +63,44 @@ def capture_stacks(run_dir: Path, snaps: dict[int, dict[str, Any]], wait_s: floa
     return stacks
 
 
+Record = Callable[[str, dict[str, Any]], None]
+
+
 class Watchdog:
-    """Context manager around one attempt; ``verdict`` is set when a hang was found."""
+    """Context manager around one attempt; ``verdict`` is set when a hang was found.
+
+    ``on_alarm(kind, fields)`` receives stragglers and degradation alarms;
+    ``on_record(event, fields)`` receives ``window`` and ``metrics`` records;
+    ``on_snapshots(snaps)`` sees every poll's snapshots (the Prometheus view).
+    ``sampler`` (a :class:`~shoestring.watch.metrics.MetricsSampler`) is sampled
+    every ``metrics_interval_s`` when given.
+    """
 
     def __init__(self, run_dir: Path, policy: HangPolicy, on_hang: Callable[[Verdict], None],
-                 *, on_alarm: Callable[[str, dict[str, Any]], None] | None = None,
+                 *, on_alarm: Record | None = None, on_record: Record | None = None,
+                 on_snapshots: Callable[[dict[int, dict[str, Any]]], None] | None = None,
                  stragglers: StragglerPolicy = StragglerPolicy(),
+                 degrade: DegradePolicy | None = None, sampler: Any = None,
+                 metrics_interval_s: float = 10.0,
                  poll_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
         self.run_dir, self.policy, self.on_hang = run_dir, policy, on_hang
-        self.on_alarm, self.stragglers = on_alarm, stragglers
+        self.on_alarm, self.on_record, self.on_snapshots = on_alarm, on_record, on_snapshots
+        self.stragglers, self.degrade_policy = stragglers, degrade
+        self.sampler, self.metrics_interval_s = sampler, metrics_interval_s
         self._reported: set[tuple[int, str]] = set()
         self.poll_s, self._clock = poll_s, clock
         self.verdict: Verdict | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._since = 0.0
+        self._degrade: DegradationMonitor | None = None
+        self._next_sample = 0.0
 
     def __enter__(self) -> "Watchdog":
         self._since = self._clock()
+        if self.degrade_policy is not None:
+            self._degrade = DegradationMonitor(self.degrade_policy)
+        self._next_sample = self._since + min(1.0, self.metrics_interval_s)
         self._thread = threading.Thread(target=self._loop, name="shoestring-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -93,7 +116,11 @@ class Watchdog:
         if not snaps:
             return None
         world = max(int(s.get("world_size", 1)) for s in snaps.values())
+        if self.on_snapshots is not None:
+            self.on_snapshots(snaps)
         self._check_stragglers(snaps, world)
+        self._check_windows(snaps)
+        self._sample(snaps)
         verdict = analyze(snaps, self._clock(), self.policy, world)
         if verdict is None:
             return None
@@ -111,7 +138,33 @@ class Watchdog:
             return
         self._reported.add((found["rank"], found["part"]))
         found["step"] = running[found["rank"]]["step"]
+        found["message"] = (f"its {found['part']} work is {found['slower_by']:.0%} slower per "
+                            "token than its peers'")
         self.on_alarm("straggler", found)
+
+    def _check_windows(self, snaps: dict[int, dict[str, Any]]) -> None:
+        if self._degrade is None:
+            return
+        windows, alarms = self._degrade.observe(self._clock(), snaps)
+        for w in windows:
+            if self.on_record is not None:
+                self.on_record("window", w.to_json())
+        for a in alarms:
+            if self.on_alarm is not None:
+                a["step"] = snaps[a["rank"]]["step"]
+                self.on_alarm("alarm", a)
+
+    def _sample(self, snaps: dict[int, dict[str, Any]]) -> None:
+        now = self._clock()
+        if self.sampler is None or now < self._next_sample:
+            return
+        self._next_sample = now + self.metrics_interval_s
+        host = os.uname().nodename
+        pids = {r: int(s["pid"]) for r, s in snaps.items()
+                if s.get("host") == host and s.get("status") == "running"}
+        rec = self.sampler.sample(pids)
+        if self.on_record is not None:
+            self.on_record("metrics", rec)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
