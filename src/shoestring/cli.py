@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from shoestring import __version__, exitcodes
 from shoestring.config import ConfigError, FinetuneConfig, help_table, load
@@ -174,10 +174,19 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
     return Supervisor(argv, cfg, env).run()
 
 
+def _lazy(name: str) -> Callable[..., Any]:
+    """A function of shoestring.report.cli, imported when a verb needs it."""
+    import importlib
+
+    return getattr(importlib.import_module("shoestring.report.cli"), name)
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
                           Callable[[argparse.Namespace, list[str], dict[str, str]], int]]] = {
     "finetune": (_finetune_parser, _run_finetune),
     "run": (_run_parser, _run_run),
+    "report": (lambda sub: _lazy("report_parser")(sub), lambda *a: _lazy("run_report")(*a)),
+    "top": (lambda sub: _lazy("top_parser")(sub), lambda *a: _lazy("run_top")(*a)),
 }
 
 

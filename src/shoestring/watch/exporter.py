@@ -119,7 +119,8 @@ class JobCollector:
                                  "rank's process", labels=list(RANK_LABELS))
         for r, p in sorted((m.get("ranks") or {}).items()):
             lab = [job, host, str(r)]
-            cpu.add_metric(lab, float(p["cpu_pct"]))
+            if "cpu_pct" in p:
+                cpu.add_metric(lab, float(p["cpu_pct"]))
             rss.add_metric(lab, float(p["rss_bytes"]))
             if "read_bytes" in p:
                 rd.add_metric(lab, float(p["read_bytes"]))

@@ -30,6 +30,7 @@ class ProcessSampler:
     def __init__(self) -> None:
         self._ps = _psutil()
         self._procs: dict[int, Any] = {}
+        self._ps.cpu_percent(None)  # start the host CPU interval
 
     def sample(self, pids: Mapping[int, int]) -> dict[int, dict[str, Any]]:
         """``{rank: {...}}`` for the given ``{rank: pid}``; ranks whose process is gone
@@ -39,13 +40,15 @@ class ProcessSampler:
         for rank, pid in pids.items():
             proc = self._procs.get(pid)
             try:
+                first = proc is None
                 if proc is None:
                     proc = self._procs[pid] = ps.Process(pid)
-                    proc.cpu_percent(None)  # the first call only starts the interval
                 with proc.oneshot():
-                    rec: dict[str, Any] = {"pid": pid, "cpu_pct": proc.cpu_percent(None),
-                                           "rss_bytes": proc.memory_info().rss,
+                    rec: dict[str, Any] = {"pid": pid, "rss_bytes": proc.memory_info().rss,
                                            "threads": proc.num_threads()}
+                    cpu = proc.cpu_percent(None)
+                    if not first:  # the first call only starts psutil's interval
+                        rec["cpu_pct"] = cpu
                     try:
                         io = proc.io_counters()
                         rec.update(read_bytes=io.read_bytes, write_bytes=io.write_bytes)

@@ -1,0 +1,411 @@
+"""One typed timeline of a run directory, merged from every rank and every attempt.
+
+A run directory holds rank 0's ``events.jsonl`` (which ``shoestring run`` also
+appends its own records to, as rank -1) and ``ranks/rank<R>/events.jsonl`` for
+the other ranks. The files are read whole, merged by time and cut into
+attempts. Attempt boundaries come from the supervisor's ``attempt_start``
+records when there are any (they are the only records that see an attempt
+that died before its first step); without a supervisor, each ``run_start`` a
+rank writes begins its next attempt.
+
+The reader never trusts a file to be complete: a SIGKILLed writer can leave a
+torn last line, a crashed one an empty file. Unparseable lines are skipped and
+counted per file, so a view can say how much it could not read rather than
+fail or silently pretend.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+#: Events that report a problem: listed in the alarms table and marked on the timeline.
+#: ``alarm`` is the generic kind (its own ``kind`` field says which).
+ALARM_EVENTS = frozenset({"hang", "straggler", "alarm", "gave_up", "checkpoint_failed",
+                          "checkpoint_invalid"})
+
+SUPERVISOR_RANK = -1
+
+
+@dataclass(frozen=True)
+class Event:
+    """One record of any kind. ``data`` is the record as written (unknown fields kept)."""
+
+    ts: float
+    kind: str
+    rank: int
+    attempt: int
+    data: Mapping[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+
+@dataclass(frozen=True)
+class Step:
+    ts: float
+    rank: int
+    attempt: int
+    step: int
+    step_ms: float | None
+    loss: float | None
+    tokens: int | None
+    tokens_per_s: float | None
+    #: time in collectives during the step, when the step record carries it
+    comm_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Attempt:
+    index: int
+    start: float
+    end: float | None  # None: still running, or its end was never logged
+    exit_code: int | None
+    hung: bool = False
+    restart_reason: str | None = None  # why the *next* attempt was started
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """Any problem report, normalized: what, who, where, in one line."""
+
+    ts: float
+    kind: str  # "hang/stuck_rank", "straggler", "comm_degraded", "gave_up", ...
+    ranks: tuple[int, ...]
+    message: str
+    attempt: int
+    collective: str = ""
+    event: Event | None = None
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    """One value of one ``metrics`` series: ``series`` is e.g. ``cpu_pct``, ``owner`` a
+    rank (``rank 1``), a GPU (``gpu 0``) or ``host``."""
+
+    ts: float
+    series: str
+    owner: str
+    value: float
+
+
+@dataclass
+class SourceFile:
+    path: Path
+    lines: int = 0
+    skipped: int = 0
+
+
+@dataclass
+class Timeline:
+    run_dir: Path
+    events: list[Event] = field(default_factory=list)
+    sources: list[SourceFile] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ selections
+    def of(self, *kinds: str) -> list[Event]:
+        return [e for e in self.events if e.kind in kinds]
+
+    @property
+    def skipped_lines(self) -> int:
+        return sum(s.skipped for s in self.sources)
+
+    @property
+    def t0(self) -> float | None:
+        return self.events[0].ts if self.events else None
+
+    @property
+    def t1(self) -> float | None:
+        return self.events[-1].ts if self.events else None
+
+    @property
+    def wall_s(self) -> float:
+        return (self.t1 - self.t0) if self.events else 0.0  # type: ignore[operator]
+
+    @property
+    def run_start(self) -> Event | None:
+        """The latest ``run_start`` (model, world size, ... of the attempt that counts)."""
+        starts = [e for e in self.of("run_start") if e.rank in (0, SUPERVISOR_RANK)] or \
+            self.of("run_start")
+        return starts[-1] if starts else None
+
+    @property
+    def run_id(self) -> str:
+        for e in reversed(self.events):
+            rid = e.get("run_id")
+            if rid and rid != "supervisor":
+                return str(rid)
+        try:
+            return str(json.loads((self.run_dir / "run.json").read_text())["run_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return "?"
+
+    @property
+    def world_size(self) -> int:
+        rs = self.run_start
+        ws = int(rs.get("world_size") or 1) if rs else 1
+        return max([ws] + [r + 1 for r in self.ranks])
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events if e.rank >= 0})
+
+    def steps(self) -> dict[int, list[Step]]:
+        """Step records per rank, in time order (redone steps after a resume appear again)."""
+        out: dict[int, list[Step]] = {}
+        for e in self.of("step"):
+            out.setdefault(e.rank, []).append(Step(
+                ts=e.ts, rank=e.rank, attempt=e.attempt, step=int(e.get("step", 0)),
+                step_ms=_num(e.get("step_ms")), loss=_num(e.get("loss")),
+                tokens=_int(e.get("tokens")), tokens_per_s=_num(e.get("tokens_per_s")),
+                comm_ms=_num(e.get("comm_ms"))))
+        return out
+
+    def last_step(self) -> int:
+        steps = [int(e.get("step", 0)) for e in self.of("step")]
+        return max(steps) if steps else 0
+
+    def checkpoints(self) -> list[Event]:
+        """Committed checkpoints (rank 0's record: one per save, whatever the world size)."""
+        cks = self.of("checkpoint")
+        rank0 = [e for e in cks if e.rank == 0]
+        return rank0 or cks
+
+    def preemptions(self) -> list[Event]:
+        """One record per preempted attempt: its ``preempt`` event, or the supervisor's
+        ``attempt_end`` with exit 75 when the job died before it could log one."""
+        out: dict[int, Event] = {}
+        for e in self.of("preempt"):
+            out.setdefault(e.attempt, e)
+        for e in self.of("attempt_end"):
+            if e.get("exit_code") in (75, 76) and e.attempt not in out:
+                out[e.attempt] = e
+        return sorted(out.values(), key=lambda e: e.ts)
+
+    def restarts(self) -> list[Event]:
+        return self.of("restart")
+
+    def alarms(self) -> list[Alarm]:
+        return [to_alarm(e) for e in self.events if e.kind in ALARM_EVENTS]
+
+    def metrics(self) -> list[MetricSample]:
+        out: list[MetricSample] = []
+        for e in self.of("metrics"):
+            out.extend(metric_samples(e))
+        return out
+
+    def final_loss(self) -> float | None:
+        losses = [e for e in self.of("step") if e.get("loss") is not None]
+        if not losses:
+            return None
+        top = max(int(e.get("step", 0)) for e in losses)
+        return _num([e for e in losses if int(e.get("step", 0)) == top][-1].get("loss"))
+
+    def final_eval(self) -> Event | None:
+        evals = [e for e in self.of("eval") if e.get("loss") is not None]
+        return evals[-1] if evals else None
+
+
+# ---------------------------------------------------------------------- reading
+def event_files(run_dir: Path) -> list[Path]:
+    """Rank 0's log, then every other rank's, in rank order."""
+    files = [run_dir / "events.jsonl"]
+    rank_files = []
+    for p in (run_dir / "ranks").glob("rank*/events.jsonl"):
+        try:
+            rank_files.append((int(p.parent.name[4:]), p))
+        except ValueError:
+            continue
+    files += [p for _, p in sorted(rank_files)]
+    return [p for p in files if p.is_file()]
+
+
+def read_lines(path: Path) -> tuple[list[dict[str, Any]], SourceFile]:
+    """Parse one JSONL file; count (and skip) lines that are not a JSON object."""
+    src = SourceFile(path)
+    recs: list[dict[str, Any]] = []
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return recs, src
+    for line in raw.decode("utf-8", "replace").splitlines():
+        if not line.strip():
+            continue
+        src.lines += 1
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            src.skipped += 1
+            continue
+        if not isinstance(rec, dict) or "event" not in rec or \
+                not isinstance(rec.get("ts"), (int, float)):
+            src.skipped += 1
+            continue
+        recs.append(rec)
+    return recs, src
+
+
+def load(run_dir: str | Path) -> Timeline:
+    """Read every event log of ``run_dir`` into one :class:`Timeline`."""
+    run_dir = Path(run_dir)
+    tl = Timeline(run_dir)
+    raw: list[dict[str, Any]] = []
+    for i, path in enumerate(event_files(run_dir)):
+        recs, src = read_lines(path)
+        tl.sources.append(src)
+        for seq, r in enumerate(recs):
+            r.setdefault("rank", 0)
+            raw.append({**r, "_order": (i, seq)})
+    raw.sort(key=lambda r: (float(r["ts"]), r["_order"]))
+    starts = sorted((float(r["ts"]), int(r.get("attempt", 0))) for r in raw
+                    if r["event"] == "attempt_start" and _int(r.get("rank")) == SUPERVISOR_RANK)
+    run_starts: dict[int, int] = {}
+    for r in raw:
+        rank = _int(r.get("rank"))
+        rank = 0 if rank is None else rank
+        if starts:
+            i = bisect.bisect_right([t for t, _ in starts], float(r["ts"])) - 1
+            attempt = starts[max(i, 0)][1]
+        else:
+            if r["event"] == "run_start":
+                run_starts[rank] = run_starts.get(rank, -1) + 1
+            attempt = max(run_starts.get(rank, 0), 0)
+        data = {k: v for k, v in r.items() if k != "_order"}
+        tl.events.append(Event(ts=float(r["ts"]), kind=str(r["event"]), rank=rank,
+                               attempt=attempt, data=data))
+    tl.attempts = _attempts(tl.events, bool(starts))
+    return tl
+
+
+def _attempts(events: list[Event], supervised: bool) -> list[Attempt]:
+    if not events:
+        return []
+    by_index: dict[int, dict[str, Any]] = {}
+    for e in events:
+        a = by_index.setdefault(e.attempt, {"start": e.ts, "end": None, "exit_code": None,
+                                            "hung": False, "reason": None})
+        a["start"] = min(a["start"], e.ts)
+        if e.kind == "attempt_end":
+            a["end"], a["exit_code"], a["hung"] = e.ts, _int(e.get("exit_code")), \
+                bool(e.get("hung"))
+        elif e.kind == "run_end" and not supervised:
+            a["end"], a["exit_code"] = e.ts, 0
+    for e in events:  # "restart" carries the index of the attempt it starts
+        if e.kind == "restart" and _int(e.get("attempt")) is not None:
+            prev = by_index.get(int(e.get("attempt")) - 1)
+            if prev is not None:
+                prev["reason"] = e.get("reason")
+    out = []
+    for i, a in sorted(by_index.items()):
+        end = a["end"]
+        if end is None and not supervised:  # last record of the attempt is the best we know
+            end = max(e.ts for e in events if e.attempt == i)
+        out.append(Attempt(index=i, start=a["start"], end=end, exit_code=a["exit_code"],
+                           hung=a["hung"], restart_reason=a["reason"]))
+    return out
+
+
+# ---------------------------------------------------------------------- normalizing
+def to_alarm(e: Event) -> Alarm:
+    """One line per problem, whichever component reported it."""
+    d = e.data
+    ranks: tuple[int, ...] = ()
+    coll = ""
+    if e.kind == "hang":
+        kind = f"hang/{d.get('kind', '?')}"
+        ranks = tuple(int(r) for r in d.get("culprits") or ())
+        msg = str(d.get("summary") or "")
+        c = d.get("collective") or {}
+        if isinstance(c, dict) and c.get("op"):
+            coll = f"{c.get('op')} #{c.get('seq', '?')}"
+        if d.get("detected_after_s") is not None:
+            msg += f" (caught after {float(d['detected_after_s']):.1f} s)"
+    elif e.kind == "straggler":
+        kind = "straggler"
+        ranks = _ranks(d.get("rank"))
+        slower = _num(d.get("slower_by"))
+        msg = (f"{d.get('part', '?')} work per token "
+               f"{'+' + format(slower, '.0%') if slower is not None else '?'} vs peers"
+               f" at step {d.get('step', '?')}")
+    elif e.kind == "alarm":
+        kind = str(d.get("kind") or "alarm")
+        ranks = _ranks(d.get("rank", d.get("ranks")))
+        msg = str(d.get("message") or d.get("summary") or _kv(d))
+    elif e.kind == "gave_up":
+        kind = "gave_up"
+        msg = (f"out of restarts after {d.get('attempts', '?')} attempt(s), "
+               f"exit {d.get('exit_code')}")
+    else:  # checkpoint_failed, checkpoint_invalid
+        kind = e.kind
+        ranks = () if e.rank < 0 else (e.rank,)
+        msg = f"step {d.get('step', '?')}: {d.get('error', '')}".strip()
+    return Alarm(ts=e.ts, kind=kind, ranks=ranks, message=msg, attempt=e.attempt,
+                 collective=coll, event=e)
+
+
+#: ``metrics`` fields plotted, per owner: (series name, unit scale).
+METRIC_FIELDS = ("cpu_pct", "rss_bytes", "util_pct", "mem_used_bytes", "mem_util_pct",
+                 "temp_c", "power_w", "sm_clock_mhz", "load1")
+
+
+def metric_samples(e: Event) -> Iterable[MetricSample]:
+    """Flatten a ``metrics`` record: ``ranks`` {rank: {...}}, ``gpus`` [{gpu: i, ...}],
+    ``host`` {...}; anything missing is simply absent."""
+    d = e.data
+    ranks = d.get("ranks")
+    if isinstance(ranks, dict):
+        for r, vals in ranks.items():
+            yield from _fields(e.ts, f"rank {r}", vals)
+    gpus = d.get("gpus")
+    if isinstance(gpus, list):
+        for i, vals in enumerate(gpus):
+            if isinstance(vals, dict):
+                yield from _fields(e.ts, f"gpu {vals.get('gpu', i)}", vals)
+    if isinstance(d.get("host"), dict):
+        yield from _fields(e.ts, "host", d["host"])
+
+
+def _fields(ts: float, owner: str, vals: Any) -> Iterable[MetricSample]:
+    if not isinstance(vals, dict):
+        return
+    for k in METRIC_FIELDS:
+        v = _num(vals.get(k))
+        if v is not None:
+            yield MetricSample(ts, k, owner, v)
+
+
+def median(xs: Iterable[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if x == x else None  # NaN is absent
+
+
+def _int(x: Any) -> int | None:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _ranks(x: Any) -> tuple[int, ...]:
+    """The rank(s) a record is about; -1 (the supervisor writing it) is about no rank."""
+    if isinstance(x, list):
+        return tuple(int(r) for r in x if _int(r) is not None and int(r) >= 0)
+    r = _int(x)
+    return () if r is None or r < 0 else (r,)
+
+
+def _kv(d: Mapping[str, Any]) -> str:
+    skip = {"v", "ts", "event", "run_id", "rank", "kind"}
+    return ", ".join(f"{k}={v}" for k, v in d.items()
+                     if k not in skip and not isinstance(v, (dict, list)))
