@@ -41,6 +41,23 @@ def test_hang_is_caught_named_and_restarted(cli: CLI, tmp_path: Path, ddp_ref: P
         sha256(ddp_ref / "final" / "adapter_model.safetensors")
 
 
+def test_mismatched_collective_is_named_and_restarted(cli: CLI, tmp_path: Path,
+                                                      ddp_ref: Path) -> None:
+    # Rank 1 issues an extra, mis-shaped all_reduce (float64 of 3) during step 5.
+    out = tmp_path / "run"
+    r = run_job(cli, out, 2, *DIST, restarts=1,
+                env={"SHOESTRING_FAULTS": "step.agree@5:extra:rank1:once"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = read_events(out)
+    (hang,) = [e for e in ev if e["event"] == "hang"]
+    assert hang["kind"] == "collective_mismatch" and hang["culprits"] == [1]
+    assert hang["collective"]["op"] == "all_reduce" and hang["collective"]["shapes"] == [[3]]
+    assert "rank 1: all_reduce" in hang["summary"]
+    assert hang["detected_after_s"] <= hang["ranks"]["1"]["budget_s"] + 3.0
+    assert sha256(out / "final" / "adapter_model.safetensors") == \
+        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+
+
 def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_path: Path) -> None:
     # Rank 0 evaluates alone (DDP) while rank 1 waits in the next all-reduce, checkpoints
     # are written every 5 steps and the run crosses epoch boundaries (tiny dataset): none

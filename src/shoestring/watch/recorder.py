@@ -69,7 +69,7 @@ def _quantile(xs: list[float], q: float) -> float:
 class Recorder:
     """One per rank. Thread-safe; cheap to call from the training thread."""
 
-    def __init__(self, run_dir: Path, rank: int, *, world_size: int = 1, interval_s: float = 0.5,
+    def __init__(self, run_dir: Path, rank: int, *, world_size: int = 1, interval_s: float = 1.0,
                  window: int = 200, ring: int = 64, clock: Callable[[], float] = time.time,
                  faults: Any = None) -> None:
         self.dir = rank_dir(run_dir, rank)

@@ -82,7 +82,7 @@ class Watchdog:
                  stragglers: StragglerPolicy = StragglerPolicy(),
                  degrade: DegradePolicy | None = None, sampler: Any = None,
                  metrics_interval_s: float = 10.0,
-                 poll_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
+                 poll_s: float = 1.0, clock: Callable[[], float] = time.time) -> None:
         self.run_dir, self.policy, self.on_hang = run_dir, policy, on_hang
         self.on_alarm, self.on_record, self.on_snapshots = on_alarm, on_record, on_snapshots
         self.stragglers, self.degrade_policy = stragglers, degrade
