@@ -127,7 +127,16 @@ class LoraSection:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = knob(100, "Save every N optimizer steps (0: off).", check=non_negative)
+    every_steps: int = knob(100, "Save every N optimizer steps (0: off). With interval "
+                            "'auto', the interval until the first save is timed.",
+                            check=non_negative)
+    interval: str = knob("fixed", "'fixed': every_steps / every_seconds. 'auto': choose the "
+                         "interval from the measured blocking cost of a save and the mean "
+                         "time between failures that lose work (Young/Daly), re-tuned "
+                         "after every save.", choices=("fixed", "auto"))
+    mtbf_hours: float = knob(20.0, "interval 'auto': prior mean time between failures that "
+                             "lose work (kills without notice), updated by the failures this "
+                             "run has seen.", check=positive)
     every_seconds: float = knob(0.0, "Also save when this many seconds passed since the last "
                                 "save (0: off).", check=non_negative)
     keep: int = knob(2, "Committed checkpoints to keep; older ones are deleted only after a "
@@ -170,7 +179,7 @@ class DistributedConfig:
 class WatchConfig:
     enabled: bool = knob(True, "Publish this rank's live state (phase, step, collectives) to "
                          "OUTPUT/ranks/rank<R>/live.json for the shoestring run watchdog.")
-    interval_s: float = knob(0.5, "How often the live state is written, in seconds.",
+    interval_s: float = knob(1.0, "How often the live state is written, in seconds.",
                              check=positive)
 
 

@@ -24,13 +24,14 @@ import torch
 from shoestring import exitcodes
 from shoestring.checkpoint import (NO_FAULTS, CheckpointWriter, FaultPlan, RemoteStore,
                                    find_resume_point, load_files)
+from shoestring.checkpoint.interval import AutoInterval, IntervalPolicy, history_from_events
 from shoestring.checkpoint.local import clean_stale
 from shoestring.checkpoint.manifest import verify_dir
 from shoestring.checkpoint.sharded import ShardedWriter, is_sharded
 from shoestring.config import (RESUME_SAFE_PREFIXES, ConfigError, FinetuneConfig, config_hash,
                                resume_relevant, to_flat, to_yaml)
 from shoestring.distributed import DistEnv, ProcessGroups, barrier, broadcast_object
-from shoestring.events import EventLog
+from shoestring.events import EventLog, read_events
 from shoestring.preempt import PreemptionFlag, SignalSource
 from shoestring.train import data as D
 from shoestring.train import state as S
@@ -212,6 +213,24 @@ class Finetune:
                                sync=sync)
         self.last_save_time = time.monotonic()
         self.saved_step = progress.step
+        if self.auto is not None and not sync:
+            self.auto.observe_save(time.perf_counter() - t0)
+            self._plan_next_save(progress.step)
+
+    def _plan_next_save(self, step: int) -> None:
+        """interval 'auto': the step of the next save, decided on rank 0 for every rank."""
+        assert self.auto is not None
+        if self.rank == 0:
+            now = time.monotonic()
+            self.auto.observe_hours((now - self._auto_clock) / 3600)
+            self._auto_clock = now
+            n = self.auto.interval_steps(self.cfg.checkpoint.every_steps or 100)
+            self.next_save_step = step + n
+            if n != self._auto_last:
+                self._auto_last = n
+                self.events.emit("interval", step=step, every_steps=n, **self.auto.explain())
+        if self.dist.is_distributed:
+            self.next_save_step = int(broadcast_object(self.next_save_step))
 
     def _find_resume_point(self) -> tuple[int, str, str] | None:
         """Rank 0 chooses (it may quarantine or fetch); every rank gets the same answer."""
@@ -375,9 +394,27 @@ class Finetune:
             self.flag.set("peer")
         return float(t[0].item())
 
+    def _init_auto_interval(self, step: int) -> None:
+        c = self.cfg.checkpoint
+        self.auto: AutoInterval | None = None
+        if c.interval != "auto":
+            return
+        failures, hours = 0, 0.0
+        if self.rank == 0 and (self.out / "events.jsonl").exists():
+            self.events.sync()
+            failures, hours = history_from_events(read_events(self.out / "events.jsonl"))
+        self.auto = AutoInterval(IntervalPolicy(mtbf_hours=c.mtbf_hours), failures=failures,
+                                 hours_observed=hours)
+        self._auto_clock = time.monotonic()
+        self._auto_last = -1
+        self.next_save_step = step + (c.every_steps or 100)  # the first save times δ
+
     def _save_due(self, step: int) -> str | None:
         c = self.cfg.checkpoint
-        if c.every_steps and step % c.every_steps == 0:
+        if self.auto is not None:
+            if step >= self.next_save_step:
+                return "auto"
+        elif c.every_steps and step % c.every_steps == 0:
             return "steps"
         if c.every_seconds and self._elapsed_since_save() >= c.every_seconds:
             return "seconds"
@@ -448,6 +485,7 @@ class Finetune:
             progress = self._resume()
         fresh = progress.step == 0
         self.last_save_time = time.monotonic()
+        self._init_auto_interval(progress.step)
         self.events.emit("run_start", step=progress.step, max_steps=cfg.train.max_steps,
                          model=str(self.model_dir), base_fingerprint=self.base_fp,
                          config_hash=self.cfg_hash, train_samples=len(self.train_examples),
@@ -472,6 +510,8 @@ class Finetune:
                     self.opts.faults.hit("step.end")
                     self.writer.check()
                 self.rec.step_done(progress.step, count_work=quiet)
+                if self.auto is not None:
+                    self.auto.observe_step(m["step_ms"] / 1e3)
                 self.events.emit("step", step=progress.step, epoch=self.order.epoch_of(
                     progress.consumed - 1), **{k: round(v, 6) for k, v in m.items()})
                 display.update(progress.step, m["loss"], m["lr"], m["tokens_per_s"])
