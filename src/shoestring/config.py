@@ -158,6 +158,15 @@ class PreemptConfig:
 
 
 @dataclass
+class CostConfig:
+    market: str = knob("spot", "Price the cost ledger charges: spot or on-demand.",
+                       choices=("spot", "on_demand"))
+    usd_per_hour: float = knob(0.0, "Price per device-hour on that market (0: the GPU "
+                               "catalog of shoestring plan, by the detected GPU).",
+                               check=non_negative)
+
+
+@dataclass
 class ExportConfig:
     merged: bool = knob(False, "Also write OUTPUT/merged/: the base model with the adapter merged in.")
 
@@ -196,13 +205,14 @@ class FinetuneConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
 
 #: Keys that may change between a checkpoint and its resume without breaking
 #: the continuation. Anything else changed makes ``--resume`` refuse.
 RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "output_dir", "train.max_steps", "train.log_every_steps", "train.num_threads",
-    "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.", "watch.",
+    "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.", "watch.", "cost.",
 )
 
 

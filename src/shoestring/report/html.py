@@ -163,6 +163,28 @@ def summary(ctx: Context) -> Section:
     return Section("summary", "Summary", body)
 
 
+def cost_ledger(ctx: Context) -> Section | None:
+    """Device-hours, what interruptions cost, and money (``report.ledger``)."""
+    from shoestring.report.ledger import compute
+
+    if not ctx.tl.of("step"):
+        return None
+    led = compute(ctx.tl)
+    usd = (lambda v: "—" if v is None else f"${v:,.2f}")
+    rows = [("device-hours", f"{led.device_hours:.4f} ({led.devices} × {led.device})"),
+            (f"spent ({led.market.replace('_', '-')})", usd(led.usd)),
+            ("same useful work on on-demand", usd(led.on_demand_usd)),
+            ("preemptions / failures that lost work", f"{led.preemptions} / {led.failures}"),
+            ("steps recomputed", f"{led.steps_recomputed} ({led.recompute_hours * 3600:.1f} "
+                                 "device-s)"),
+            ("restart overhead", f"{led.restart_hours * 3600:.1f} device-s"),
+            ("checkpoint stalls", f"{led.checkpoint_hours * 3600:.2f} device-s"),
+            ("overhead share", f"{100 * led.overhead_hours / led.device_hours:.2f} %"
+             if led.device_hours else "—")]
+    return Section("cost", "Cost ledger", table(("item", "value"), rows, "ledger"),
+                   note=f"price: {led.price_source or 'none'}")
+
+
 def step_times(ctx: Context) -> Section | None:
     per_rank = ctx.tl.steps()
     if not per_rank:
@@ -434,9 +456,9 @@ def sources(ctx: Context) -> Section:
     return Section("sources", "Sources", table(("file", "lines", "skipped"), rows), note=note)
 
 
-DEFAULT_SECTIONS: tuple[SectionFn, ...] = (summary, event_band, step_times, comm_share,
-                                           loss_curve, alarms_table, checkpoints_table,
-                                           metrics, phases_table, sources)
+DEFAULT_SECTIONS: tuple[SectionFn, ...] = (summary, cost_ledger, event_band, step_times,
+                                           comm_share, loss_curve, alarms_table,
+                                           checkpoints_table, metrics, phases_table, sources)
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#222;

@@ -265,6 +265,7 @@ def load(run_dir: str | Path) -> Timeline:
     starts = sorted((float(r["ts"]), int(r.get("attempt", 0))) for r in raw
                     if r["event"] == "attempt_start" and _int(r.get("rank")) == SUPERVISOR_RANK)
     run_starts: dict[int, int] = {}
+    resumed: dict[int, bool] = {}
     for r in raw:
         rank = _int(r.get("rank"))
         rank = 0 if rank is None else rank
@@ -272,8 +273,11 @@ def load(run_dir: str | Path) -> Timeline:
             i = bisect.bisect_right([t for t, _ in starts], float(r["ts"])) - 1
             attempt = starts[max(i, 0)][1]
         else:
-            if r["event"] == "run_start":
+            # A process logs ``resume`` (if it loaded a checkpoint) and then ``run_start``:
+            # whichever comes first begins its attempt.
+            if r["event"] in ("resume", "run_start") and not resumed.pop(rank, False):
                 run_starts[rank] = run_starts.get(rank, -1) + 1
+                resumed[rank] = r["event"] == "resume"
             attempt = max(run_starts.get(rank, 0), 0)
         data = {k: v for k, v in r.items() if k != "_order"}
         tl.events.append(Event(ts=float(r["ts"]), kind=str(r["event"]), rank=rank,

@@ -149,7 +149,9 @@ class Supervisor:
             log.info("Prometheus metrics on http://%s:%d/metrics", self.exporter.addr,
                      self.exporter.port)
         try:
-            return self._loop()
+            rc = self._loop()
+            self._cost_line()
+            return rc
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
@@ -158,6 +160,18 @@ class Supervisor:
                 self._sampler.close()
             if self.exporter is not None:
                 self.exporter.close()
+
+    def _cost_line(self) -> None:
+        """The run's cost ledger over all attempts, one line on stderr."""
+        if self.cfg.run_dir is None or not (self.cfg.run_dir / "events.jsonl").exists():
+            return
+        from shoestring.report.ledger import compute
+        from shoestring.report.timeline import load
+
+        try:
+            log.info("%s", compute(load(self.cfg.run_dir)).one_line())
+        except Exception as e:  # noqa: BLE001 - the ledger must not change the exit code
+            log.warning("cost ledger unavailable: %s", e)
 
     def _watchdog(self) -> Watchdog:
         from shoestring.watch.metrics import MetricsSampler

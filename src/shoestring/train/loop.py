@@ -492,6 +492,8 @@ class Finetune:
                          world_size=self.dist.world_size, strategy=self.strategy or "single",
                          micro_batch_size=self.batch.micro_batch_size,
                          grad_accum=self.batch.accum, pid=os.getpid(),
+                         device=_device_name(), market=cfg.cost.market,
+                         usd_per_hour=cfg.cost.usd_per_hour,
                          **model_summary(self.model))
         display = ProgressDisplay(cfg.train.max_steps, progress.step,
                                   log_every=cfg.train.log_every_steps, tty=self.opts.tty,
@@ -551,8 +553,25 @@ class Finetune:
                                                            self.tok, self.out))
             self.events.emit("run_end", status="completed", **summary)
             display.write(f"done: step {progress.step}, adapter in {final}")
+            ledger = self._ledger()
+            if ledger is not None:
+                display.write(ledger)
         barrier()
         return exitcodes.OK
+
+    def _ledger(self) -> str | None:
+        """The run's cost ledger (all attempts so far) as a ``cost`` event and one line."""
+        from shoestring.report import ledger as L
+        from shoestring.report.timeline import load
+
+        try:
+            self.events.sync()
+            led = L.compute(load(self.out))
+        except Exception as e:  # noqa: BLE001 - a report must never fail a finished run
+            log.warning("cost ledger unavailable: %s", e)
+            return None
+        self.events.emit("cost", **led.to_json())
+        return led.one_line()
 
     def _export(self) -> Path:
         if self.strategy == "fsdp":
@@ -591,3 +610,10 @@ def _fmt_eval(res: dict[str, Any]) -> str:
 def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
     """Run (or resume) a fine-tuning job; returns an exit code from :mod:`shoestring.exitcodes`."""
     return Finetune(cfg, opts or RunOptions()).run()
+
+
+def _device_name() -> str:
+    """What the cost ledger prices: the GPU's name, or "cpu"."""
+    if torch.cuda.is_available():
+        return str(torch.cuda.get_device_name(0))
+    return "cpu"
