@@ -98,6 +98,45 @@ def test_killed_rank_is_restarted_and_result_is_byte_identical(cli: CLI, tmp_pat
         sha256(ddp_ref / "final" / "adapter_model.safetensors")
 
 
+def test_warning_signal_to_run_checkpoints_every_rank_and_resumes(cli: CLI, tmp_path: Path,
+                                                                  ddp_ref: Path) -> None:
+    # A Slurm-style warning (SIGUSR1) to `shoestring run`: torchrun must survive it, every
+    # rank must stop at one step, and the emergency checkpoint must be sealed before any
+    # rank exits (torchrun stops the others as soon as one leaves).
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shoestring", "run", "--nproc-per-node", "2",
+           "--max-restarts", "2", "--run-dir", str(out), "--", sys.executable, "-m",
+           "shoestring", "finetune", "--output_dir", str(out), *DIST]
+    env = cli.env(SHOESTRING_FAULTS="step.forward@1:slow200")  # slower steps, same numbers
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if any(e["event"] == "step" and e["step"] >= 5 for e in read_events(out)
+               if (out / "events.jsonl").exists()):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, err[-3000:]
+    ev = read_events(out)
+    (pre,) = [e for e in ev if e["event"] == "preempt"]
+    assert pre["saved"] and pre["reason"] == "SIGUSR1"
+    assert (out / "checkpoints" / f"step-{pre['step']:08d}" / "manifest.json").exists()
+    assert not [e for e in ev if e["event"] == "restart"]
+    r = run_job(cli, out, 2, *DIST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (resume,) = [e for e in read_events(out) if e["event"] == "resume"]
+    assert resume["from_step"] == pre["step"] and resume["steps_lost"] == 0
+    assert sha256(out / "final" / "adapter_model.safetensors") == \
+        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+
+
 def test_resume_two_ranks_to_one(cli: CLI, tmp_path: Path, ddp_ref: Path,
                                  single_ref: Path) -> None:
     out = tmp_path / "run"

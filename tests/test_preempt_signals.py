@@ -31,3 +31,17 @@ def test_unconfigured_user_signal_is_not_ours() -> None:
         assert signal.getsignal(signal.SIGUSR1) is not signal.getsignal(signal.SIGUSR2)
     with SignalSource(flag, "none", hard_exit=lambda code: None) as src:
         assert src.signals == [signal.SIGTERM, signal.SIGINT]
+
+
+def test_the_same_warning_delivered_twice_is_one_notice() -> None:
+    # Slurm signals every process of a job step and `shoestring run` forwards the same
+    # warning: a repeat within echo_s is not the "stop now" second signal.
+    flag = PreemptionFlag()
+    exits: list[int] = []
+    with SignalSource(flag, "SIGUSR1", hard_exit=exits.append) as src:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.is_set() and exits == []
+        src.echo_s = 0.0  # later, the same signal again means "now"
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert exits == [exitcodes.PREEMPTED_HARD]

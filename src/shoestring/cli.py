@@ -125,6 +125,10 @@ def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--job-id", metavar="ID",
                    help="job label of alerts and metrics (default: $SLURM_JOB_ID, else the "
                         "run directory's name)")
+    p.add_argument("--slurm-requeue", choices=("auto", "never"), default="auto",
+                   help="inside a Slurm batch job stopped by its --signal warning (USR1/USR2): "
+                        "'auto' runs scontrol requeue $SLURM_JOB_ID if the job allows requeues "
+                        "and did not exit 2, so it comes back and resumes (default auto)")
     p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the job to run and its arguments")
     return p
@@ -170,23 +174,32 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
                                                  throughput_drop=args.throughput_drop),
                            metrics_interval_s=args.metrics_interval, job=job,
                            prometheus_port=args.prometheus_port,
-                           prometheus_addr=args.prometheus_addr, webhook=args.alert_webhook)
+                           prometheus_addr=args.prometheus_addr, webhook=args.alert_webhook,
+                           slurm_requeue=args.slurm_requeue)
     return Supervisor(argv, cfg, env).run()
 
 
-def _lazy(name: str) -> Callable[..., Any]:
-    """A function of shoestring.report.cli, imported when a verb needs it."""
+Parser = Callable[[argparse._SubParsersAction], argparse.ArgumentParser]
+Runner = Callable[[argparse.Namespace, list[str], dict[str, str]], int]
+
+
+def _lazy(module: str, parser: str, runner: str) -> tuple[Parser, Runner]:
+    """A verb whose module is imported only when it is used (keeps `--help` fast)."""
     import importlib
 
-    return getattr(importlib.import_module("shoestring.report.cli"), name)
+    def get(name: str) -> Callable[..., Any]:
+        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+    return (lambda sub: get(parser)(sub)), (lambda *a: get(runner)(*a))
 
 
-COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
-                          Callable[[argparse.Namespace, list[str], dict[str, str]], int]]] = {
+COMMANDS: dict[str, tuple[Parser, Runner]] = {
     "finetune": (_finetune_parser, _run_finetune),
     "run": (_run_parser, _run_run),
-    "report": (lambda sub: _lazy("report_parser")(sub), lambda *a: _lazy("run_report")(*a)),
-    "top": (lambda sub: _lazy("top_parser")(sub), lambda *a: _lazy("run_top")(*a)),
+    "plan": _lazy("shoestring.plan.cli", "plan_parser", "run_plan"),
+    "report": _lazy("shoestring.report.cli", "report_parser", "run_report"),
+    "top": _lazy("shoestring.report.cli", "top_parser", "run_top"),
+    "slurm": _lazy("shoestring.supervise.slurm", "slurm_parser", "run_slurm"),
 }
 
 

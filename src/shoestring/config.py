@@ -103,6 +103,11 @@ class TrainConfig:
                                 check=positive)
     num_threads: int = knob(0, "torch intra-op threads (0: leave torch's default).",
                             check=non_negative)
+    optimizer: str = knob("adamw", "adamw: torch AdamW (fp32 moments). adamw8bit: bitsandbytes "
+                          "8-bit AdamW (moments in uint8 blocks, 4x smaller). paged_adamw8bit: "
+                          "the same in CUDA unified memory, paged to host RAM under pressure "
+                          "(absorbs spikes; on CPU it equals adamw8bit).",
+                          choices=("adamw", "adamw8bit", "paged_adamw8bit"))
 
 
 @dataclass
@@ -123,6 +128,11 @@ class LoraSection:
     alpha: float = knob(32.0, "LoRA scaling numerator (scale = alpha / r).", check=positive)
     dropout: float = knob(0.05, "Dropout on the LoRA input.", check=unit_interval)
     target_modules: list[str] = knob(["all-linear"], "Module names to adapt, or ['all-linear'].")
+    quantize: str = knob("none", "Load the frozen base quantized by bitsandbytes (QLoRA): 'nf4' "
+                         "is 4-bit NormalFloat with double quantization, 'int8' is LLM.int8. "
+                         "Needs the qlora extra (pip install 'shoestring[qlora]'). On CPU, "
+                         "4-bit layer widths must be multiples of 64.",
+                         choices=("none", "nf4", "int8"))
 
 
 @dataclass
@@ -155,6 +165,17 @@ class PreemptConfig:
     signal: str = knob("SIGUSR1", "Extra signal that means 'checkpoint and exit' besides "
                        "SIGTERM and SIGINT (NCCL may use SIGUSR1; SIGUSR2 is the alternative).",
                        choices=("SIGUSR1", "SIGUSR2", "none"))
+    cloud: str = knob("auto", "Cloud preemption notices to watch: 'aws' (Spot interruption, "
+                      "~2 min), 'gcp' (Spot/preemptible, ~30 s), 'azure' (Spot Preempt event, "
+                      ">= 30 s), 'none', or 'auto': detect the provider from the firmware's "
+                      "DMI strings (no network probe; none found: no watcher).",
+                      choices=("auto", "none", "aws", "gcp", "azure"))
+    metadata_url: str = knob("", "Base URL of the metadata service for preempt.cloud (empty: "
+                             "http://169.254.169.254). Point it at a fake server to rehearse a "
+                             "preemption: python -m shoestring.preempt.fakes aws. Needs an "
+                             "explicit preempt.cloud.")
+    poll_s: float = knob(1.0, "Seconds between metadata polls for aws and azure (AWS advises "
+                         "<= 5; gcp long-polls and ignores this).", check=positive)
 
 
 @dataclass
@@ -193,6 +214,15 @@ class WatchConfig:
 
 
 @dataclass
+class PlanSection:
+    gpu: str = knob("auto", "GPU to plan memory for before loading the model: a catalog name "
+                    "(shoestring plan --list-gpus), 'auto' (the detected CUDA device; no check "
+                    "on CPU) or 'none' (no check).")
+    enforce: bool = knob(True, "Refuse to start when the plan says the config will not fit "
+                         "the GPU (false: warn and start anyway).")
+
+
+@dataclass
 class FinetuneConfig:
     output_dir: str = knob("runs/finetune", "Run directory: events.jsonl, checkpoints/, final/.")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -206,6 +236,7 @@ class FinetuneConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    plan: PlanSection = field(default_factory=PlanSection)
 
 
 #: Keys that may change between a checkpoint and its resume without breaking
@@ -213,6 +244,7 @@ class FinetuneConfig:
 RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "output_dir", "train.max_steps", "train.log_every_steps", "train.num_threads",
     "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.", "watch.", "cost.",
+    "plan.",
 )
 
 

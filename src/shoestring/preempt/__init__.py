@@ -1,5 +1,8 @@
-"""Preemption: one flag, many sources (signals now; cloud notices plug in here)."""
+"""Preemption: one flag, many sources (signals, AWS/GCP/Azure metadata notices)."""
 
+from shoestring.preempt.cloud import cloud_watcher, detect_cloud
 from shoestring.preempt.flag import PreemptionFlag, SignalSource
+from shoestring.preempt.notice import Notice, NoticeSource, NoticeWatcher
 
-__all__ = ["PreemptionFlag", "SignalSource"]
+__all__ = ["Notice", "NoticeSource", "NoticeWatcher", "PreemptionFlag", "SignalSource",
+           "cloud_watcher", "detect_cloud"]

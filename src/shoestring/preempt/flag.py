@@ -2,8 +2,8 @@
 
 Loops poll :meth:`PreemptionFlag.is_set` at safe points (end of a step, between
 eval batches, between data batches). Sources — POSIX signals here, cloud
-metadata watchers later — only call :meth:`PreemptionFlag.set`; they never
-touch training state.
+metadata watchers in :mod:`shoestring.preempt.notice` — only call
+:meth:`PreemptionFlag.set`; they never touch training state.
 """
 
 from __future__ import annotations
@@ -54,12 +54,24 @@ class SignalSource:
         self._hard_exit = hard_exit
         self._previous: dict[int, object] = {}
         self.count = 0
+        self._first: tuple[int, float] = (0, 0.0)
+        #: A repeat of the same warning signal (not SIGINT/SIGTERM) within this many
+        #: seconds is the same notice delivered twice, not a second signal.
+        self.echo_s = 2.0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self.count and signum == self._first[0] and signum not in (signal.SIGINT,
+                                                                       signal.SIGTERM) \
+                and now - self._first[1] < self.echo_s:
+            # The same warning delivered twice at once (Slurm signals every process of a
+            # job step, and `shoestring run` forwards it too): one notice, not "now".
+            return
         self.count += 1
         if self.count > 1:
             self._hard_exit(exitcodes.PREEMPTED_HARD)
             return
+        self._first = (signum, now)
         self.flag.set(signal.Signals(signum).name)
 
     def __enter__(self) -> "SignalSource":

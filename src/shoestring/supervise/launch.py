@@ -15,8 +15,6 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
-from shoestring.distributed import first_host
-
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -32,6 +30,8 @@ def launch_argv(spec: LaunchSpec, env: Mapping[str, str]) -> list[str]:
             "--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", "0"]
     nnodes = int(env.get("SLURM_NNODES", "1") or 1)
     if nnodes > 1:
+        from shoestring.distributed import first_host  # (imports torch: only when needed)
+
         host = first_host(env.get("SLURM_JOB_NODELIST", ""))
         argv += ["--nnodes", str(nnodes), "--node-rank", env.get("SLURM_NODEID", "0"),
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{spec.rdzv_port}",

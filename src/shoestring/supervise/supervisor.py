@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 from shoestring import exitcodes
 from shoestring.events import EventLog
+from shoestring.supervise.slurm import requeue_after_signal
 from shoestring.watch.alerts import Alerts, AlertSink, CallbackSink, StderrSink, WebhookSink
 from shoestring.watch.degrade import DegradePolicy
 from shoestring.watch.exporter import JobState, PrometheusExporter
@@ -47,6 +48,7 @@ class SupervisorConfig:
     prometheus_port: int | None = None  # None: no endpoint; 0: any free port
     prometheus_addr: str = "127.0.0.1"
     webhook: str | None = None
+    slurm_requeue: str = "auto"  # auto | never: see slurm.requeue_after_signal
 
 
 class Supervisor:
@@ -134,11 +136,25 @@ class Supervisor:
                 pass
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
-        self._signalled = signum
-        if self._child is not None and self._child.poll() is None:
+        """Pass the signal to the job once per process: its process group, plus ranks
+        that torchrun started in sessions of their own (found by their live state)."""
+        if self._signalled is None:  # the first signal decides (a warning, then a kill)
+            self._signalled = signum
+        child = self._child
+        if child is None or child.poll() is not None:
+            return
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+        if self.cfg.run_dir is None or signum not in (signal.SIGUSR1, signal.SIGUSR2):
+            return  # torchrun forwards SIGTERM/SIGINT to its workers itself
+        for snap in self.state.copy()["snaps"].values():
             try:
-                os.killpg(self._child.pid, signum)
-            except ProcessLookupError:
+                pid = int(snap["pid"])
+                if snap.get("host") == os.uname().nodename and os.getpgid(pid) != child.pid:
+                    os.kill(pid, signum)
+            except (KeyError, ValueError, ProcessLookupError, PermissionError):
                 pass
 
     def run(self) -> int:
@@ -173,6 +189,15 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - the ledger must not change the exit code
             log.warning("cost ledger unavailable: %s", e)
 
+    def _job_preempted(self, since: float) -> bool:
+        """Did rank 0 of this attempt log a committed emergency checkpoint?"""
+        if self.cfg.run_dir is None or not (self.cfg.run_dir / "events.jsonl").exists():
+            return False
+        from shoestring.events import read_events
+
+        return any(e.get("event") == "preempt" and e.get("saved") and e.get("ts", 0) >= since
+                   for e in read_events(self.cfg.run_dir / "events.jsonl"))
+
     def _watchdog(self) -> Watchdog:
         from shoestring.watch.metrics import MetricsSampler
 
@@ -188,17 +213,21 @@ class Supervisor:
     def _loop(self) -> int:
         attempt = 0
         while True:
-            t0 = time.monotonic()
+            t0, started = time.monotonic(), time.time()
             self._emit("attempt_start", attempt=attempt, argv=self.argv)
             self.state.new_attempt(attempt)
             self._hung = None
-            self._child = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+            self._child = subprocess.Popen(self.argv, env=self.env, start_new_session=True,
+                                           preexec_fn=_ignore_warning_signals)
             if self.cfg.watch and self.cfg.run_dir is not None:
                 with self._watchdog():
                     rc = self._child.wait()
             else:
                 rc = self._child.wait()
             self._child = None
+            if rc not in (0, exitcodes.PREEMPTED, exitcodes.PREEMPTED_HARD) \
+                    and self._job_preempted(started):
+                rc = exitcodes.PREEMPTED  # torchrun reports a rank's exit 75 as 1
             wall = round(time.monotonic() - t0, 3)
             self._emit("attempt_end", attempt=attempt, exit_code=rc, wall_s=wall,
                        hung=self._hung is not None)
@@ -207,6 +236,9 @@ class Supervisor:
             if self._signalled is not None:
                 log.warning("stopped by signal %d; job exited %d; not restarting here",
                             self._signalled, rc)
+                # Inside a Slurm job the way back is a requeue (same job id), not a restart.
+                requeue_after_signal(self.cfg.slurm_requeue, self.env, self._signalled, rc,
+                                     emit=self._emit)
                 return rc if rc in (exitcodes.PREEMPTED, exitcodes.PREEMPTED_HARD) \
                     else exitcodes.PREEMPTED
             if rc == exitcodes.USAGE:
@@ -230,3 +262,15 @@ def _reason(rc: int) -> str:
     if rc < 0:
         return f"killed by {signal.Signals(-rc).name}"
     return "failed"
+
+
+def _ignore_warning_signals() -> None:
+    """In the child before exec: SIGUSR1/SIGUSR2 ignored (inherited through exec).
+
+    torchrun has no handler for them and would die of a forwarded warning,
+    orphaning its ranks; a shoestring rank installs its own handler, which
+    replaces the inherited disposition. The supervisor forwards the warning to
+    the ranks itself.
+    """
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)

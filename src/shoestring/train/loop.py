@@ -32,15 +32,17 @@ from shoestring.config import (RESUME_SAFE_PREFIXES, ConfigError, FinetuneConfig
                                resume_relevant, to_flat, to_yaml)
 from shoestring.distributed import DistEnv, ProcessGroups, barrier, broadcast_object
 from shoestring.events import EventLog, read_events
-from shoestring.preempt import PreemptionFlag, SignalSource
+from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
 from shoestring.train import data as D
 from shoestring.train import state as S
 from shoestring.train.builtin import BUILTIN_TASK, builtin_records
 from shoestring.train.evaluate import eval_loss, exact_match
 from shoestring.train.export import export_adapter, export_merged, export_merged_from
 from shoestring.train import parallel as P
-from shoestring.train.model import (apply_lora, fingerprint, load_base_model, load_tokenizer,
-                                    model_summary, resolve_model_dir, trainable_parameters)
+from shoestring.train.model import (apply_lora, build_optimizer, check_lora_gradients,
+                                    fingerprint, load_base_model, load_tokenizer,
+                                    model_summary, require_bitsandbytes, resolve_model_dir,
+                                    trainable_parameters)
 from shoestring.train.progress import ProgressDisplay
 from shoestring.watch.recorder import NullRecorder, Recorder
 
@@ -104,6 +106,9 @@ def _last_logged_step(events_path: Path) -> int | None:
 
 def _check_compatible(saved: dict[str, Any], cfg: FinetuneConfig, where: str) -> None:
     old, new = resume_relevant(saved), resume_relevant(to_flat(cfg))
+    # A key the checkpoint does not know was added by a later version: it had its default.
+    default = resume_relevant(to_flat(FinetuneConfig()))
+    old = {**{k: v for k, v in default.items() if k not in old}, **old}
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k)]
     if changed:
@@ -123,6 +128,7 @@ class Finetune:
         self.out = Path(cfg.output_dir)
         self.ckroot = self.out / "checkpoints"
         self.flag = opts.flag or PreemptionFlag()
+        self._stop_agreed = False  # distributed: the flag as all ranks saw it (see _agree)
         self.strategy: str | None = cfg.distributed.strategy if self.dist.is_distributed else None
         self.groups: ProcessGroups | None = None
 
@@ -130,6 +136,14 @@ class Finetune:
     def _prepare_inputs(self) -> None:
         """Everything cheap that can fail on bad input, before loading weights."""
         cfg = self.cfg
+        if self.strategy == "fsdp" and cfg.lora.quantize != "none":
+            raise ConfigError("lora.quantize: bitsandbytes-quantized weights cannot be sharded "
+                              "by distributed.strategy fsdp; use ddp (each rank holds the "
+                              "small quantized base) or lora.quantize none")
+        if cfg.lora.quantize != "none":
+            require_bitsandbytes("lora.quantize")
+        if cfg.train.optimizer != "adamw":
+            require_bitsandbytes("train.optimizer")
         self.batch = P.BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size,
                                       self.dist.world_size, self.rank)
         self.train_records = _records(cfg.data.train, "train")
@@ -158,6 +172,7 @@ class Finetune:
         self.model_dir = resolve_model_dir(cfg.model, self.opts.cache_dir)
         if self.rank == 0:
             barrier()
+        self._plan_check()  # every rank reaches the same verdict
         self.base_fp = fingerprint(self.model_dir)
         self.tok = load_tokenizer(self.model_dir)
         stop = self.flag.is_set
@@ -167,7 +182,7 @@ class Finetune:
         self.train_examples = examples
         self.eval_examples = D.tokenize(self.eval_records, self.tok, cfg.data.max_length, stop)
         self.order = D.SampleOrder(len(self.train_examples), cfg.train.seed)
-        base = load_base_model(self.model_dir, cfg.model)
+        base = load_base_model(self.model_dir, cfg.model, cfg.lora.quantize)
         self.model = apply_lora(base, cfg.lora, cfg.train.seed, cfg.model.gradient_checkpointing)
         self.model.train()
         self.param_names = list(trainable_parameters(self.model))
@@ -179,14 +194,26 @@ class Finetune:
                 self.wrapped.register_comm_hook(None, self.rec.ddp_comm_hook)  # type: ignore[operator]
         # Under FSDP2 the parameters are DTensor shards now: collect them after wrapping.
         self.params = trainable_parameters(self.model)
-        self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay, fused=True)
+        self.optimizer = build_optimizer(list(self.params.values()), cfg.train.optimizer,
+                                         cfg.train.lr, cfg.train.weight_decay)
+        self.grads_checked = False
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.train.warmup_steps, cfg.train.max_steps,
                                       cfg.train.min_lr_ratio))
         self.scaler = None
         if cfg.model.dtype == "float16" and torch.cuda.is_available():  # pragma: no cover
             self.scaler = torch.amp.GradScaler("cuda")
+
+    def _plan_check(self) -> None:
+        """Refuse (plan.enforce) a config the planner says will not fit the GPU,
+        before anything heavy is loaded."""
+        from shoestring.plan.check import preflight
+
+        plan = preflight(self.cfg, self.model_dir, self.dist.world_size)
+        if plan is not None:
+            self.events.emit("plan", gpu=plan.gpu.name, fits=plan.fits,
+                             peak_bytes=plan.peak_bytes, gpu_memory_bytes=plan.gpu.memory_bytes,
+                             breakdown=plan.breakdown)
 
     # ------------------------------------------------------------------ pieces
     def _meta(self) -> dict[str, Any]:
@@ -306,14 +333,17 @@ class Finetune:
             return None
         c = self.cfg.eval
         t0 = time.perf_counter()
+        # FSDP2 evaluates on every rank in lockstep: abort only on the agreed flag, or a
+        # rank whose own flag was just raised (one watcher per node) would leave the rest
+        # waiting in a collective.
+        stop = self._stop_requested if self.strategy == "fsdp" else self.flag.is_set
         examples = self.eval_examples[: c.max_samples or None]
-        res = eval_loss(self.model, examples, c.batch_size, self.tok.pad_token_id, self.flag.is_set)
+        res = eval_loss(self.model, examples, c.batch_size, self.tok.pad_token_id, stop)
         if res is None:
             return None
         pairs = [r for r in self.eval_records[: c.max_samples or None] if r.is_pair]
         if c.exact_match and pairs:
-            em = exact_match(self.model, self.tok, pairs, c.max_new_tokens, c.batch_size,
-                             self.flag.is_set)
+            em = exact_match(self.model, self.tok, pairs, c.max_new_tokens, c.batch_size, stop)
             if em is None:
                 return None
             res.update(em)
@@ -355,6 +385,9 @@ class Finetune:
             total += float(loss.detach())
         if self.scaler is not None:  # pragma: no cover
             self.scaler.unscale_(self.optimizer)
+        if not self.grads_checked:  # a silent no-op training run fails here, loudly
+            check_lora_gradients(self.params)
+            self.grads_checked = True
         grad_norm = 0.0
         if cfg.max_grad_norm > 0:
             grad_norm = P.grad_norm_value(torch.nn.utils.clip_grad_norm_(
@@ -390,9 +423,19 @@ class Finetune:
         if fault == "extra":  # injected: an additional, mis-shaped collective
             dist.all_reduce(torch.zeros(3, dtype=torch.float64))
         dist.all_reduce(t)
-        if t[1].item() > 0 and not self.flag.is_set():
+        self._stop_agreed = t[1].item() > 0
+        if self._stop_agreed and not self.flag.is_set():
             self.flag.set("peer")
         return float(t[0].item())
+
+    def _stop_requested(self) -> bool:
+        """Stop after this step? With several ranks: what they all agreed on in this step's
+        all-reduce, not the live flag. A watcher thread or a signal can raise one rank's
+        flag just after that all-reduce; reading it live, that rank would skip a save and
+        leave while the others train on into a collective that never completes."""
+        if self.batch.world_size > 1:
+            return self._stop_agreed
+        return self.flag.is_set()
 
     def _init_auto_interval(self, step: int) -> None:
         c = self.cfg.checkpoint
@@ -467,8 +510,10 @@ class Finetune:
                      faults=self.opts.faults)
             if w.enabled else NullRecorder())
         try:
-            with SignalSource(self.flag, self.cfg.preempt.signal), self.rec, \
-                    self.rec.trace_collectives():
+            with SignalSource(self.flag, self.cfg.preempt.signal), \
+                    cloud_watcher(self.cfg.preempt, self.flag, self.events.emit,
+                                  local_rank=self.dist.local_rank), \
+                    self.rec, self.rec.trace_collectives():
                 return self._run()
         except InterruptedError:
             self.events.emit("preempt", step=None, reason=self.flag.reason, saved=False)
@@ -504,7 +549,7 @@ class Finetune:
             if before:
                 display.write("before: " + _fmt_eval(before))
         try:
-            while progress.step < cfg.train.max_steps and not self.flag.is_set():
+            while progress.step < cfg.train.max_steps and not self._stop_requested():
                 with self.rec.phase("train_step"):
                     quiet = not self.writer.busy()
                     m = self._train_step(progress)
@@ -524,12 +569,12 @@ class Finetune:
                     if res:
                         display.write(f"step {progress.step}: " + _fmt_eval(res))
                 reason = self._save_due(progress.step)
-                if reason and not self.flag.is_set():
+                if reason and not self._stop_requested():
                     with self.rec.phase("checkpoint"):
                         self._save(progress, reason, sync=False)
         finally:
             display.close()
-        if self.flag.is_set():
+        if self._stop_requested():
             with self.rec.phase("checkpoint"):
                 return self._preempted(progress)
         with self.rec.phase("checkpoint"):
@@ -595,6 +640,9 @@ class Finetune:
                                                                     time.time())) * 1e3, 1),
                          save_ms=round((time.perf_counter() - t0) * 1e3, 1))
         self.events.sync()
+        # No rank leaves before rank 0 has sealed the checkpoint: torchrun stops the others
+        # as soon as one rank exits, which would kill rank 0 in the middle of the seal.
+        barrier()
         log.warning("preempted (%s) at step %d; checkpoint committed, exiting %d to be resumed",
                     self.flag.reason, progress.step, exitcodes.PREEMPTED)
         return exitcodes.PREEMPTED

@@ -81,13 +81,114 @@ def quiet_hf() -> None:
                             category=FutureWarning)
 
 
-def load_base_model(model_dir: Path, cfg: ModelConfig) -> Any:
+BNB_HINT = ("needs bitsandbytes >= 0.50 (x86/aarch64 CPU and CUDA): "
+            "pip install 'shoestring[qlora]'")
+
+
+def require_bitsandbytes(key: str) -> Any:
+    """Import bitsandbytes lazily; a missing or old install is a config error naming ``key``."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError(f"{key}: {BNB_HINT}") from None
+    major, minor = (int(x) for x in bnb.__version__.split(".")[:2])
+    if (major, minor) < (0, 50):
+        raise ConfigError(f"{key}: found bitsandbytes {bnb.__version__}; {BNB_HINT}")
+    return bnb
+
+
+def quantization_config(quantize: str, dtype: str) -> Any:
+    """The ``BitsAndBytesConfig`` for ``lora.quantize`` (None for 'none').
+
+    nf4 uses double quantization (the blockwise absmax is itself quantized to
+    uint8: ~0.127 instead of 0.5 extra bits per weight) and computes in the model
+    dtype. Embeddings, the LM head and norms stay in that dtype: unlike
+    ``peft.prepare_model_for_kbit_training`` we never upcast them to fp32 (for a
+    128k vocabulary that upcast alone costs 2 GB, peft #816, bnb #1569).
+    """
+    if quantize == "none":
+        return None
+    require_bitsandbytes("lora.quantize")
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=_DTYPES[dtype])
+    if quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    raise ConfigError(f"lora.quantize: unknown value {quantize!r} (none|nf4|int8)")
+
+
+def load_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none",
+                    device: str = "cpu") -> Any:
+    """The frozen base model, optionally quantized by bitsandbytes on ``device``."""
     from transformers import AutoModelForCausalLM
 
     quiet_hf()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_DTYPES[cfg.dtype])
+    qcfg = quantization_config(quantize, cfg.dtype)
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[cfg.dtype]}
+    if qcfg is not None:
+        kwargs.update(quantization_config=qcfg, device_map={"": device})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    except RuntimeError as e:
+        if qcfg is not None and "shape" in str(e):  # bnb CPU kernels need widths % 64 == 0
+            raise ConfigError(f"lora.quantize: {quantize} cannot load {model_dir} here: {e}. "
+                              "On CPU, 4-bit layer widths must be multiples of 64.") from e
+        raise
     model.config.use_cache = False
+    for p in model.parameters():  # k-bit preparation without peft's fp32 upcast
+        p.requires_grad_(False)
     return model
+
+
+def upcast_frozen_params(model: Any, dtype: str) -> list[str]:
+    """Names of frozen floating-point parameters wider than ``dtype`` (should be none)."""
+    want = _DTYPES[dtype]
+    return [n for n, p in model.named_parameters()
+            if not p.requires_grad and p.is_floating_point() and p.dtype != want
+            and p.element_size() > torch.empty((), dtype=want).element_size()]
+
+
+def build_optimizer(params: list[torch.nn.Parameter], name: str, lr: float,
+                    weight_decay: float) -> torch.optim.Optimizer:
+    """``train.optimizer``: torch AdamW, or bitsandbytes 8-bit (optionally paged) AdamW.
+
+    The 8-bit moments are blockwise-quantized uint8 (256 values per fp32 absmax);
+    tensors under 4096 elements keep fp32 moments. Paged state lives in CUDA
+    unified memory and is evicted to host RAM under pressure; on CPU it is plain.
+    """
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    bnb = require_bitsandbytes("train.optimizer")
+    cls = {"adamw8bit": bnb.optim.AdamW8bit, "paged_adamw8bit": bnb.optim.PagedAdamW8bit}[name]
+    return cls(params, lr=lr, weight_decay=weight_decay)  # type: ignore[no-any-return]
+
+
+class NoGradientError(RuntimeError):
+    """A LoRA matrix received no gradient: training would silently do nothing."""
+
+
+def check_lora_gradients(named: dict[str, torch.nn.Parameter]) -> None:
+    """After the first backward: every trainable tensor has a gradient, and every
+    ``lora_B`` a non-zero one.
+
+    ``lora_B`` starts at zero, so ``lora_A``'s first gradient is legitimately zero;
+    ``lora_B``'s is not (it is the product of the input and output gradients).
+    A ``None`` means the graph never reached the adapter: the known failure of
+    reentrant gradient checkpointing without input gradients, or a frozen adapter.
+    """
+    missing = [n for n, p in named.items() if p.grad is None]
+    zero = [n for n, p in named.items() if p.grad is not None and "lora_B" in n
+            and type(p.grad) is torch.Tensor and not bool(p.grad.ne(0).any())]
+    if missing or zero:
+        names = (missing + zero)[:5]
+        raise NoGradientError(
+            f"{len(missing)} trainable tensor(s) got no gradient and {len(zero)} lora_B "
+            f"matrices got an all-zero gradient after the first step (e.g. {', '.join(names)}); "
+            "the adapters would not train. Check lora.target_modules and "
+            "model.gradient_checkpointing.")
 
 
 def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: bool) -> Any:

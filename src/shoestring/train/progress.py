@@ -15,9 +15,11 @@ def _fmt_eta(seconds: float) -> str:
 
 
 class ProgressDisplay:
-    def __init__(self, total: int, start: int, *, log_every: int, stream: TextIO = sys.stderr,
+    def __init__(self, total: int, start: int, *, log_every: int, stream: TextIO | None = None,
                  tty: bool | None = None, enabled: bool = True) -> None:
-        """``enabled=False`` (ranks other than 0) prints nothing."""
+        """``enabled=False`` (ranks other than 0) prints nothing. ``stream``: the current
+        ``sys.stderr`` unless given (looked up now, not at import)."""
+        stream = stream if stream is not None else sys.stderr
         self.total, self.start, self.log_every, self.stream = total, start, log_every, stream
         self.enabled = enabled
         self.tty = enabled and (stream.isatty() if tty is None else tty)

@@ -78,7 +78,13 @@ def capture(progress: Progress, params: Mapping[str, torch.nn.Parameter],
     opt_tensors: dict[str, torch.Tensor] = {}
     opt_scalars: dict[str, Any] = {}
     for idx, st in osd["state"].items():
-        for k, v in st.items():
+        # bitsandbytes packs its 8-bit state one level down
+        # ("__bnb_optimizer_quant_state__": {state1, absmax1, qmap1, ...}); flatten it
+        # as "<key>.<sub key>" and nest it back on restore.
+        flat = {f"{k}.{k2}" if isinstance(v, dict) else k: v2
+                for k, v in st.items() for k2, v2 in (v.items() if isinstance(v, dict)
+                                                      else [(None, v)])}
+        for k, v in flat.items():
             if torch.is_tensor(v):
                 opt_tensors[f"state.{idx}.{k}"] = v
             else:
@@ -115,15 +121,24 @@ def restore(tensors: Mapping[str, Mapping[str, torch.Tensor]], docs: Mapping[str
     state: dict[int, dict[str, Any]] = {}
     for key, v in tensors[OPTIMIZER].items():
         _, idx, k = key.split(".", 2)
-        state.setdefault(int(idx), {})[k] = v.clone()
+        _put(state.setdefault(int(idx), {}), k, v.clone())
     for key, v in doc["optimizer"]["scalars"].items():
         idx, k = key.split(".", 1)
-        state.setdefault(int(idx), {})[k] = v
+        _put(state.setdefault(int(idx), {}), k, v)
     optimizer.load_state_dict({"state": state, "param_groups": doc["optimizer"]["param_groups"]})
     _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
     if rng_file(rank) in tensors:  # absent for ranks beyond the saved world size
         _rng_restore(tensors[rng_file(rank)], doc["rng"][str(rank)])
     return Progress(**doc["progress"])
+
+
+def _put(st: dict[str, Any], key: str, v: Any) -> None:
+    """Set ``st[key]``, or ``st[a][b]`` for a flattened nested key ``"a.b"``."""
+    if "." in key:
+        outer, inner = key.split(".", 1)
+        st.setdefault(outer, {})[inner] = v
+    else:
+        st[key] = v
 
 
 # --------------------------------------------------------------------------- distributed

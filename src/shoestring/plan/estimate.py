@@ -1,0 +1,214 @@
+"""The plan: memory breakdown, fit verdict, largest batch/sequence, advice, time and cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from shoestring.plan.gpus import CATALOG, GPU, GiB, MiB
+from shoestring.plan.memory import (Workload, activation_bytes, adapter_bytes, grad_bytes,
+                                    optimizer_bytes, weight_bytes)
+
+#: CUDA context + cuBLAS workspace outside ``max_memory_allocated`` (seen as
+#: 300-600 MiB in the research notes; uncalibrated until benchmarks/plan_vs_cuda.py runs).
+CUDA_CONTEXT_BYTES = 500 * MiB
+#: Allocator fragmentation allowance on the dynamic (activation) part.
+FRAGMENTATION = 0.05
+#: Model FLOPs utilization assumed per method (uncalibrated). QLoRA's 1.6x
+#: slowdown over LoRA is litgpt's measurement (nf4-dq vs LoRA, A100).
+MFU = {"full": 0.40, "lora": 0.35, "qlora": 0.35 / 1.6}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How much training, for the time and cost estimate."""
+
+    steps: int = 1000
+    restart_minutes: float = 5.0  # re-provision + reload after a preemption
+    checkpoint_minutes: float = 10.0  # work lost per preemption is half of this on average
+
+
+@dataclass(frozen=True)
+class Plan:
+    workload: Workload
+    gpu: GPU
+    breakdown: dict[str, int]
+    activation_parts: dict[str, int]
+    peak_bytes: int
+    fits: bool
+    max_micro_batch: int | None
+    max_seq_len: int | None
+    advice: list[dict[str, Any]]
+    tokens: int
+    flops_per_token: float
+    hours: float
+    hours_spot: float
+    cost_usd: float
+    cost_spot_usd: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.gpu.memory_bytes - self.peak_bytes
+
+
+def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
+    """Peak-memory components in bytes, and the activation sub-components."""
+    wb = weight_bytes(w)
+    act = activation_bytes(w)
+    weights = wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"]
+    dynamic = act.saved + act.held + max(act.logits, act.recompute)
+    parts = {
+        "weights": weights,
+        "quant_state": wb["quant_state"],
+        "adapters": adapter_bytes(w),
+        "gradients": grad_bytes(w),
+        "optimizer": optimizer_bytes(w),
+        "activations": act.saved + act.held,
+        "logits_and_backward_transient": max(act.logits, act.recompute),
+        "overhead": (CUDA_CONTEXT_BYTES if w.device == "cuda" else 0)
+        + int(FRAGMENTATION * dynamic),
+    }
+    return parts, act.parts
+
+
+def peak_bytes(w: Workload) -> int:
+    return sum(breakdown(w)[0].values())
+
+
+def _largest(w: Workload, gpu: GPU, field: str, lo: int, hi: int, step: int = 1) -> int | None:
+    """Largest value of ``field`` (multiple of ``step``) in [lo, hi] whose peak fits."""
+    def fits(v: int) -> bool:
+        return peak_bytes(replace(w, **{field: v})) <= gpu.memory_bytes
+    if not fits(lo):
+        return None
+    good, probe = lo, lo
+    while probe < hi:  # exponential search, then bisection: peak is monotone in both
+        probe = min(probe * 2, hi)
+        if not fits(probe):
+            break
+        good = probe
+    else:
+        return good
+    bad = probe
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        if mid <= good:
+            break
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def flops_per_token(w: Workload) -> float:
+    """Training FLOPs per token: forward 2N; backward input-grads 2N (frozen base) or
+    4N (full); recompute adds a forward of the layers under checkpointing. Causal
+    attention adds 2·L·s·d_q forward (twice that backward)."""
+    a = w.arch
+    layer_lin = sum(i * o for i, o in a.linear_shapes().values())
+    n_layers = a.layers * layer_lin
+    head = a.vocab * a.hidden
+    attn = 2 * a.layers * w.seq_len * a.heads * a.head_dim
+    fwd = 2 * (n_layers + head) + attn
+    bwd = (4 * (n_layers + head) if w.method == "full" else 2 * (n_layers + head)) + 2 * attn
+    recompute = 2 * n_layers + attn if w.gradient_checkpointing else 0
+    return float(fwd + bwd + recompute)
+
+
+def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
+    """Memory-saving changes that keep the global batch and the data."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if not w.gradient_checkpointing:
+        out.append(("gradient checkpointing on (model.gradient_checkpointing: true)",
+                    {"gradient_checkpointing": True}))
+    if w.method == "lora":
+        out.append(("QLoRA: 4-bit NF4 base (lora.quantize: nf4)",
+                    {"method": "qlora", "quantize": "nf4"}))
+    if w.optimizer == "adamw" and w.method == "full":
+        out.append(("8-bit AdamW (train.optimizer: adamw8bit)", {"optimizer": "adamw8bit"}))
+    if w.lora_dropout > 0 and w.method != "full":
+        out.append(("lora.dropout 0 (no per-module dropout masks and copies)",
+                    {"lora_dropout": 0.0}))
+    if w.padded:
+        out.append(("pack samples (data.packing: true): no attention-mask bias per layer",
+                    {"padded": False}))
+    return out
+
+
+def _smaller_micro_batch(w: Workload, gpu: GPU) -> tuple[str, Workload] | None:
+    mb = _largest(w, gpu, "micro_batch", 1, w.micro_batch)
+    if mb is None or mb >= w.micro_batch:
+        return None
+    accum = -(-w.micro_batch * w.grad_accum // mb)
+    return (f"micro-batch {mb} with gradient accumulation {accum} (same global batch)",
+            replace(w, micro_batch=mb, grad_accum=accum))
+
+
+def _advice(w: Workload, gpu: GPU, peak: int, max_mb: int | None) -> list[dict[str, Any]]:
+    """What to change: single changes with the peak each gives, then the smallest
+    combination that fits (greedy: the most effective change first)."""
+    out: list[dict[str, Any]] = []
+
+    def entry(change: str, alt: Workload) -> dict[str, Any]:
+        p = peak_bytes(alt)
+        return {"change": change, "peak_bytes": p, "fits": p <= gpu.memory_bytes}
+
+    smaller = _smaller_micro_batch(w, gpu)
+    if smaller:
+        out.append(entry(*smaller))
+    for change, kw in _changes(w):
+        e = entry(change, replace(w, **kw))
+        if e["peak_bytes"] < peak:
+            out.append(e)
+    if not any(e["fits"] for e in out):
+        cur, steps, left = w, [], _changes(w)
+        while left and peak_bytes(cur) > gpu.memory_bytes:
+            best = min(left, key=lambda c: peak_bytes(replace(cur, **c[1])))
+            left.remove(best)
+            cur = replace(cur, **best[1])
+            steps.append(best[0])
+        if peak_bytes(cur) > gpu.memory_bytes:
+            smaller = _smaller_micro_batch(cur, gpu)
+            if smaller:
+                steps.append(smaller[0])
+                cur = smaller[1]
+        if len(steps) > 1:
+            out.append(entry("together: " + "; ".join(steps), cur))
+    for g in sorted(CATALOG.values(), key=lambda g: g.spot_usd_h):
+        if g.memory_bytes >= peak and g.name != gpu.name:
+            out.append({"change": f"a larger GPU: {g.name} ({g.memory_bytes / GiB:.0f} GiB, "
+                                  f"spot ${g.spot_usd_h:.2f}/h)", "peak_bytes": peak,
+                        "fits": True})
+            break
+    out.sort(key=lambda a: (not a["fits"], a["peak_bytes"]))
+    return out
+
+
+def make_plan(w: Workload, gpu: GPU, schedule: Schedule = Schedule()) -> Plan:
+    """Everything ``shoestring plan`` prints."""
+    parts, act_parts = breakdown(w)
+    peak = sum(parts.values())
+    fits = peak <= gpu.memory_bytes
+    max_mb = _largest(w, gpu, "micro_batch", 1, 4096)
+    max_seq = _largest(w, gpu, "seq_len", 64, 1 << 20, step=64)
+    advice = [] if fits else _advice(w, gpu, peak, max_mb)
+    tokens = schedule.steps * w.micro_batch * w.grad_accum * w.seq_len
+    fpt = flops_per_token(w)
+    peak_flops = gpu.peak_flops(w.dtype) or gpu.fp16_flops
+    hours = tokens * fpt / (peak_flops * MFU[w.method]) / 3600
+    # Each preemption costs a restart plus, on average, half a checkpoint interval of
+    # redone work; the overhead time is itself exposed to preemption, hence the division.
+    lost_h = (schedule.restart_minutes + schedule.checkpoint_minutes / 2) / 60
+    exposure = gpu.preemptions_per_hour * lost_h
+    hours_spot = hours / (1 - exposure) if exposure < 1 else float("inf")
+    notes = []
+    if w.dtype == "bfloat16" and not gpu.bf16_flops:
+        notes.append(f"{gpu.name} has no bfloat16: use model.dtype float16 (QLoRA's authors "
+                     "report fp16 compute instabilities; timed here at the fp16 peak)")
+    if w.optimizer == "paged_adamw8bit":
+        notes.append("paged optimizer state can move to host RAM under pressure: it absorbs "
+                     "spikes, the steady peak above is unchanged")
+    return Plan(workload=w, gpu=gpu, breakdown=parts, activation_parts=act_parts, notes=tuple(notes),
+                peak_bytes=peak, fits=fits, max_micro_batch=max_mb, max_seq_len=max_seq,
+                advice=advice, tokens=tokens, flops_per_token=fpt, hours=hours,
+                hours_spot=hours_spot, cost_usd=hours * gpu.on_demand_usd_h,
+                cost_spot_usd=hours_spot * gpu.spot_usd_h)

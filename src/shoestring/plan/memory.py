@@ -1,0 +1,306 @@
+"""Byte-exact memory model of LoRA / QLoRA / full fine-tuning of a Llama-style model.
+
+Every term is derived from what the libraries actually allocate, not from rules
+of thumb, and each is checked against instantiated tiny models in
+``tests/test_plan_memory.py``:
+
+* **weights**: parameters and buffers; for bitsandbytes 4-bit, the packed
+  weights plus their quantization state (blockwise absmax, double-quantized
+  into uint8 with a second fp32 absmax per 256 blocks, code tables, offset);
+  for 8-bit, int8 weights plus one fp32 scale per output row. Embeddings, head
+  and norms stay in the compute dtype (we never upcast them to fp32).
+* **adapters / gradients**: PEFT keeps adapters in fp32 even on a 16-bit base
+  (``autocast_adapter_dtype``); gradients match the trainable parameters.
+* **optimizer**: torch AdamW keeps two moments in the parameter dtype plus a
+  4-byte step per tensor; bitsandbytes 8-bit AdamW keeps uint8 moments with one
+  fp32 absmax per 256 values, but falls back to fp32 moments for tensors under
+  4096 elements (``min_8bit_size``).
+* **activations**: the tensors autograd saves for backward, walked op by op
+  through the HF Llama forward with PEFT's LoRA layers (see :func:`_layer_saved`),
+  tracking which tensors require grad (the first layer of a frozen model saves
+  less, because nothing before it requires grad).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil
+
+from shoestring.plan.arch import LINEARS, Arch
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+METHODS = ("full", "lora", "qlora")
+QUANTIZE = ("none", "nf4", "int8")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit")
+
+#: bitsandbytes 4-bit: values per absmax block, blocks per second-level absmax.
+NF4_BLOCK = 64
+NF4_NESTED_BLOCK = 256
+#: bitsandbytes 8-bit optimizers: values per absmax block; smaller tensors stay 32-bit.
+OPT8_BLOCK = 256
+OPT8_MIN_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained, and how. Shapes only: nothing is loaded."""
+
+    arch: Arch
+    method: str = "lora"  # full | lora | qlora
+    quantize: str = "none"  # none | nf4 | int8 (qlora implies nf4 unless int8)
+    dtype: str = "bfloat16"  # compute / base-weight dtype
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = LINEARS
+    lora_dropout: float = 0.05
+    seq_len: int = 2048
+    micro_batch: int = 1
+    grad_accum: int = 1
+    gradient_checkpointing: bool = True
+    optimizer: str = "adamw"
+    padded: bool = True  # batches carry an attention mask (no packing)
+    device: str = "cuda"  # cuda | cpu: dropout masks are 1-byte bools on CUDA only
+    double_quant: bool = True
+
+    @property
+    def quant(self) -> str:
+        if self.method == "qlora":
+            return self.quantize if self.quantize != "none" else "nf4"
+        return self.quantize if self.method == "lora" else "none"
+
+    @property
+    def e(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def adapted(self) -> tuple[str, ...]:
+        return () if self.method == "full" else self.lora_targets
+
+
+# --------------------------------------------------------------------------- static memory
+
+def _nf4_bytes(n: int, double_quant: bool) -> int:
+    """Packed 4-bit weight plus its QuantState, as bitsandbytes allocates it."""
+    blocks = ceil(n / NF4_BLOCK)
+    packed = (n + 1) // 2
+    if not double_quant:
+        return packed + 4 * blocks + 16 * 4  # fp32 absmax, 16-entry code
+    # uint8 absmax + fp32 absmax per 256 blocks + 256-entry fp32 code + 16-entry code + offset
+    return packed + blocks + 4 * ceil(blocks / NF4_NESTED_BLOCK) + 256 * 4 + 16 * 4 + 4
+
+
+def weight_bytes(w: Workload) -> dict[str, int]:
+    """Bytes of the base model: quantized linears, 16-bit rest, buffers."""
+    a, e = w.arch, w.e
+    lin = quant = 0
+    for name, (i, o) in a.linear_shapes().items():
+        n = i * o
+        if w.quant == "nf4":
+            lin += a.layers * (n + 1) // 2
+            quant += a.layers * (_nf4_bytes(n, w.double_quant) - (n + 1) // 2)
+        elif w.quant == "int8":
+            lin += a.layers * n
+            quant += a.layers * 4 * o  # SCB: one fp32 absmax per output row
+        else:
+            lin += a.layers * n * e
+        if a.linear_bias(name):
+            lin += a.layers * o * e
+    emb = a.vocab * a.hidden * (1 if a.tie_embeddings else 2) * e
+    norms = (2 * a.layers + 1) * a.hidden * e
+    rotary = 2 * (a.head_dim // 2) * 4  # inv_freq + original_inv_freq, fp32
+    return {"linear": lin, "quant_state": quant, "embeddings": emb, "norms": norms,
+            "buffers": rotary}
+
+
+def trainable_tensors(w: Workload) -> list[int]:
+    """Element counts of every trainable tensor (what the optimizer sees)."""
+    a = w.arch
+    if w.method == "full":
+        sizes = [a.vocab * a.hidden] + ([] if a.tie_embeddings else [a.vocab * a.hidden])
+        for _ in range(a.layers):
+            for name, (i, o) in a.linear_shapes().items():
+                sizes.append(i * o)
+                if a.linear_bias(name):
+                    sizes.append(o)
+            sizes += [a.hidden, a.hidden]
+        return sizes + [a.hidden]
+    shapes = a.linear_shapes()
+    return [n for _ in range(a.layers) for t in w.lora_targets
+            for n in (w.lora_r * shapes[t][0], w.lora_r * shapes[t][1])]
+
+
+def adapter_bytes(w: Workload) -> int:
+    """LoRA matrices (fp32). Zero for full fine-tuning: the weights term holds them."""
+    return 0 if w.method == "full" else 4 * sum(trainable_tensors(w))
+
+
+def grad_bytes(w: Workload) -> int:
+    per = w.e if w.method == "full" else 4
+    return per * sum(trainable_tensors(w))
+
+
+def optimizer_bytes(w: Workload) -> int:
+    """Optimizer state exactly as torch / bitsandbytes allocate it."""
+    per = w.e if w.method == "full" else 4  # torch keeps moments in the parameter dtype
+    total = 0
+    sizes = trainable_tensors(w)
+    for n in sizes:
+        if w.optimizer == "adamw":
+            total += 2 * per * n + 4  # exp_avg, exp_avg_sq, step tensor
+        elif n < OPT8_MIN_SIZE:
+            total += 2 * 4 * n  # bnb keeps small tensors in fp32 (step is a Python int)
+        else:
+            total += 2 * n + 2 * 4 * ceil(n / OPT8_BLOCK)
+    if w.optimizer != "adamw" and any(n >= OPT8_MIN_SIZE for n in sizes):
+        total += 2 * 256 * 4  # qmap1 / qmap2, shared by all tensors
+    return total
+
+
+# --------------------------------------------------------------------------- activations
+
+@dataclass
+class _Tally:
+    """Saved-for-backward bytes, by component."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, key: str, n: int) -> None:
+        self.parts[key] = self.parts.get(key, 0) + n
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def _linear(w: Workload, t: _Tally, name: str, x_rg: bool, shared: set[str], group: str,
+            din: int, T: int) -> bool:
+    """Saves of one (possibly LoRA-wrapped) Linear; returns whether its output requires grad."""
+    e = w.e
+    if w.method == "full":
+        if group not in shared:  # the weight gradient needs the input; one copy per input
+            shared.add(group)
+            t.add("linear_inputs", T * din * e)
+        return True
+    if name not in w.adapted:
+        return x_rg
+    cast = e != 4  # PEFT casts the input to the fp32 adapter dtype, per module
+    mask_bytes = 1 if w.device == "cuda" else 4  # native_dropout bool mask vs CPU scaled mask
+    if w.lora_dropout > 0:
+        if x_rg:
+            t.add("lora_inputs", T * din * mask_bytes)
+        t.add("lora_inputs", T * din * 4)  # dropped input, saved by lora_A
+    elif cast:
+        t.add("lora_inputs", T * din * 4)
+    elif group not in shared:
+        shared.add(group)
+        t.add("lora_inputs", T * din * 4)
+    t.add("lora_inputs", T * w.lora_r * 4)  # lora_A output, saved by lora_B
+    return True
+
+
+def _norm(w: Workload, t: _Tally, x_rg: bool, T: int) -> bool:
+    """HF RMSNorm: fp32 input and rsqrt saved; the normalized tensor too if the weight trains."""
+    if x_rg:
+        t.add("norms", T * w.arch.hidden * 4 + T * 4)
+    if w.method == "full":
+        t.add("norms", T * w.arch.hidden * w.e)
+        return True
+    return x_rg
+
+
+def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
+    """One decoder layer without checkpointing; returns whether its output requires grad."""
+    a, e = w.arch, w.e
+    b, s = w.micro_batch, w.seq_len
+    T = b * s
+    qd, kvd = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    shared: set[str] = set()
+    n_rg = _norm(w, t, s_rg, T)
+    q = _linear(w, t, "q_proj", n_rg, shared, "attn_in", a.hidden, T)
+    k = _linear(w, t, "k_proj", n_rg, shared, "attn_in", a.hidden, T)
+    v = _linear(w, t, "v_proj", n_rg, shared, "attn_in", a.hidden, T)
+    if q or k:
+        rope[0] = True  # cos/sin are saved once for the whole model
+    attn_rg = q or k or v
+    if attn_rg:
+        # SDPA keeps q, k, v, out and the fp32 logsumexp. With a mask, HF repeats
+        # grouped KV heads into a copy (SDPA's native GQA needs mask=None).
+        repeat = w.padded and 1 < a.kv_heads < a.heads
+        kv_saved = qd if repeat else kvd
+        t.add("attention", T * (2 * qd + 2 * kv_saved) * e + b * a.heads * s * 4)
+        if w.padded:
+            t.add("attention", b * s * s * e)  # the mask as SDPA's float bias, per layer
+    if attn_rg:
+        # SDPA writes its output in (b, s, heads, dim) order, so the transpose +
+        # reshape feeding o_proj is a view of the saved output: no new storage.
+        shared.add("o_in")
+    o = _linear(w, t, "o_proj", attn_rg, shared, "o_in", qd, T)
+    s_rg = s_rg or o
+    n_rg = _norm(w, t, s_rg, T)
+    g = _linear(w, t, "gate_proj", n_rg, shared, "mlp_in", a.hidden, T)
+    u = _linear(w, t, "up_proj", n_rg, shared, "mlp_in", a.hidden, T)
+    f = a.intermediate
+    if g:
+        t.add("mlp", T * f * e)  # silu input
+    if u:
+        t.add("mlp", T * f * e)  # silu output, for d(product)/d(up)
+    if g:
+        t.add("mlp", T * f * e)  # up output, for d(product)/d(silu)
+    d = _linear(w, t, "down_proj", g or u, shared, "down_in", f, T)
+    return s_rg or d
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation memory of one micro-batch."""
+
+    saved: int  # bytes autograd holds at the end of the forward pass
+    parts: dict[str, int]
+    logits: int  # transient at the start of backward: logits, their grads
+    recompute: int  # transient during backward with checkpointing: one layer's saves
+    per_layer: int  # one (non-first) layer's saves without checkpointing
+    held: int = 0  # kept alive by checkpoint closures, outside autograd's saved tensors
+
+    @property
+    def peak(self) -> int:
+        return self.saved + self.held + max(self.logits, self.recompute)
+
+
+def activation_bytes(w: Workload) -> Activations:
+    """Bytes saved for backward by one micro-batch, plus the backward transients."""
+    a, e = w.arch, w.e
+    b, s = w.micro_batch, w.seq_len
+    T = b * s
+    t = _Tally()
+    rope = [False]
+    full = w.method == "full"
+    if full:
+        t.add("embeddings", T * 8)  # token ids, for the embedding gradient
+    # enable_input_require_grads makes the embedding output require grad under GC.
+    s_rg = full or w.gradient_checkpointing
+    probe = _Tally()
+    per_layer_rg = _layer_saved(w, True, probe, [False])
+    held = 0
+    if w.gradient_checkpointing:
+        t.add("checkpoints", a.layers * T * a.hidden * e)  # each layer's input
+        # cos/sin and the bool 4D mask are captured by the recompute closures rather
+        # than saved through autograd; they stay alive all the same.
+        held = 2 * s * a.head_dim * e + (b * s * s if w.padded else 0)
+        s_rg = s_rg or per_layer_rg
+    else:
+        for _ in range(a.layers):
+            s_rg = _layer_saved(w, s_rg, t, rope)
+    if rope[0]:
+        t.add("attention", 2 * s * a.head_dim * e)  # cos, sin
+    _norm(w, t, s_rg, T)
+    if full:
+        t.add("head", T * a.hidden * e)  # lm_head input, for its weight gradient
+    t.add("head", T * a.vocab * 4 + T * 8 + 4)  # fp32 log-softmax, shifted labels, weight
+    # At the start of backward the logits (dtype), the upcast fp32 copy's gradient and
+    # the log-softmax gradient live together.
+    logits = T * a.vocab * (e + 8)
+    if w.quant != "none":
+        # bitsandbytes dequantizes one weight at a time to the compute dtype.
+        logits += max(i * o for i, o in a.linear_shapes().values()) * e
+    recompute = probe.total if w.gradient_checkpointing else 0
+    return Activations(saved=t.total, parts=dict(t.parts), logits=logits, recompute=recompute,
+                       per_layer=probe.total, held=held)

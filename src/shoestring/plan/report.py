@@ -1,0 +1,110 @@
+"""Render a :class:`Plan` for people (text) and for programs (JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from shoestring.plan.estimate import Plan
+from shoestring.plan.gpus import GiB
+
+_LABELS = {
+    "weights": "weights",
+    "quant_state": "quantization constants",
+    "adapters": "LoRA adapters (fp32)",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations saved for backward",
+    "logits_and_backward_transient": "logits / backward transient",
+    "overhead": "CUDA context + fragmentation",
+}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:7.2f} GiB"
+
+
+def _hours(h: float) -> str:
+    return f"{h:.2f} h" if h >= 0.1 else f"{h * 60:.1f} min"
+
+
+def to_dict(plan: Plan) -> dict[str, Any]:
+    """The machine-readable plan (``shoestring plan --json``)."""
+    w = plan.workload
+    g = plan.gpu
+    return {
+        "fits": plan.fits,
+        "peak_bytes": plan.peak_bytes,
+        "gpu_memory_bytes": g.memory_bytes,
+        "breakdown": dict(plan.breakdown),
+        "activation_parts": dict(plan.activation_parts),
+        "max_micro_batch": plan.max_micro_batch,
+        "max_seq_len": plan.max_seq_len,
+        "advice": plan.advice,
+        "tokens": plan.tokens,
+        "flops_per_token": plan.flops_per_token,
+        "hours": plan.hours,
+        "hours_spot": plan.hours_spot,
+        "cost_usd": plan.cost_usd,
+        "cost_spot_usd": plan.cost_spot_usd,
+        "notes": list(plan.notes),
+        "gpu": asdict(g),
+        "workload": {**{k: v for k, v in asdict(w).items() if k != "arch"},
+                     "quant": w.quant, "arch": asdict(w.arch)},
+    }
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps(to_dict(plan), indent=2, sort_keys=True)
+
+
+def to_text(plan: Plan) -> str:
+    w, g = plan.workload, plan.gpu
+    a = w.arch
+    method = w.method + (f" ({w.quant})" if w.quant != "none" else "")
+    lines = [
+        f"model    {a.name}: {a.params / 1e9:.2f}B params, {a.layers} layers, hidden {a.hidden}, "
+        f"vocab {a.vocab}",
+        f"method   {method}, r={w.lora_r} on {','.join(w.adapted) or '-'}, dtype {w.dtype}, "
+        f"optimizer {w.optimizer}" if w.method != "full" else
+        f"method   full fine-tuning, dtype {w.dtype}, optimizer {w.optimizer}",
+        f"batch    micro-batch {w.micro_batch} x seq {w.seq_len}, accumulation {w.grad_accum}, "
+        f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
+        f"{', padded' if w.padded else ', packed'}",
+        f"gpu      {g.name}: {g.memory_bytes / GiB:.1f} GiB",
+        "",
+        "memory (peak, per GPU):",
+    ]
+    for k, v in plan.breakdown.items():
+        if v:
+            lines.append(f"  {_LABELS.get(k, k):34s}{_gib(v)}")
+    lines.append(f"  {'total':34s}{_gib(plan.peak_bytes)}   of {g.memory_bytes / GiB:.1f} GiB")
+    lines.append("")
+    if plan.fits:
+        lines.append(f"FITS, {plan.headroom_bytes / GiB:.2f} GiB to spare.")
+    else:
+        lines.append(f"DOES NOT FIT: {-plan.headroom_bytes / GiB:.2f} GiB over.")
+    mb = plan.max_micro_batch
+    lines.append(f"largest micro-batch at seq {w.seq_len}: {mb if mb else 'none (even 1 is too much)'}")
+    ms = plan.max_seq_len
+    lines.append(f"largest sequence at micro-batch {w.micro_batch}: {ms if ms else 'none'}")
+    if plan.advice:
+        lines.append("")
+        lines.append("what to change (peak after the change):")
+        for adv in plan.advice:
+            verdict = "fits" if adv["fits"] else "still too big"
+            lines.append(f"  - {adv['change']}: {adv['peak_bytes'] / GiB:.2f} GiB, {verdict}")
+    lines += [f"note     {n}" for n in plan.notes]
+    lines += [
+        "",
+        f"time     {plan.tokens / 1e6:.1f}M tokens x {plan.flops_per_token / 1e9:.3g} GFLOP/token "
+        f"= {_hours(plan.hours)} at the assumed utilization",
+        f"cost     on-demand ${plan.cost_usd:.2f} (${g.on_demand_usd_h:.2f}/h); "
+        f"spot ${plan.cost_spot_usd:.2f} (${g.spot_usd_h:.2f}/h, {plan.hours_spot:.2f} h incl. "
+        f"{g.preemptions_per_hour:.0%}/h preemptions)",
+        f"prices   {g.price_source}, {g.price_date}" + (f" - {g.price_note}" if g.price_note else ""),
+        "note     memory terms are exact tensor accounting; the CUDA-context/fragmentation term "
+        "and the time model are uncalibrated estimates.",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,416 @@
+"""Slurm: an sbatch script for a fine-tune, and the requeue after a warning signal.
+
+Slurm sends nothing before a job's time limit unless asked: ``--signal=B:USR1@G``
+sends USR1 to the batch shell G seconds before it (the man page allows it to
+come up to 60 s earlier). ``--requeue`` lets the job go back to the queue
+with the same job id. Together with ``shoestring run`` this gives:
+
+    time limit - G  USR1 -> the batch shell, which has exec'd into ``shoestring run``
+                    (one node) or srun (several) -> the ranks finish the step,
+                    commit an emergency checkpoint, exit 75
+    shoestring run  (on the first node) sees the job end after the forwarded USR1
+                    and runs ``scontrol requeue $SLURM_JOB_ID`` (:func:`requeue_after_signal`)
+    requeued job    runs the same script again; ``--resume auto`` picks up the
+                    checkpoint; the log files are appended to (``--open-mode=append``)
+
+A SIGTERM is deliberately not requeued: it is what ``scancel`` and the time limit send,
+and under ``PreemptMode=REQUEUE`` Slurm requeues the job itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from shoestring import exitcodes
+
+log = logging.getLogger("shoestring.run")
+
+#: Seconds of warning when nothing was measured: room for a step and a multi-GB save.
+DEFAULT_GRACE_S = 120
+#: Never ask for less: a measured save is a small sample (the next one may meet a busy
+#: filesystem), and a warning that comes too early costs only that much compute.
+MIN_GRACE_S = 60
+#: Added to the measured (step + emergency save) x 2: requeue, process exit, log flush.
+GRACE_MARGIN_S = 30
+
+#: preempt.signal of the fine-tune config -> the name sbatch --signal takes.
+SIGNAL_NAMES = {"SIGUSR1": "USR1", "SIGUSR2": "USR2"}
+
+#: The warning signals ``shoestring run`` requeues after (never SIGTERM: see above).
+REQUEUE_SIGNALS = frozenset({signal.SIGUSR1, signal.SIGUSR2})
+
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+# --------------------------------------------------------------------------- the script
+
+
+@dataclass(frozen=True)
+class SbatchOptions:
+    """Everything the script says. Paths are absolute: the job may start in another
+    directory and, after a requeue, hours later."""
+
+    run_dir: Path
+    workdir: Path
+    shoestring: tuple[str, ...]  # how to invoke shoestring on the compute nodes
+    finetune_args: tuple[str, ...] = ()  # --config FILE and dotted overrides
+    job_name: str = "shoestring"
+    nodes: int = 1
+    gpus_per_node: int = 1  # 0: CPU-only (no --gpus-per-node), one rank per node
+    cpus_per_task: int | None = None  # CPUs for one node's whole `shoestring run`
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    warn_signal: str = "USR1"  # sbatch's name for preempt.signal
+    grace_s: int = DEFAULT_GRACE_S
+    grace_why: str = f"default {DEFAULT_GRACE_S} s (no measured save)"
+    max_restarts: int = 3
+    extra: tuple[str, ...] = ()  # more "#SBATCH" options, verbatim
+
+    @property
+    def nproc_per_node(self) -> int:
+        return max(self.gpus_per_node, 1)
+
+
+def _slurm_path(p: Path) -> str:
+    return str(p).replace("%", "%%")  # sbatch expands %j etc. in --output/--error
+
+
+def render(o: SbatchOptions) -> str:
+    """The batch script. ``bash -n`` clean; every value shell-quoted."""
+    q = shlex.quote
+    d = [f"--job-name={o.job_name}", f"--nodes={o.nodes}", "--ntasks-per-node=1"]
+    if o.gpus_per_node > 0:
+        d.append(f"--gpus-per-node={o.gpus_per_node}")
+    if o.cpus_per_task:
+        d.append(f"--cpus-per-task={o.cpus_per_task}")
+    if o.time:
+        d.append(f"--time={o.time}")
+    if o.partition:
+        d.append(f"--partition={o.partition}")
+    if o.account:
+        d.append(f"--account={o.account}")
+    d += ["--requeue", f"--signal=B:{o.warn_signal}@{o.grace_s}", "--open-mode=append",
+          f"--output={_slurm_path(o.run_dir)}/slurm-%j.out",
+          f"--error={_slurm_path(o.run_dir)}/slurm-%j.err",
+          f"--chdir={o.workdir}", *o.extra]
+    run = [*o.shoestring, "run", "--nproc-per-node", str(o.nproc_per_node),
+           "--max-restarts", str(o.max_restarts), "--run-dir", str(o.run_dir)]
+    job = [*o.shoestring, "finetune", *o.finetune_args, "--output_dir", str(o.run_dir)]
+    cont = " \\\n    "
+    if o.nodes == 1:
+        how = SINGLE_NODE.format(sig=o.warn_signal)
+        launch = f"exec {' '.join(map(q, run))}"
+    else:
+        how = MULTI_NODE.format(sig=o.warn_signal)
+        # --kill-on-bad-exit=0: the other nodes exit 75 too, and a cluster-wide
+        # KillOnBadExit=1 could kill node 0's `shoestring run` before it has requeued.
+        srun = ["srun", f"--nodes={o.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
+        if o.cpus_per_task:  # srun >= 22.05 no longer inherits --cpus-per-task from sbatch
+            srun.append(f"--cpus-per-task={o.cpus_per_task}")
+        if o.gpus_per_node > 0:
+            srun.append(f"--gpus-per-node={o.gpus_per_node}")
+        launch = f"exec {' '.join(map(q, srun))}{cont}{' '.join(map(q, run))}"
+    return f"""#!/bin/bash
+# Generated by `shoestring slurm`. Submit with: sbatch THIS_FILE
+{chr(10).join('#SBATCH ' + x for x in d)}
+
+# Warning signal: {o.warn_signal} {o.grace_s} s before the time limit; {o.grace_why}.
+#
+# With B: Slurm signals only this batch shell, and bash cannot pass a signal on
+# while it waits for a foreground child: it runs a trap only after the child
+# exits, and an untrapped {o.warn_signal} simply kills bash, ending the job with no
+# checkpoint. So the last line *execs*: this shell process becomes the program
+# that receives the signal itself. Nothing may follow the exec: it never returns.
+{how}set -euo pipefail
+echo "shoestring: job ${{SLURM_JOB_ID}} start ${{SLURM_RESTART_COUNT:-0}} on $(hostname)" \\
+     "at $(date -u +%Y-%m-%dT%H:%M:%SZ)" >&2
+{launch}{cont}-- {' '.join(map(q, job))}
+"""
+
+
+SINGLE_NODE = """\
+#
+# One node: no srun. `shoestring run` gets the {sig} and forwards it once to the
+# job; the ranks finish the step, commit an emergency checkpoint and exit 75;
+# `shoestring run` then runs `scontrol requeue $SLURM_JOB_ID`, so the job comes
+# back with the same id, runs this script again and resumes from that
+# checkpoint (--resume auto).
+"""
+
+MULTI_NODE = """\
+#
+# Several nodes: this shell becomes srun, which forwards the {sig} to its step:
+# one `shoestring run` per node, each starting torchrun with --nnodes
+# $SLURM_NNODES --node-rank $SLURM_NODEID and the c10d rendezvous on the first
+# node of $SLURM_JOB_NODELIST (shoestring/supervise/launch.py). Slurm signals
+# every process of a step, so the ranks get the signal both directly and through
+# `shoestring run` (see docs/slurm.md, "Several nodes"); they checkpoint and
+# exit, and `shoestring run` on the first node requeues the job.
+"""
+
+
+# --------------------------------------------------------------------------- grace
+
+
+def grace_from_events(records: Iterable[Mapping[str, Any]]) -> tuple[int, str]:
+    """Seconds of warning the job needs, and why, from a previous run's event log.
+
+    Needs: finishing the step in flight + the emergency save, doubled (the disk or
+    the object store may be slower next time), + a margin for the requeue. The
+    emergency save is measured directly by ``preempt`` records (``notice_to_commit_ms``
+    includes the step); otherwise a periodic save (``checkpoint``: blocking +
+    background or seal) stands in for it. The longest of each is used.
+    """
+    step_ms = notice_ms = save_ms = 0.0
+    for r in records:
+        ev = r.get("event")
+        if ev == "step":
+            step_ms = max(step_ms, float(r.get("step_ms") or 0))
+        elif ev == "preempt" and r.get("saved"):
+            notice_ms = max(notice_ms, float(r.get("notice_to_commit_ms") or 0))
+        elif ev == "checkpoint":
+            total = sum(float(r.get(k) or 0) for k in ("blocking_ms", "background_ms", "seal_ms"))
+            save_ms = max(save_ms, total)
+    needed_s = max(notice_ms, step_ms + save_ms) / 1000
+    if needed_s <= 0:
+        return DEFAULT_GRACE_S, f"default {DEFAULT_GRACE_S} s (no measured save)"
+    grace = max(MIN_GRACE_S, math.ceil(2 * needed_s + GRACE_MARGIN_S))
+    what = (f"emergency save took up to {needed_s:.1f} s" if notice_ms
+            else f"step + save took up to {needed_s:.1f} s")
+    return min(grace, 65535), (f"{what} in the last run, so 2 x that + {GRACE_MARGIN_S} s "
+                               f"(at least {MIN_GRACE_S} s)")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a torn last line
+    return out
+
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def time_limit_s(text: str) -> int | None:
+    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; None: no limit."""
+    if text.strip().upper() in ("0", "INFINITE", "UNLIMITED"):
+        return None
+    m = _TIME.match(text.strip())
+    if not m:
+        raise ValueError(f"not a Slurm time limit: {text!r} (e.g. 90, 04:00:00, 1-12:00)")
+    days, a, b, c = m.groups()
+    nums = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:
+        h, mi, s = (nums + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + mi * 60 + s
+    if len(nums) == 1:
+        return nums[0] * 60
+    if len(nums) == 2:
+        return nums[0] * 60 + nums[1]
+    return nums[0] * 3600 + nums[1] * 60 + nums[2]
+
+
+# --------------------------------------------------------------------------- requeue
+
+
+def requeue_after_signal(policy: str, env: Mapping[str, str], signum: int, rc: int,
+                         emit: Callable[..., None], run: Runner = subprocess.run) -> bool:
+    """After the job stopped on a forwarded signal: requeue this Slurm job, if it should.
+
+    ``auto`` requeues only after the warning signal (USR1/USR2), and only a batch job
+    that allows it (``Requeue=1``: ``--requeue``, or the cluster's ``JobRequeue=1``).
+    Whatever the exit code, except 2 (a config the job rejects fails again): 75 means
+    an emergency checkpoint, 76 or a rank killed mid-save still leaves the last
+    committed one, and torchrun reports its ranks' 75 as 1. Not requeueing would
+    leave the run stopped until someone resubmits it.
+    Silent (no event) when not in a Slurm job, with policy ``never``, and on every node
+    but the first: one requeue per job.
+
+    The ``requeue`` event is written *before* ``scontrol requeue``: a successful requeue
+    kills this job step at once (srun forwards the SIGTERM and then kills its tasks), so
+    afterwards there may be no time to write anything. A refusal leaves us running, and
+    is recorded as ``no_requeue``, like every reason not to try. Returns whether Slurm
+    accepted the requeue.
+    """
+    job_id = env.get("SLURM_JOB_ID", "")
+    if policy == "never" or not job_id or env.get("SLURM_PROCID", "0") != "0":
+        return False
+    fields: dict[str, Any] = {"job_id": job_id, "signal": signal.Signals(signum).name,
+                              "exit_code": rc,
+                              "restart_count": int(env.get("SLURM_RESTART_COUNT") or 0)}
+
+    def no(reason: str, **more: Any) -> bool:
+        log.warning("not requeueing Slurm job %s: %s", job_id, reason)
+        emit("no_requeue", **fields, reason=reason, **more)
+        return False
+
+    if signum not in REQUEUE_SIGNALS:
+        return no(f"{fields['signal']} is a cancel, a time limit or Slurm's own preemption, "
+                  "not the --signal warning")
+    if rc == exitcodes.USAGE:
+        return no("the job rejected its config (exit 2); it would fail again")
+    try:
+        show = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                   timeout=30)
+        if show.returncode != 0:
+            return no(f"scontrol show job: {(show.stdout + show.stderr).strip()[:300]}")
+        info = dict(t.partition("=")[::2] for t in show.stdout.split() if "=" in t)
+        if info.get("BatchFlag") != "1" or info.get("Requeue") != "1":
+            return no(f"the job does not allow requeues (BatchFlag={info.get('BatchFlag')}, "
+                      f"Requeue={info.get('Requeue')}); submit it with --requeue")
+        log.warning("requeueing Slurm job %s (scontrol requeue)", job_id)
+        emit("requeue", **fields)
+        r = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return no(f"scontrol: {e}")
+    if r.returncode != 0:
+        return no(f"scontrol requeue: {(r.stdout + r.stderr).strip()[:300]}",
+                  scontrol_rc=r.returncode)
+    return True
+
+
+# --------------------------------------------------------------------------- CLI
+
+EPILOG = """\
+Unknown --section.key VALUE flags are finetune overrides: they are checked here and
+passed on to `shoestring finetune` in the script.
+
+The warning comes --grace seconds before the time limit (default: from the run
+directory's events.jsonl if a previous run measured its saves, else 120 s).
+The job then checkpoints, exits 75 and requeues itself (same job id); the next
+start resumes from that checkpoint. Simulate it on a running job with
+  scancel --signal=USR1 --batch JOBID
+and let a requeued job start at once with
+  scontrol update JobId=JOBID StartTime=now
+
+examples:
+  shoestring slurm --config run.yaml --nodes 2 --gpus-per-node 8 --time 04:00:00 --submit
+  shoestring slurm --config run.yaml --partition gpu --output job.sbatch
+"""
+
+
+def slurm_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "slurm", help="write (and submit) an sbatch script that checkpoints and requeues "
+                      "itself before the time limit",
+        description="Write an sbatch script for a fine-tune: nodes, GPUs per node, time limit,\n"
+                    "--requeue, a warning signal before the time limit, and shoestring run\n"
+                    "(through srun and torchrun across nodes). Printed on stdout, written\n"
+                    "with --output, submitted with --submit.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--config", metavar="FILE.yaml", help="the finetune config")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, metavar="G",
+                   help="GPUs and ranks per node (default 1; 0: CPU only, one rank)")
+    p.add_argument("--cpus-per-task", type=int, metavar="C",
+                   help="CPUs per node for all its ranks (default: the partition's)")
+    p.add_argument("--time", metavar="LIMIT", help="time limit, e.g. 04:00:00 or 1-00:00:00 "
+                   "(default: the partition's)")
+    p.add_argument("--partition", metavar="P")
+    p.add_argument("--account", metavar="A")
+    p.add_argument("--job-name", metavar="NAME", help="default: shoestring-<run dir name>")
+    p.add_argument("--grace", type=int, metavar="S",
+                   help="seconds of warning before the time limit (default: measured, else 120)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="R",
+                   help="restarts within one allocation after crashes (default 3)")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="OPT",
+                   help="another #SBATCH option, verbatim (repeatable), e.g. "
+                        "--sbatch-arg=--mem=64G")
+    p.add_argument("--output", metavar="SCRIPT", help="write the script here (default: print "
+                   "it; with --submit: RUN_DIR/job.sbatch)")
+    p.add_argument("--submit", action="store_true", help="submit with sbatch; print the job id")
+    return p
+
+
+def options_from_args(args: argparse.Namespace, rest: list[str], cwd: Path,
+                      shoestring: tuple[str, ...]) -> SbatchOptions:
+    """Check the flags and the finetune config; everything the script needs."""
+    from shoestring.config import ConfigError, FinetuneConfig, load
+
+    cfg = load(FinetuneConfig, args.config, rest)
+    sig = SIGNAL_NAMES.get(cfg.preempt.signal)
+    if sig is None:
+        raise ConfigError("preempt.signal is 'none': the job would ignore Slurm's warning; "
+                          "set it to SIGUSR1 or SIGUSR2")
+    for flag, v, lo in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 0),
+                        ("--max-restarts", args.max_restarts, 0),
+                        ("--cpus-per-task", args.cpus_per_task, 1), ("--grace", args.grace, 1)):
+        if v is not None and v < lo:
+            raise ConfigError(f"{flag}: must be >= {lo}, got {v}")
+    run_dir = (cwd / cfg.output_dir).resolve()
+    for what, v in (("output_dir", str(run_dir)), ("the working directory", str(cwd)),
+                    ("--job-name", args.job_name or "")):
+        if any(c.isspace() for c in v):  # #SBATCH lines are split on whitespace
+            raise ConfigError(f"{what} {v!r} contains whitespace, which #SBATCH lines "
+                              "cannot carry; choose a path without it")
+    grace, why = grace_from_events(read_records(run_dir / "events.jsonl"))
+    if args.grace is not None:
+        grace, why = args.grace, "set by --grace"
+    if args.time is not None:
+        try:
+            limit = time_limit_s(args.time)
+        except ValueError as e:
+            raise ConfigError(f"--time: {e}") from e
+        if limit is not None and grace >= limit:
+            raise ConfigError(f"--time {args.time}: the {grace} s warning would come before "
+                              "the job starts; give more time or a smaller --grace")
+    if grace > 65535:
+        raise ConfigError(f"--grace: sbatch allows at most 65535 s, got {grace}")
+    ft = (["--config", str((cwd / args.config).resolve())] if args.config else []) + rest
+    return SbatchOptions(run_dir=run_dir, workdir=cwd, shoestring=shoestring,
+                         finetune_args=tuple(ft),
+                         job_name=args.job_name or f"shoestring-{run_dir.name}",
+                         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         cpus_per_task=args.cpus_per_task, time=args.time,
+                         partition=args.partition, account=args.account, warn_signal=sig,
+                         grace_s=grace, grace_why=why, max_restarts=args.max_restarts,
+                         extra=tuple(args.sbatch_arg))
+
+
+def run_slurm(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+    # The interpreter that renders the script runs it: a venv on a shared filesystem
+    # works on the compute nodes without activation or `shoestring` on PATH.
+    opts = options_from_args(args, rest, Path.cwd(), (sys.executable, "-m", "shoestring"))
+    script = render(opts)
+    path = Path(args.output) if args.output else (opts.run_dir / "job.sbatch"
+                                                   if args.submit else None)
+    if path is None:
+        sys.stdout.write(script)
+        return exitcodes.OK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script)
+    print(f"wrote {path}", file=sys.stderr)
+    if not args.submit:
+        return exitcodes.OK
+    opts.run_dir.mkdir(parents=True, exist_ok=True)  # sbatch opens the log files there
+    try:
+        r = subprocess.run(["sbatch", "--parsable", str(path)], env=env, capture_output=True,
+                           text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"shoestring slurm: error: sbatch: {e}", file=sys.stderr)
+        return exitcodes.FAILED
+    if r.returncode != 0:
+        print(f"shoestring slurm: error: sbatch exited {r.returncode}: {r.stderr.strip()}",
+              file=sys.stderr)
+        return exitcodes.FAILED
+    job_id = r.stdout.strip().split(";")[0]
+    print(job_id)
+    print(f"submitted job {job_id}; log: {opts.run_dir}/slurm-{job_id}.out", file=sys.stderr)
+    return exitcodes.OK
