@@ -197,6 +197,7 @@ COMMANDS: dict[str, tuple[Parser, Runner]] = {
     "finetune": (_finetune_parser, _run_finetune),
     "run": (_run_parser, _run_run),
     "plan": _lazy("shoestring.plan.cli", "plan_parser", "run_plan"),
+    "infer": _lazy("shoestring.infer.cli", "add_parser", "run"),
     "report": _lazy("shoestring.report.cli", "report_parser", "run_report"),
     "top": _lazy("shoestring.report.cli", "top_parser", "run_top"),
     "slurm": _lazy("shoestring.supervise.slurm", "slurm_parser", "run_slurm"),

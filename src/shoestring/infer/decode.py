@@ -1,0 +1,122 @@
+"""Greedy generation and likelihood scoring over a job batch, on the streaming engine.
+
+Sequences are sorted by length (longest first, stable) and grouped into
+micro-batches of at most ``micro_tokens`` prompt tokens, left-padded to the
+group's longest. Every pass moves all micro-batches through a unit before the
+next unit is read. The grouping depends only on the inputs and ``micro_tokens``,
+so the same job always computes the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from shoestring.infer.engine import MicroBatch, StreamingCausalLM
+
+
+@dataclass
+class Generated:
+    tokens: list[int]
+    finish: str  # "eos" | "length"
+
+
+def group(lengths: list[int], micro_tokens: int) -> list[list[int]]:
+    """Indices grouped longest-first so each group's padded size stays <= micro_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= micro_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), t), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        if s:
+            ids[r, t - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[r, t - len(s):] = 1
+    return ids, mask
+
+
+def generate(engine: StreamingCausalLM, prompts: list[list[int]], *, max_new_tokens: int,
+             eos_ids: set[int], pad_id: int, micro_tokens: int,
+             on_pass: Callable[[], None] = lambda: None) -> list[Generated]:
+    """Greedy continuation of every prompt: one prefill pass, then one pass per token."""
+    groups = group([len(p) for p in prompts], micro_tokens)
+    mbs = []
+    for g in groups:
+        ids, mask = _left_pad([prompts[i] for i in g], pad_id)
+        mbs.append(MicroBatch(ids, mask, cache=engine.new_cache()))
+    out = [Generated([], "length") for _ in prompts]
+    done = [False] * len(prompts)
+
+    def last_token(mb: MicroBatch, h: torch.Tensor) -> torch.Tensor:
+        return engine.logits(h[:, -1, :]).argmax(-1).cpu()
+
+    for step in range(max_new_tokens):
+        picks = engine.forward_pass(mbs, last_token)
+        for g, mb, tok in zip(groups, mbs, picks):
+            for r, i in enumerate(g):
+                if done[i]:
+                    continue
+                t = int(tok[r])
+                out[i].tokens.append(t)
+                if t in eos_ids:
+                    done[i], out[i].finish = True, "eos"
+            nxt = torch.tensor([[pad_id if done[i] else int(tok[r])] for r, i in enumerate(g)])
+            mb.input_ids = nxt
+            mb.attention_mask = torch.cat(
+                [mb.attention_mask, torch.ones((len(g), 1), dtype=torch.long)], dim=1)
+        on_pass()
+        if all(done) or step == max_new_tokens - 1:
+            break
+    return out
+
+
+@dataclass
+class Scored:
+    logprob: float  # sum of log p(completion token | prefix), natural log
+    tokens: int  # completion tokens scored
+    greedy: bool  # every completion token is the argmax
+
+
+def score(engine: StreamingCausalLM, seqs: list[tuple[list[int], int]], *, pad_id: int,
+          micro_tokens: int, on_pass: Callable[[], None] = lambda: None) -> list[Scored]:
+    """Log-likelihood of ``tokens[start:]`` given ``tokens[:start]`` for each (tokens, start).
+
+    One prefill pass, no KV cache; the lm_head runs only on the positions that
+    predict a completion token."""
+    groups = group([len(s) for s, _ in seqs], micro_tokens)
+    mbs = [MicroBatch(*_left_pad([seqs[i][0] for i in g], pad_id)) for g in groups]
+
+    def head(mb: MicroBatch, h: torch.Tensor, g: list[int]) -> list[Scored]:
+        t = h.shape[1]
+        res = []
+        for r, i in enumerate(g):
+            toks, start = seqs[i]
+            n = len(toks)
+            off = t - n
+            pos = torch.arange(off + start - 1, off + n - 1, device=h.device)
+            logp = torch.log_softmax(engine.logits(h[r, pos]), dim=-1)
+            target = torch.tensor(toks[start:], device=h.device)
+            lp = logp.gather(-1, target[:, None])[:, 0]
+            res.append(Scored(float(lp.double().sum()), n - start,
+                              bool((logp.argmax(-1) == target).all())))
+        return res
+
+    it = iter(groups)
+    results = engine.forward_pass(mbs, lambda mb, h: head(mb, h, next(it)))
+    on_pass()
+    out: list[Scored | None] = [None] * len(seqs)
+    for g, res in zip(groups, results):
+        for i, s in zip(g, res):
+            out[i] = s
+    return [s for s in out if s is not None]

@@ -1,0 +1,258 @@
+"""The streaming engine: a transformers model built on ``meta``, fed one unit at a time.
+
+The model's own modules (decoder layers, norms, rotary embedding, mask
+builders) do the math, so every architecture transformers supports with the
+usual ``model.layers`` layout works, and the numbers are the ones the in-memory
+model computes. Only the weights are ours: before a unit runs, its parameters
+are pointed at views into a streamed buffer.
+
+The schedule is batch-major: each unit (embed, layer i, head) is acquired once
+per pass and applied to every micro-batch of the job batch before the next unit
+is acquired, so a decode step reads each layer once for all sequences.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from shoestring.infer.shards import ReadPlan, ShardError, TensorRef, index_model, plan_reads
+from shoestring.infer.stream import LayerStreamer, Slot
+
+
+@dataclass
+class Unit:
+    """A streamed piece of the model: its modules' parameters and where their bytes are."""
+
+    name: str  # "embed", "layers.3", "head"
+    params: dict[str, tuple[nn.Module, str]]  # checkpoint key -> (module, attribute)
+    refs: list[TensorRef]
+    plan: ReadPlan = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plan = plan_reads(self.refs)
+
+
+@dataclass
+class MicroBatch:
+    """State of a group of sequences that go through a layer in one call."""
+
+    input_ids: torch.Tensor  # (b, t) tokens fed this pass
+    attention_mask: torch.Tensor  # (b, past + t), 0 on left padding
+    cache: Any = None  # transformers DynamicCache, or None when scoring
+    hidden: torch.Tensor | None = None
+    extras: dict[str, Any] = field(default_factory=dict)  # masks, rotary, position ids
+
+
+def build_skeleton(model_dir: Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """(config, model on the meta device): structure without any weight memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return config, model
+
+
+def _decoder_layers(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and name.endswith("layers"):
+            return name, mod
+    raise ShardError(f"{type(model).__name__}: no decoder-layer list of {n_layers} modules; "
+                     "this architecture is not supported by the streaming engine")
+
+
+def stored_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
+    floats = [r.dtype for r in refs.values() if r.dtype.is_floating_point]
+    return max(set(floats), key=floats.count) if floats else torch.float32
+
+
+def make_units(model: nn.Module, config: Any, refs: dict[str, TensorRef]) -> list[Unit]:
+    """Split the model's parameters into embed, one unit per decoder layer, and head."""
+    n_layers = config.num_hidden_layers
+    layers_name, _ = _decoder_layers(model, n_layers)
+    embed = model.get_input_embeddings()
+    embed_name = next(n for n, m in model.named_modules() if m is embed)
+    owner: dict[str, tuple[nn.Module, str]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, _p in mod.named_parameters(recurse=False):
+            owner[f"{mname}.{pname}" if mname else pname] = (mod, pname)
+    groups: dict[str, dict[str, tuple[nn.Module, str]]] = {"embed": {}, "head": {}}
+    for i in range(n_layers):
+        groups[f"layers.{i}"] = {}
+    for key, target in owner.items():
+        if key.startswith(embed_name + "."):
+            groups["embed"][key] = target
+        elif key.startswith(layers_name + "."):
+            idx = key[len(layers_name) + 1:].split(".", 1)[0]
+            groups[f"layers.{idx}"][key] = target
+        else:
+            groups["head"][key] = target
+    embed_key = f"{embed_name}.weight"
+    units = []
+    for name in ["embed", *(f"layers.{i}" for i in range(n_layers)), "head"]:
+        unit_refs = []
+        for key in groups[name]:
+            ref = refs.get(key)
+            if ref is None and key.endswith("lm_head.weight") and embed_key in refs \
+                    and getattr(config, "tie_word_embeddings", False):
+                ref = TensorRef(key, refs[embed_key].file, refs[embed_key].offset,
+                                refs[embed_key].nbytes, refs[embed_key].dtype,
+                                refs[embed_key].shape)
+            if ref is None:
+                raise ShardError(f"checkpoint has no tensor {key!r} that "
+                                 f"{type(model).__name__} needs")
+            unit_refs.append(TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype,
+                                       ref.shape))
+        units.append(Unit(name, groups[name], unit_refs))
+    return units
+
+
+def _bind(unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
+    for key, (mod, pname) in unit.params.items():
+        mod._parameters[pname] = tensors[key]  # a plain tensor: no copy, no autograd
+
+
+class StreamingCausalLM:
+    """Runs passes of a causal LM over micro-batches, streaming units from disk."""
+
+    def __init__(self, model_dir: Path, *, device: torch.device,
+                 refs: dict[str, TensorRef] | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.refs = refs if refs is not None else index_model(self.model_dir)
+        self.dtype = stored_dtype(self.refs)
+        self.config, self.model = build_skeleton(self.model_dir, self.dtype)
+        self.units = make_units(self.model, self.config, self.refs)
+        base = self.model.base_model
+        self.norm = getattr(base, "norm", None)
+        self.lm_head = self.model.get_output_embeddings()
+        self.embed = self.model.get_input_embeddings()
+        _, self.layers = _decoder_layers(self.model, self.config.num_hidden_layers)
+        rotary = getattr(base, "rotary_emb", None)
+        self.rotary = type(rotary)(config=self.config).to(device) if rotary is not None else None
+        self.streamer: LayerStreamer | None = None
+        self.passes = 0
+
+    def start(self, resident: int | set[int] = 0, depth: int = 2,
+              prepare: Callable[[int, dict[str, torch.Tensor], Slot],
+                                dict[str, torch.Tensor]] | None = None,
+              direct_io: bool = True) -> "StreamingCausalLM":
+        """Read the resident units and start the read-ahead thread."""
+        chosen = resident if isinstance(resident, set) else self.pick_resident(resident)
+        self.streamer = LayerStreamer([u.plan for u in self.units], chosen, depth=depth,
+                                      device=self.device,
+                                      prepare=prepare or (lambda i, t, s: t),
+                                      direct_io=direct_io)
+        return self
+
+    def replace_refs(self, i: int, refs: list[TensorRef]) -> None:
+        """Stream unit ``i`` from other tensors (a compressed copy); ``prepare`` maps them back."""
+        self.units[i].refs = refs
+        self.units[i].plan = plan_reads(refs)
+
+    @property
+    def unit_bytes(self) -> list[int]:
+        return [u.plan.nbytes for u in self.units]
+
+    def pick_resident(self, n: int) -> set[int]:
+        """The ``n`` largest units (ties: later first): most bytes saved per resident slot."""
+        order = sorted(range(len(self.units)), key=lambda i: (-self.units[i].plan.nbytes, -i))
+        return set(order[:max(n, 0)])
+
+    # ------------------------------------------------------------------ masks and positions
+
+    def _mask_kind(self, i: int) -> str:
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            return types[i]
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) \
+            else "full_attention"
+
+    def _prepare(self, mb: MicroBatch) -> None:
+        from transformers.masking_utils import (create_causal_mask,
+                                                create_sliding_window_causal_mask)
+
+        t = mb.input_ids.shape[1]
+        pos = (mb.attention_mask.long().cumsum(-1) - 1).clamp_(min=0)[:, -t:]
+        kinds = {self._mask_kind(i) for i in range(len(self.layers))}
+        kw = dict(config=self.config, inputs_embeds=mb.hidden, attention_mask=mb.attention_mask,
+                  cache=mb.cache, position_ids=pos)
+        masks = {}
+        if "full_attention" in kinds:
+            masks["full_attention"] = create_causal_mask(**kw)
+        if "sliding_attention" in kinds:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
+        rot = self.rotary(mb.hidden, pos) if self.rotary is not None else None
+        mb.extras = {"pos": pos, "masks": masks, "rot": rot}
+
+    # ------------------------------------------------------------------ the pass
+
+    @torch.inference_mode()
+    def forward_pass(self, batches: list[MicroBatch],
+                     head: Callable[[MicroBatch, torch.Tensor], Any]) -> list[Any]:
+        """One pass of every unit over every micro-batch; ``head(mb, final_hidden)`` is
+        called per micro-batch after the final norm, with the lm_head bound (call
+        :meth:`logits`). Returns the head results in micro-batch order."""
+        assert self.streamer is not None, "call start() first"
+        results: list[Any] = []
+        for i, unit in enumerate(self.units):
+            _bind(unit, self.streamer.acquire(i))
+            try:
+                if unit.name == "embed":
+                    for mb in batches:
+                        mb.hidden = self.embed(mb.input_ids.to(self.device))
+                        self._prepare(mb)
+                elif unit.name == "head":
+                    for mb in batches:
+                        h = self.norm(mb.hidden) if self.norm is not None else mb.hidden
+                        results.append(head(mb, h))
+                        mb.hidden = None
+                else:
+                    li = i - 1
+                    layer = self.layers[li]
+                    for mb in batches:
+                        mb.hidden = layer(mb.hidden, attention_mask=mb.extras["masks"][
+                            self._mask_kind(li)], position_ids=mb.extras["pos"],
+                            cache=mb.cache, use_cache=mb.cache is not None,
+                            position_embeddings=mb.extras["rot"])
+            finally:
+                self.streamer.release(i)
+        self.passes += 1
+        return results
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head on final hidden states, as fp32 (only valid inside a ``head`` callback)."""
+        return self.lm_head(h).float()
+
+    def new_cache(self) -> Any:
+        """A KV cache for one micro-batch. On CPU it is host RAM already; on CUDA it is
+        transformers' offloaded cache: K/V live in host RAM and each layer's are
+        prefetched to the GPU just before that layer runs (not yet measured on a GPU)."""
+        from transformers import DynamicCache
+
+        if self.device.type == "cuda":
+            return DynamicCache(config=self.config, offloading=True)
+        return DynamicCache(config=self.config)
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """K and V bytes per token over all layers."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def read_config_json(model_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())

@@ -1,0 +1,58 @@
+"""Reading and checking the input JSONL before any expensive work."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shoestring.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Record:
+    line: int  # 1-based line number in the input
+    prompt: str
+    completion: str | None = None
+    choices: tuple[str, ...] | None = None
+    id: Any = None
+
+
+def read_records(path: Path, mode: str) -> tuple[list[Record], str]:
+    """Every record of ``path`` and the file's sha256; errors name ``path:line``."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"io.input: cannot read {path}: {e.strerror}") from e
+    records = []
+    for n, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{where}: not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str):
+            raise ConfigError(f"{where}: needs a string \"prompt\"")
+        completion, choices = obj.get("completion"), obj.get("choices")
+        if mode == "score":
+            if (completion is None) == (choices is None):
+                raise ConfigError(f"{where}: score mode needs exactly one of \"completion\" "
+                                  "(a string) or \"choices\" (a list of strings)")
+            if completion is not None and (not isinstance(completion, str) or not completion):
+                raise ConfigError(f"{where}: \"completion\" must be a non-empty string")
+            if choices is not None and (not isinstance(choices, list) or not choices or
+                                        not all(isinstance(c, str) and c for c in choices)):
+                raise ConfigError(f"{where}: \"choices\" must be a non-empty list of "
+                                  "non-empty strings")
+        records.append(Record(n, prompt, completion,
+                              tuple(choices) if choices is not None else None, obj.get("id")))
+    if not records:
+        raise ConfigError(f"io.input: {path} has no records")
+    return records, hashlib.sha256(data).hexdigest()

@@ -1,0 +1,106 @@
+"""The memory plan: what a budget buys — job batch, micro-batch size, resident layers.
+
+Everything here is arithmetic on the config, the model's unit sizes and the
+input lengths, never on measurements, so the same command always gets the same
+plan (and therefore the same numerics) after a restart.
+
+Peak memory = runtime reserve + read-ahead ring + per-slot scratch
+            + activations of one micro-batch + hidden states of the whole batch
+            + KV cache of the whole batch + resident units.
+Batching is what turns streaming from hopeless into useful (each decode step
+reads W bytes for B tokens), so the batch is sized first and resident units
+take what is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shoestring.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Plan:
+    batch_size: int  # sequences per wave (= per committed chunk)
+    micro_tokens: int  # padded tokens per forward call in prefill
+    resident: tuple[int, ...]  # indices of units kept resident (largest first)
+    depth: int  # read-ahead depth
+    budget: int
+    breakdown: dict[str, int]  # bytes per part, for the summary and run.json
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def activation_per_token(config: Any, seq_len: int, itemsize: int) -> int:
+    """Peak temporaries of one decoder layer per token: the MLP's gate, up and product
+    (3 x ffn) plus residual, norm and output (4 x hidden), plus a row of fp32
+    attention scores per head (the math SDPA path materializes them)."""
+    d = config.hidden_size
+    ffn = getattr(config, "intermediate_size", 4 * d)
+    return (4 * d + 3 * ffn) * itemsize + config.num_attention_heads * seq_len * 4
+
+
+def make_plan(*, budget: int, reserve: int, unit_bytes: list[int], unit_extra: list[int],
+              kv_per_token: int, config: Any, itemsize: int, prompt_lens: list[int],
+              new_tokens: int, want_batch: int, micro_tokens: int, depth: int,
+              want_resident: int, pinned_batch: int | None = None,
+              pinned_micro: int | None = None) -> Plan:
+    """Size the job batch, then the prefill micro-batches, then the resident set.
+
+    ``unit_extra[i]`` is the scratch unit ``i`` needs once read (its dequantized
+    weights with compression): every ring slot needs the largest, and a resident
+    unit keeps its own. ``pinned_*`` come from a previous attempt of the same job (run.json): the
+    numerics must not change on resume, so they are honoured or the plan fails.
+    """
+    longest = max(prompt_lens) if prompt_lens else 1
+    seq = longest + new_tokens
+    n_units = len(unit_bytes)
+    cost = [b + e for b, e in zip(unit_bytes, unit_extra)]
+    ring = (min(depth, n_units) + 1) * max(cost)
+    per_tok = activation_per_token(config, seq, itemsize)
+    # Logits are fp32 plus a log_softmax copy: every scored position, or one row a sequence.
+    logit_row = config.vocab_size * 8
+
+    def act(tokens: int, batch: int) -> int:
+        return tokens * per_tok + (tokens if new_tokens == 0 else batch) * logit_row
+
+    per_seq = seq * kv_per_token + seq * config.hidden_size * itemsize
+    room = budget - reserve - ring
+    if room < per_seq + act(longest, 1):
+        need = reserve + ring + per_seq + act(longest, 1)
+        raise ConfigError(f"memory.budget: {budget / 1e9:.2f} GB is too small for this model "
+                          f"and input: one sequence needs {need / 1e9:.2f} GB (runtime "
+                          f"{reserve / 1e9:.2f} + read-ahead {ring / 1e9:.2f} + activations "
+                          f"{act(longest, 1) / 1e9:.3f} + KV {per_seq / 1e9:.3f}); lower "
+                          "memory.prefetch_depth or raise the budget")
+    fits = int((room - act(longest, 1)) // per_seq)
+    batch = min(want_batch, max(len(prompt_lens), 1), fits)
+    if pinned_batch is not None:
+        if pinned_batch > fits:
+            raise ConfigError(f"memory.budget: this job was started with a batch of "
+                              f"{pinned_batch} sequences (see run.json) and the new budget "
+                              f"fits only {fits}; resume with the original budget")
+        batch = pinned_batch
+    left = room - batch * per_seq
+    if pinned_micro:
+        micro = pinned_micro
+    else:
+        micro = min(micro_tokens, batch * longest)
+        while micro > longest and act(micro, batch) > left:
+            micro = max(longest, micro * 3 // 4)
+        micro = max(micro, longest)
+    left -= act(micro, batch)
+    resident: list[int] = []
+    if want_resident != 0:
+        for i in sorted(range(n_units), key=lambda i: (-unit_bytes[i], -i)):
+            if want_resident > 0 and len(resident) >= want_resident:
+                break
+            if cost[i] <= left:
+                left -= cost[i]
+                resident.append(i)
+    parts = {"runtime": reserve, "read_ahead": ring, "activations": act(micro, batch),
+             "kv_and_hidden": batch * per_seq,
+             "resident": sum(cost[i] for i in resident)}
+    return Plan(batch, micro, tuple(sorted(resident)), depth, budget, parts)

@@ -1,0 +1,245 @@
+"""``shoestring infer`` as a job: input checks, kill-anywhere resume, memory budget, adapter."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import multiprocessing.context
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoestring.cli import main
+from shoestring.infer.fixtures import build_random_model
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("tiny"), "llama", seed=2)
+
+
+def _write_prompts(path: Path, n: int) -> Path:
+    words = ["alpha", "beta", "gamma", "delta", "eps"]
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[: 1 + i % 5]) * (1 + i % 3)})
+                    + "\n")
+    return path
+
+
+def _args(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
+    return ["infer", "--model", str(model), "--input", str(inp), "--output", str(out),
+            "--threads", "1", "--job.progress", "off", *extra]
+
+
+def _events(out: Path) -> list[dict]:
+    p = Path(str(out) + ".run") / "events.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def test_bad_input_fails_before_loading_anything(tiny: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": 3}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(_args(tiny, inp, out)) == 2
+    assert f"{inp}:3" in capsys.readouterr().err and not out.exists()
+    inp.write_text('{"prompt": "a"}\n{"prompt": "b"\n')
+    assert main(_args(tiny, inp, out)) == 2
+    assert f"{inp}:2: not valid JSON" in capsys.readouterr().err
+    inp.write_text('{"prompt": "a", "completion": "x"}\n{"prompt": "b"}\n')
+    assert main(_args(tiny, inp, out, "--mode", "score")) == 2
+    assert f"{inp}:2: score mode needs" in capsys.readouterr().err
+    assert main(_args(tiny, inp, out, "--memory-budget", "lots")) == 2
+    assert "--memory-budget: 'memory.budget' not a size" in capsys.readouterr().err
+    assert main(_args(tiny, inp, out, "--memory.budgt", "1GB")) == 2
+    assert "did you mean 'memory.budget'" in capsys.readouterr().err
+    inp.write_text('{"prompt": "a"}\n')
+    assert main(_args(tiny, inp, out, "--memory-budget", "300MB")) == 2
+    assert "memory.budget: 0.30 GB is too small for this model" in capsys.readouterr().err
+    assert main(["infer", "--input", str(inp), "--output", str(out)]) == 2
+    assert "--model (model.path) is required" in capsys.readouterr().err
+    assert not Path(str(out) + ".run").exists()
+
+
+def test_score_mode_picks_the_likeliest_choice(tiny: Path, tmp_path: Path) -> None:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "q:", "choices": ["yes", "no", "maybe"]}) + "\n"
+                   + json.dumps({"prompt": "q:", "completion": "no"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(_args(tiny, inp, out, "--mode", "score")) == 0
+    a, b = [json.loads(line) for line in out.read_text().splitlines()]
+    assert a["label"] == ["yes", "no", "maybe"][a["choice"]]
+    assert a["logprobs"][a["choice"]] == max(a["logprobs"])
+    assert abs(b["logprob"] - a["logprobs"][1]) < 1e-4 and b["tokens"] == a["tokens"][1] == 2
+    start, end = _events(out)[0], _events(out)[-1]
+    assert end["event"] == "infer_end" and end["passes"] == start["chunks"]  # prefill only
+
+
+def test_rerun_with_other_output_settings_is_refused(tiny: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    inp = _write_prompts(tmp_path / "in.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    assert main(_args(tiny, inp, out, "--max-new-tokens", "3")) == 0
+    first = out.read_bytes()
+    assert main(_args(tiny, inp, out, "--max-new-tokens", "3")) == 0  # complete: no-op
+    assert out.read_bytes() == first
+    assert [e["event"] for e in _events(out)].count("chunk") == 1
+    assert main(_args(tiny, inp, out, "--max-new-tokens", "4")) == 2
+    assert "belongs to a different job (generate.max_new_tokens changed)" in \
+        capsys.readouterr().err
+
+
+class _Job:
+    """A job started in a child process forked from a server that has already imported
+    torch and transformers: a real process (kill -9, signals, its own RSS) without
+    paying the imports again for every start."""
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext, args: list[str],
+                 faults: str = "") -> None:
+        self.proc = ctx.Process(target=_child, args=(args, faults))
+        self.proc.start()
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float) -> int | None:
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)  # type: ignore[arg-type]
+
+
+def _child(args: list[str], faults: str) -> None:
+    os.environ["SHOESTRING_FAULTS"] = faults
+    torch.set_num_threads(1)
+    sys.exit(main(args))
+
+
+@pytest.fixture(scope="module")
+def jobs() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    # transformers imports lazily; preload what a job touches, or every child pays ~5 s.
+    ctx.set_forkserver_preload([
+        "torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
+        "transformers.cache_utils", "transformers.models.llama.modeling_llama",
+        "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+        "transformers.tokenization_utils_tokenizers", "transformers.processing_utils",
+        "safetensors.torch", "shoestring.cli", "shoestring.infer.job",
+        "shoestring.infer.engine", "shoestring.train.model"])
+    return ctx
+
+
+def test_killed_anywhere_the_rerun_output_is_byte_identical(
+        tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    """Kill mid-chunk, kill mid-commit, preempt with SIGTERM, then finish: same bytes."""
+    inp = _write_prompts(tmp_path / "in.jsonl", 11)
+    common = ["--max-new-tokens", "5", "--batch-size", "3"]
+    ref = tmp_path / "ref.jsonl"
+    assert main(_args(tiny, inp, ref, *common)) == 0
+    out = tmp_path / "out.jsonl"
+    args = _args(tiny, inp, out, *common)
+
+    def chunks() -> int:
+        return sum(e["event"] == "chunk" for e in _events(out)) if \
+            Path(str(out) + ".run", "events.jsonl").exists() else 0
+
+    # 1: SIGKILL in the 8th pass (inside chunk 1, after chunk 0 committed).
+    p = _Job(jobs, args, "step.end@8:kill")
+    assert p.wait(timeout=120) == -9
+    assert chunks() == 1 and not out.exists()
+    # 2: SIGKILL inside the next commit, after its manifest, before the rename.
+    p = _Job(jobs, args, "ckpt.before_rename@1:kill")
+    assert p.wait(timeout=120) == -9
+    assert chunks() == 1
+    # 3: SIGTERM while chunk 2 computes (its passes slowed 20x) -> exit 75, chunks kept.
+    p = _Job(jobs, args, "step.forward@6:slow2000")
+    deadline = time.time() + 120
+    while chunks() < 2 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 75
+    ev = _events(out)
+    assert ev[-1]["event"] == "preempt" and ev[-1]["reason"] == "SIGTERM"
+    # 4: a clean rerun of the same command finishes the job.
+    p = _Job(jobs, args)
+    assert p.wait(timeout=120) == 0
+    assert out.read_bytes() == ref.read_bytes()
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["index"] for x in lines] == list(range(11))
+    assert [x["id"] for x in lines] == [f"p{i}" for i in range(11)]
+    starts = [e for e in _events(out) if e["event"] == "infer_start"]
+    assert [s["chunks_done"] for s in starts] == [0, 1, 1, 2]
+
+
+def test_peak_rss_stays_within_a_budget_smaller_than_the_model(
+        tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    big = build_random_model(tmp_path / "big", "llama", hidden=1024, ffn=2816, layers=14,
+                             heads=8, kv_heads=8, shard="300MB", init_std=0.02)
+    model_bytes = sum(p.stat().st_size for p in big.glob("*.safetensors"))
+    budget = 600_000_000
+    assert model_bytes > 1.15 * budget
+    inp = _write_prompts(tmp_path / "in.jsonl", 4)
+    out = tmp_path / "out.jsonl"
+    p = _Job(jobs, _args(big, inp, out, "--max-new-tokens", "2", "--memory-budget", str(budget),
+                         "--memory.runtime_reserve", "400MB", "--memory.prefetch_depth", "1",
+                         "--memory.micro_batch_tokens", "64"))
+    assert p.wait(timeout=300) == 0
+    end = _events(out)[-1]
+    assert end["event"] == "infer_end"
+    assert end["peak_rss_bytes"] <= budget, end
+    assert end["resident_units"] < 16 and end["bytes_per_pass"] > budget // 2
+    assert end["bytes_read"] >= 2 * end["bytes_per_pass"]  # really streamed, twice
+
+
+def test_finetune_adapter_is_applied(tiny: Path, tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny))
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    (tmp_path / "final").mkdir()
+    peft_model.save_pretrained(str(tmp_path / "final"))
+    merged = peft_model.merge_and_unload().eval()
+    inp = _write_prompts(tmp_path / "in.jsonl", 3)
+    outs = {}
+    for extra in ((), ("--adapter", str(tmp_path / "final"))):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        assert main(_args(tiny, inp, out, "--max-new-tokens", "4", *extra)) == 0
+        outs[len(extra)] = [json.loads(x)["completion"] for x in out.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(str(tiny))
+    want = []
+    for line in inp.read_text().splitlines():
+        ids = tok(json.loads(line)["prompt"], return_tensors="pt")["input_ids"]
+        g = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                            do_sample=False)
+        want.append(tok.decode(g[0, ids.shape[1]:], skip_special_tokens=True))
+    assert outs[2] == want and outs[0] != want
+
+
+def test_plan_spends_the_budget_on_batch_first_and_counts_dequantized_residents() -> None:
+    from types import SimpleNamespace
+
+    from shoestring.infer.plan import make_plan
+
+    cfg = SimpleNamespace(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          vocab_size=320)
+    mb = 1 << 20
+    common = dict(budget=250 * mb, reserve=100 * mb, kv_per_token=16384, config=cfg,
+                  itemsize=4, prompt_lens=[20] * 64, new_tokens=12, want_batch=64,
+                  micro_tokens=512, depth=1, want_resident=-1)
+    plain = make_plan(unit_bytes=[10 * mb] * 10, unit_extra=[0] * 10, **common)
+    # int8-like: 2.5 MB read per unit, but 10 MB of dequantized weights once loaded.
+    packed = make_plan(unit_bytes=[int(2.5 * mb)] * 10, unit_extra=[10 * mb] * 10, **common)
+    assert plain.batch_size == packed.batch_size == 64
+    for p in (plain, packed):
+        assert sum(p.breakdown.values()) <= p.budget
+    assert len(packed.resident) <= len(plain.resident) < 10
+    assert packed.breakdown["resident"] == len(packed.resident) * int(12.5 * mb)
