@@ -52,7 +52,7 @@ def test_event_log_schema(cli: CLI, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     ev = read_events(out)
     kinds = [e["event"] for e in ev]
-    assert kinds[0] == "run_start" and kinds[-1] == "run_end"
+    assert kinds[0] == "run_start" and kinds[-2:] == ["run_end", "cost"]
     steps = [e for e in ev if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 13))
     for e in steps:

@@ -14,7 +14,8 @@ from conftest import CLI, DIST, read_events, run_job, sha256
 
 @pytest.mark.parametrize("fault,culprit,frame", [
     ("step.end@6:hang:rank1:once", 1, "in hit"),    # a rank that stops after a step
-    ("step.data@13:hang:rank0:once", 0, "in hit"),  # a rank stuck loading data (step 7)
+    pytest.param("step.data@13:hang:rank0:once", 0, "in hit",  # stuck loading data (step 7)
+                 marks=pytest.mark.slow),
 ])
 def test_hang_is_caught_named_and_restarted(cli: CLI, tmp_path: Path, ddp_ref: Path,
                                             fault: str, culprit: int, frame: str) -> None:
@@ -89,7 +90,9 @@ def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_pa
 def test_slow_rank_is_flagged_with_its_slow_phase(cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
     # Every forward pass of rank 1 takes 20 % longer from the first step on.
-    r = run_job(cli, out, 2, *DIST, "--train.max_steps", "30",
+    # 45 steps: enough quiet steps (not overlapping a save) for a judgement while the
+    # ranks still run; the bound is 50.
+    r = run_job(cli, out, 2, *DIST, "--train.max_steps", "45",
                 env={"SHOESTRING_FAULTS": "step.forward@1:slow20:rank1"})
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
