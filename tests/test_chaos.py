@@ -7,6 +7,8 @@ import random
 import signal
 from pathlib import Path
 
+import pytest
+
 from chaos import run_with_chaos
 from conftest import CLI, FAST, read_events, state_digest, wait_for_step
 
@@ -56,6 +58,7 @@ def test_second_signal_exits_at_once_previous_checkpoint_intact(
     assert state_digest(out, 12) == reference
 
 
+@pytest.mark.slow  # unit tests in test_commit_protocol.py cover each corruption
 def test_corrupt_newest_checkpoint_end_to_end(cli: CLI, tmp_path: Path,
                                               reference: dict[str, str]) -> None:
     out = tmp_path / "run"

@@ -155,6 +155,7 @@ def test_resume_two_ranks_to_one(cli: CLI, tmp_path: Path, ddp_ref: Path,
     assert_losses_close(steps(out), steps(single_ref), range(9, 13))
 
 
+@pytest.mark.slow  # the 2 -> 1 direction runs in CI
 def test_resume_one_rank_to_two(cli: CLI, tmp_path: Path, ddp_ref: Path,
                                 single_ref: Path) -> None:
     out = tmp_path / "run"

@@ -51,6 +51,8 @@ def hang_run(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
                 top.poll()
                 frames.append(top.frame(time.time(), width=220))
             time.sleep(0.25)
+        top.poll()  # and once more after the end (the verdict may land in the last 0.25 s)
+        frames.append(top.frame(time.time(), width=220))
     assert proc.returncode != 0, log.read_text()[-3000:]  # hung, killed, no restart left
     return {"out": out, "frames": frames}
 

@@ -100,13 +100,22 @@ def test_degradation_alarms_reach_log_webhook_and_prometheus(cli: CLI, tmp_path:
     # (Alarms before step 100 are possible on a machine shared with other work: they
     # would be true alarms. The no-false-alarm property is tested with noisy windows in
     # test_degrade.py and by the healthy runs of test_watchdog.py.)
+    # An alarm is raised once per episode: on a VM whose speed drifts, a throughput alarm
+    # may already be open before step 100; the injected drop must then keep it open.
     alarms = [e for e in ev if e["event"] == "alarm"]
-    after = {(a["kind"], a["rank"]) for a in alarms if a["step"] >= 100}
-    assert ("throughput_drop", 0) in after and ("throughput_drop", 1) in after, alarms
-    assert ("comm_degraded", 1) in after, alarms
-    drop = next(a for a in alarms if a["kind"] == "throughput_drop" and a["step"] >= 100)
-    assert drop["change"] < -0.2
     kinds = {(a["kind"], a["rank"]) for a in alarms}
+    assert ("throughput_drop", 0) in kinds and ("throughput_drop", 1) in kinds, alarms
+    assert any(a["kind"] == "comm_degraded" and a["rank"] == 1 and a["step"] >= 100
+               for a in alarms), alarms
+    windows = [e for e in ev if e["event"] == "window"]
+    for rank in (0, 1):
+        drop = [a for a in alarms if a["kind"] == "throughput_drop" and a["rank"] == rank][-1]
+        late = [w for w in windows if w["rank"] == rank and w["t0"] > drop["ts"]]
+        late_after = [w for w in late if w["t0"] >= next(
+            e["ts"] for e in ev if e["event"] == "step" and e["step"] >= 101)]
+        assert late_after and all(w["tokens_per_s"] < 0.95 * drop["baseline"]
+                                  for w in late_after)  # still below: the episode goes on
+        assert min(w["tokens_per_s"] for w in late_after) < 0.6 * drop["baseline"]
     windows = [e for e in ev if e["event"] == "window"]
     assert {w["rank"] for w in windows} == {0, 1}
     assert all(w["steps"] >= 5 and w["tokens_per_s"] > 0 for w in windows)

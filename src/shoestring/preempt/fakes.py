@@ -173,6 +173,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, body: str | bytes = b"", ctype: str = "text/plain",
               headers: dict[str, str] | None = None) -> None:
         data = body.encode() if isinstance(body, str) else body
+        # Logged before the answer goes out: a client that has its answer sees it logged.
+        self.fake.requests.append((self.command, self.path, status))
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
@@ -183,7 +185,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client went away (a preempted run exits mid long-poll)
-        self.fake.requests.append((self.command, self.path, status))
 
     def _dispatch(self) -> None:
         fake = self.fake
