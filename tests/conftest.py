@@ -17,6 +17,11 @@ from s3server import s3_server  # noqa: F401  (session fixture: a real S3 server
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Nothing in shoestring uses torch.compile, but importing peft imports bitsandbytes, whose
+# CPU ops are wrapped in torch.compile at import: that alone loads inductor, ~2 s of every
+# one of the suite's ~150 process starts. Tests (and the processes they start) skip it.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 #: A small, fast, deterministic run: 12 steps, checkpoints at 4, 8, 12.
 FAST = ["--train.max_steps", "12", "--train.batch_size", "4", "--train.num_threads", "1",
         "--train.warmup_steps", "2", "--checkpoint.every_steps", "4", "--checkpoint.keep", "3",

@@ -28,7 +28,7 @@ def test_random_sigkills_end_byte_identical(cli: CLI, tmp_path: Path,
         return cli.start(out, *args, "--checkpoint.async_mode", mode,
                          env={"SHOESTRING_FAULTS": faults})
 
-    res = run_with_chaos(start, out, kills=int(os.environ.get("CHAOS_KILLS", "6")),
+    res = run_with_chaos(start, out, kills=int(os.environ.get("CHAOS_KILLS", "4")),
                          rng=random.Random(seed))
     assert res.kills >= 1
     # The last checkpoint at step 12 must be kept for the comparison.
