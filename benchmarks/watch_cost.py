@@ -14,10 +14,15 @@ be read from it. This script measures each cost the watch adds, in one process:
    straggler check, degradation windows, metric sampling every 10th poll); it runs once
    per second, on a core the ranks share on a fully-subscribed machine.
 
+4. **The DDP comm hook** (``--ddp``): the traced all-reduce hook (a Python callback and
+   a ``Future.then`` per bucket) vs DDP's built-in C++ all-reduce, on a 1-process gloo
+   group in this process: alternating blocks of forward+backward on two identical DDP
+   models, median per-step difference.
+
 Each is reported as a share of a reference step time (``--step-ms``, default: the
 median step of ``watchdog.py``'s 2-process job on this machine) or of one core.
 
-Usage: ``.venv/bin/python benchmarks/watch_cost.py [--ranks 2] [--step-ms 150]``
+Usage: ``.venv/bin/python benchmarks/watch_cost.py [--ranks 2] [--step-ms 150] [--ddp]``
 """
 
 from __future__ import annotations
@@ -64,12 +69,51 @@ def per_call_us(fn, n: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(best)
 
 
+def ddp_hook_us(blocks: int = 30, per_block: int = 20) -> tuple[float, float]:
+    """(median step us without the hook, median extra us with it)."""
+    import copy
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        plain, hooked = DDP(base), DDP(copy.deepcopy(base))
+        with tempfile.TemporaryDirectory() as tmp, Recorder(Path(tmp), 0, interval_s=3600) as rec:
+            hooked.register_comm_hook(None, rec.ddp_comm_hook)
+            x = torch.randn(32, 256)
+
+            def block(m) -> float:  # type: ignore[no-untyped-def]
+                t0 = time.perf_counter()
+                for _ in range(per_block):
+                    m(x).sum().backward()
+                return (time.perf_counter() - t0) / per_block * 1e6
+
+            block(plain), block(hooked)
+            pairs = [(block(plain), block(hooked)) for _ in range(blocks)]
+            assert rec._seq > 0, "the comm hook never ran: nothing was measured"
+    finally:
+        dist.destroy_process_group()
+    return statistics.median(p for p, _ in pairs), statistics.median(h - p for p, h in pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--step-ms", type=float, default=150.0)
     ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--ddp", action="store_true", help="also time the DDP comm hook")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp)
@@ -100,7 +144,13 @@ def main() -> None:
     print(f"recorder publish: {pub:.0f} us once per second = {pub / 1e4:.3f} % of one core")
     print(f"supervisor poll over {a.ranks} ranks: {poll:.0f} us once per second "
           f"= {poll / 1e4:.3f} % of one core")
-    total = 100 * train / step_us + (pub * a.ranks + poll) / 1e4 / a.ranks
+    hook = 0.0
+    if a.ddp:
+        base_us, hook = ddp_hook_us()
+        print(f"DDP comm hook: +{hook:.1f} us per step over DDP's own all-reduce "
+              f"(step without it {base_us:.0f} us) = {100 * hook / step_us:.3f} % of a "
+              f"{a.step_ms:.0f} ms step")
+    total = 100 * (train + hook) / step_us + (pub * a.ranks + poll) / 1e4 / a.ranks
     print(f"upper bound on a fully-subscribed machine (every watch cycle taken from a rank): "
           f"{total:.3f} % per rank")
 

@@ -188,11 +188,22 @@ def test_fsdp2_trains_and_resumes_exactly(cli: CLI, tmp_path: Path, ddp_ref: Pat
     # Sharding changes only the reduction order, not the math.
     assert_losses_close(steps(ref), steps(ddp_ref), range(1, 13), rel=1e-5)
 
+    # Rank 1 hangs after step 6: the watchdog names it and the FSDP2 collective rank 0 waits
+    # in (FSDP2's own all-gathers/reduce-scatters are traced), kills the job, and the
+    # restart resumes from the sharded checkpoint of step 4.
     out = tmp_path / "run"
     r = run_job(cli, out, 2, *fsdp, restarts=1,
-                env={"SHOESTRING_FAULTS": "step.end@7:kill:rank0:once"})
+                env={"SHOESTRING_FAULTS": "step.end@6:hang:rank1:once"})
     assert r.returncode == 0, r.stderr[-3000:]
-    (res,) = [e for e in read_events(out) if e["event"] == "resume"]
+    ev = read_events(out)
+    (hang,) = [e for e in ev if e["event"] == "hang"]
+    assert hang["kind"] == "stuck_rank" and hang["culprits"] == [1], hang["summary"]
+    waiting = hang["ranks"]["0"]["waiting_in"]
+    assert waiting is not None and waiting.split(" #")[0] in (
+        "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+        "reduce_scatter_tensor"), hang["summary"]
+    assert hang["collective"]["op"] == waiting.split(" #")[0]
+    (res,) = [e for e in ev if e["event"] == "resume"]
     assert res["from_step"] == 4 and res["format"] == "dcp"
     assert sha256(out / "final" / "adapter_model.safetensors") == \
         sha256(ref / "final" / "adapter_model.safetensors")

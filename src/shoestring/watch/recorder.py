@@ -2,7 +2,7 @@
 
 A :class:`Recorder` lives in the training process. The training thread marks
 phases (``with rec.phase("train_step"):``) and the recorder traces collectives:
-Python-level ``torch.distributed`` calls on the default group (while
+Python-level ``torch.distributed`` calls on the default group, FSDP2's included (while
 :meth:`Recorder.trace_collectives` is active) and DDP's gradient all-reduces
 (through a DDP communication hook, :meth:`Recorder.ddp_comm_hook`). Each
 collective gets a per-rank sequence number, so ranks can be compared: the
@@ -51,7 +51,8 @@ STACK_SIGNAL = signal.SIGRTMIN + 3
 #: torch.distributed functions traced by :meth:`Recorder.trace_collectives`.
 TRACED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
           "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all_single",
-          "all_gather_object", "broadcast_object_list")
+          "all_gather_object", "broadcast_object_list",
+          "all_gather_single", "reduce_scatter_single")  # the last two: FSDP2's, torch >= 2.12
 
 LIVE = "live.json"
 STACKS = "stacks.txt"
@@ -237,19 +238,40 @@ class Recorder:
             self._patched.clear()
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        import torch.distributed as dist
+
+        def on_default_group(group: Any) -> bool:
+            # FSDP2 passes its mesh's group explicitly; on a 1-D mesh over every rank that is
+            # the default group. Other groups (the checkpoint writer's) are not traced.
+            return group is None or (dist.is_initialized() and group is dist.group.WORLD)
+
         @functools.wraps(fn)
         def traced(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
             depth = getattr(self._depth, "n", 0)
-            if depth or group is not None or threading.get_ident() != self._traced_thread:
+            if depth or threading.get_ident() != self._traced_thread \
+                    or not on_default_group(kwargs.get("group")):
                 return fn(*args, **kwargs)
-            tensors = [a for a in args if hasattr(a, "shape")][:1]
+            tensors = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape")][:1]
+            shapes = [list(getattr(t, "shape", ())) for t in tensors]
+            dtype = str(getattr(tensors[0], "dtype", "")) if tensors else ""
             self._depth.n = 1
+            seq = self._begin(name, "default", shapes, dtype)
+            closed_later = False
             try:
-                with self.collective(name, tensors):
-                    return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                if kwargs.get("async_op") and out is not None:
+                    # An async work (FSDP2's all-gathers and reduce-scatters) stays open
+                    # until it completes, so a rank waiting on it is seen waiting in it.
+                    try:
+                        out.get_future().add_done_callback(lambda _f: self._end(seq))
+                        closed_later = True
+                    except (AttributeError, RuntimeError):
+                        pass  # a backend without futures: closed at return, as sync calls
+                return out
             finally:
                 self._depth.n = 0
+                if not closed_later:
+                    self._end(seq)
         return traced
 
     # ------------------------------------------------------------------ publishing
