@@ -108,3 +108,39 @@ def test_straggler_is_named_with_its_slow_part() -> None:
     # Too few steps yet: no judgement.
     snaps[1] = {"work": _work(7e-6, 900e-6, n=10)}
     assert straggler(snaps, pol) is None
+
+
+def test_straggler_speed_is_a_lower_quartile_so_contention_spikes_do_not_count() -> None:
+    from shoestring.watch.straggler import StragglerPolicy, straggler
+
+    pol = StragglerPolicy(threshold=0.10, window=30, min_steps=20)
+    # Rank 1 is as fast as rank 0 but a neighbour steals its CPU on 60 % of its steps
+    # (+50 %): its median moves, its fast steps do not.
+    spiky = [600e-6 * (1.5 if i % 5 in (1, 2, 3) else 1.0) for i in range(30)]
+    snaps = {0: {"work": _work(7e-6, 600e-6)},
+             1: {"work": {"data": [7e-6] * 30, "forward": spiky}}}
+    assert straggler(snaps, pol) is None
+    # A device 20 % slower on every step is still one.
+    snaps[1] = {"work": {"data": [7e-6] * 30, "forward": [x * 1.2 for x in spiky]}}
+    found = straggler(snaps, pol)
+    assert found is not None and found["rank"] == 1 and found["slower_by"] > 0.15
+
+
+def test_straggler_is_reported_once_after_it_stays_slow() -> None:
+    from shoestring.watch.straggler import StragglerPolicy, StragglerWatch
+
+    watch = StragglerWatch(StragglerPolicy(confirm_steps=10))
+
+    def poll(step: int, fwd1: float) -> dict | None:
+        return watch.observe({0: {"step": step, "work": _work(7e-6, 600e-6)},
+                              1: {"step": step, "work": _work(7e-6, fwd1)}})
+
+    # Slower for 8 steps, then back to normal: a burst, no alarm.
+    assert all(poll(s, 700e-6) is None for s in range(20, 28))
+    assert poll(28, 600e-6) is None
+    # Slower from step 30 on: reported at step 40, with where it began, and only once.
+    assert all(poll(s, 700e-6) is None for s in range(30, 40))
+    found = poll(40, 700e-6)
+    assert found is not None and found["rank"] == 1 and found["part"] == "forward"
+    assert found["step"] == 40 and found["slower_since_step"] == 30
+    assert poll(41, 700e-6) is None

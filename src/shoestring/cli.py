@@ -103,6 +103,10 @@ def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--first-phase-timeout", type=float, default=300.0, metavar="S",
                    help="budget of a phase seen fewer than 3 times: first step, first eval, "
                         "first checkpoint (default 300)")
+    p.add_argument("--straggler-threshold", type=float, default=0.10, metavar="F",
+                   help="report a rank whose collective-free work per token (lower quartile of "
+                        "its last 30 steps) is more than F above its peers' for 10 steps "
+                        "(default 0.10)")
     p.add_argument("--window", type=float, default=60.0, metavar="S",
                    help="degradation window: per S seconds and rank, communication time per "
                         "step and throughput are compared with the run's baseline (default 60)")
@@ -139,6 +143,7 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
     from shoestring.supervise.supervisor import Supervisor, SupervisorConfig
     from shoestring.watch.degrade import DegradePolicy
     from shoestring.watch.hang import HangPolicy
+    from shoestring.watch.straggler import StragglerPolicy
 
     command = list(args.job or []) + list(rest)
     if command and command[0] == "--":
@@ -151,10 +156,9 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     argv = launch_argv(LaunchSpec(tuple(command), args.nproc_per_node), env)
     for flag, v in (("--hang-multiple", args.hang_multiple), ("--hang-floor", args.hang_floor),
-                    ("--first-phase-timeout", args.first_phase_timeout)):
-        if v <= 0:
-            raise ConfigError(f"{flag}: must be > 0, got {v}")
-    for flag, v in (("--window", args.window), ("--comm-rise", args.comm_rise),
+                    ("--first-phase-timeout", args.first_phase_timeout),
+                    ("--straggler-threshold", args.straggler_threshold),
+                    ("--window", args.window), ("--comm-rise", args.comm_rise),
                     ("--throughput-drop", args.throughput_drop)):
         if v <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {v}")
@@ -170,6 +174,7 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
     job = args.job_id or env.get("SLURM_JOB_ID") or (run_dir.resolve().name if run_dir else "job")
     cfg = SupervisorConfig(max_restarts=args.max_restarts, run_dir=run_dir,
                            watch=not args.no_watch, hang=policy,
+                           stragglers=StragglerPolicy(threshold=args.straggler_threshold),
                            degrade=DegradePolicy(window_s=args.window, comm_rise=args.comm_rise,
                                                  throughput_drop=args.throughput_drop),
                            metrics_interval_s=args.metrics_interval, job=job,

@@ -28,6 +28,7 @@ from shoestring.watch.alerts import Alerts, AlertSink, CallbackSink, StderrSink,
 from shoestring.watch.degrade import DegradePolicy
 from shoestring.watch.exporter import JobState, PrometheusExporter
 from shoestring.watch.hang import HangPolicy, Verdict
+from shoestring.watch.straggler import StragglerPolicy
 from shoestring.watch.watchdog import Watchdog
 
 log = logging.getLogger("shoestring.run")
@@ -42,6 +43,7 @@ class SupervisorConfig:
     run_dir: Path | None = None
     watch: bool = True  # needs run_dir: the ranks publish their live state under it
     hang: HangPolicy = HangPolicy()
+    stragglers: StragglerPolicy = StragglerPolicy()
     degrade: DegradePolicy = DegradePolicy()
     metrics_interval_s: float = 10.0  # 0: no host/GPU metric samples
     job: str = "job"  # the `job` label of alerts and Prometheus series
@@ -207,7 +209,7 @@ class Supervisor:
         return Watchdog(self.cfg.run_dir, self.cfg.hang, self._on_hang, on_alarm=self._on_alarm,
                         on_record=self._on_record,
                         on_snapshots=lambda snaps: self.state.update(snaps=snaps),
-                        degrade=self.cfg.degrade, sampler=self._sampler,
+                        stragglers=self.cfg.stragglers, degrade=self.cfg.degrade, sampler=self._sampler,
                         metrics_interval_s=self.cfg.metrics_interval_s or 1e9)
 
     def _loop(self) -> int:

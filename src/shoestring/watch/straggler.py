@@ -6,16 +6,23 @@ all-reduce. So each rank reports, per step, the time of work that contains no
 collective — building the batch (``data``) and the forward passes
 (``forward``; with DDP's per-forward buffer sync off they contain no
 communication) — normalised per padded token, since ranks get batches of
-different lengths. A rank is a straggler when the median of its last
-``window`` steps is more than ``threshold`` above the median of the other
-ranks' medians, for any of those parts; the verdict names the part.
+different lengths.
+
+A rank's speed is the *lower quartile* of its last ``window`` steps, not the
+median: contention from other processes (a checkpoint writer, a neighbour's
+job, the OS) only ever adds time, so it moves a rank's median and tail but
+much less its fast steps, while a slow device or a throttled clock slows every
+step. A rank is a straggler when that figure exceeds the median of the other
+ranks' by more than ``threshold``, and :class:`StragglerWatch` reports it only
+once it has stayed so for ``confirm_steps`` steps, so a burst of contention
+lasting a few steps is not an alarm.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 PARTS = ("data", "forward")
 
@@ -23,31 +30,46 @@ PARTS = ("data", "forward")
 @dataclass(frozen=True)
 class StragglerPolicy:
     threshold: float = 0.10
+    """A rank is slower when its work per token exceeds its peers' by more than this."""
     window: int = 30
+    """Steps per rank the judgement looks at (the latest ones)."""
     min_steps: int = 20
+    """No judgement before every rank has this many steps."""
+    quantile: float = 0.25
+    """Which quantile of a rank's per-token work times stands for its speed."""
+    confirm_steps: int = 10
+    """A rank must stay slower for this many steps before it is reported."""
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
               ) -> dict[str, Any] | None:
-    """``{"rank", "part", "slower_by", ...}`` for the slowest straggler, or None.
+    """``{"rank", "part", "slower_by", ...}`` for the slowest straggler now, or None.
 
     A rank is slower when its total collective-free work per token (the sum of the
-    parts' medians) exceeds the median of the other ranks' totals by more than
+    parts' quantiles) exceeds the median of the other ranks' totals by more than
     ``threshold``; the part named is the one with the largest absolute excess, so a
     noisy but negligible part (batch building is microseconds) never decides.
     """
     if len(snaps) < 2:
         return None
-    med: dict[int, dict[str, float]] = {}
+    speed: dict[int, dict[str, float]] = {}
     for r, s in snaps.items():
         work = s.get("work") or {}
-        med[r] = {}
+        speed[r] = {}
         for part in PARTS:
             xs = work.get(part) or []
             if len(xs) < policy.min_steps:
                 return None
-            med[r][part] = statistics.median(xs[-policy.window:])
-    total = {r: sum(m.values()) for r, m in med.items()}
+            speed[r][part] = _quantile(xs[-policy.window:], policy.quantile)
+    total = {r: sum(m.values()) for r, m in speed.items()}
     worst: dict[str, Any] | None = None
     for r, t in total.items():
         peers = [q for q in total if q != r]
@@ -56,8 +78,38 @@ def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
             continue
         excess = t / ref - 1.0
         if worst is None or excess > worst["slower_by"]:
-            part = max(PARTS, key=lambda p: med[r][p] - statistics.median(med[q][p] for q in peers))
+            part = max(PARTS, key=lambda p: speed[r][p]
+                       - statistics.median(speed[q][p] for q in peers))
             worst = {"rank": r, "part": part, "slower_by": round(excess, 4),
                      "us_per_token": {str(q): {p: round(v * 1e6, 3) for p, v in m.items()}
-                                      for q, m in sorted(med.items())}}
+                                      for q, m in sorted(speed.items())}}
     return worst
+
+
+@dataclass
+class StragglerWatch:
+    """Turns successive judgements into alarms: one per rank and part, once confirmed.
+
+    ``observe`` is called on every poll with the running ranks' snapshots (which
+    carry ``step``); it returns the alarm fields the first time a rank has been the
+    straggler for ``policy.confirm_steps`` steps in a row, else None.
+    """
+
+    policy: StragglerPolicy = StragglerPolicy()
+    _suspect: dict[int, int] = field(default_factory=dict)  # rank -> first step it was slower
+    _reported: set[tuple[int, str]] = field(default_factory=set)
+
+    def observe(self, snaps: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
+        found = straggler(snaps, self.policy)
+        if found is None:
+            self._suspect.clear()
+            return None
+        rank = found["rank"]
+        step = int(snaps[rank].get("step") or 0)
+        since = self._suspect.get(rank, step)
+        self._suspect = {rank: since}
+        if step - since < self.policy.confirm_steps or (rank, found["part"]) in self._reported:
+            return None
+        self._reported.add((rank, found["part"]))
+        found["step"], found["slower_since_step"] = step, since
+        return found

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from shoestring.watch.degrade import DegradationMonitor, DegradePolicy
 from shoestring.watch.hang import HangPolicy, Verdict, analyze
 from shoestring.watch.recorder import LIVE, STACK_SIGNAL, STACKS
-from shoestring.watch.straggler import StragglerPolicy, straggler
+from shoestring.watch.straggler import StragglerPolicy, StragglerWatch
 
 log = logging.getLogger("shoestring.watch")
 
@@ -85,9 +85,8 @@ class Watchdog:
                  poll_s: float = 1.0, clock: Callable[[], float] = time.time) -> None:
         self.run_dir, self.policy, self.on_hang = run_dir, policy, on_hang
         self.on_alarm, self.on_record, self.on_snapshots = on_alarm, on_record, on_snapshots
-        self.stragglers, self.degrade_policy = stragglers, degrade
+        self.stragglers, self.degrade_policy = StragglerWatch(stragglers), degrade
         self.sampler, self.metrics_interval_s = sampler, metrics_interval_s
-        self._reported: set[tuple[int, str]] = set()
         self.poll_s, self._clock = poll_s, clock
         self.verdict: Verdict | None = None
         self._stop = threading.Event()
@@ -133,13 +132,11 @@ class Watchdog:
         running = {r: s for r, s in snaps.items() if s.get("status") == "running"}
         if self.on_alarm is None or len(running) < max(world, 2):
             return
-        found = straggler(running, self.stragglers)
-        if found is None or (found["rank"], found["part"]) in self._reported:
+        found = self.stragglers.observe(running)
+        if found is None:
             return
-        self._reported.add((found["rank"], found["part"]))
-        found["step"] = running[found["rank"]]["step"]
         found["message"] = (f"its {found['part']} work is {found['slower_by']:.0%} slower per "
-                            "token than its peers'")
+                            f"token than its peers' (since step {found['slower_since_step']})")
         self.on_alarm("straggler", found)
 
     def _check_windows(self, snaps: dict[int, dict[str, Any]]) -> None:
