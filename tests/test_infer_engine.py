@@ -201,3 +201,21 @@ def test_reader_returns_exact_tensors_from_header_offsets(tmp_path: Path, direct
             assert reader.bytes_read == plan.read_bytes and plan.read_bytes % 4096 == 0
         finally:
             path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "nf4"])
+def test_fast_dequantize_is_bitwise_the_plain_formula(scheme: str) -> None:
+    from shoestring.infer.quant import GROUP, NF4_CODE, dequantize, quantize
+
+    torch.manual_seed(3)
+    w = torch.randn(700, 192) * 0.02  # 700 rows: the last row block is partial
+    parts = quantize(w, scheme)
+    if scheme == "int8":
+        plain = parts["q8"].float() * parts["s"]
+    else:
+        idx = torch.stack([parts["q4"] >> 4, parts["q4"] & 15], -1).reshape(700, -1)
+        plain = (NF4_CODE[idx.long()].reshape(700, -1, GROUP)
+                 * parts["a"].unsqueeze(-1)).reshape(700, 192)
+    out = dequantize(parts, torch.empty(700, 192), rows=256)
+    assert torch.equal(out, plain)
+    assert (out - w).abs().max() < w.abs().max() * (0.01 if scheme == "int8" else 0.2)

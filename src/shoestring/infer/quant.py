@@ -62,16 +62,31 @@ def _quantize(w: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
     return {"q8": q.contiguous(), "s": scale.contiguous()}
 
 
-def dequantize(parts: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Write the weight back into ``out`` (its final dtype and shape)."""
+#: Both NF4 values of every code byte (high nibble first): one lookup per byte.
+_NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=-1)
+
+
+def dequantize(parts: dict[str, torch.Tensor], out: torch.Tensor, rows: int = 512
+               ) -> torch.Tensor:
+    """Write the weight back into ``out`` (its final dtype and shape).
+
+    Phrased for speed on one CPU thread, where it runs beside the compute:
+    ``out.copy_(q8).mul_(s)`` is 6x faster than ``torch.mul(q8, s, out=out)``
+    (which takes a slow mixed-dtype path), and nf4 looks up both values of a
+    byte at once, ``rows`` rows at a time, 6.5x faster than decoding nibbles
+    over the whole matrix (numbers: docs/inference.md). Results are bitwise the
+    same as the plain formulas."""
     if "q8" in parts:
-        torch.mul(parts["q8"], parts["s"], out=out)
-        return out
+        return out.copy_(parts["q8"]).mul_(parts["s"])
     packed, absmax = parts["q4"], parts["a"]
-    code = NF4_CODE.to(packed.device)
-    idx = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
-    vals = code[idx.long()].reshape(absmax.shape[0], absmax.shape[1], GROUP)
-    out.copy_((vals * absmax.unsqueeze(-1)).reshape(out.shape))
+    pairs = _NF4_PAIRS.to(device=packed.device, dtype=out.dtype)
+    groups = absmax.shape[1]
+    flat = out.view(packed.shape[0], -1)
+    for i in range(0, packed.shape[0], rows):
+        vals = torch.nn.functional.embedding(packed[i:i + rows].long(), pairs)
+        dst = flat[i:i + rows].view(-1, groups, GROUP)
+        torch.mul(vals.view(-1, groups, GROUP), absmax[i:i + rows].unsqueeze(-1).to(out.dtype),
+                  out=dst)
     return out
 
 
