@@ -6,7 +6,7 @@ each in its own memory cgroup (v1 or v2, created under this process's own
 cgroup; page cache is charged to it, so streaming is real), and prints ratios.
 
     .venv/bin/python benchmarks/infer_vs_peers.py                  # mid model, 64 x 32
-    .venv/bin/python benchmarks/infer_vs_peers.py --compress int8  # adds ours+int8
+    .venv/bin/python benchmarks/infer_vs_peers.py --compress int8,nf4  # adds ours+int8, +nf4
 
 Peers run from benchmarks/.venv-peers (gitignored): a venv that sees the project
 venv's packages through a .pth file and adds ``airllm==4.0.0`` (``--no-deps``);
@@ -213,8 +213,8 @@ def worker(tool: str, a: argparse.Namespace) -> dict[str, Any]:
         cfg.generate.max_new_tokens, cfg.generate.stop_at_eos = a.new_tokens, False
         cfg.memory.budget, cfg.memory.batch_size = str(a.budget), len(records)
         cfg.job.progress = "off"
-        if tool == "ours-int8":
-            cfg.compress.scheme = "int8"
+        if tool.startswith("ours-"):
+            cfg.compress.scheme = tool[len("ours-"):]
         t0 = time.perf_counter()
         assert run_infer(cfg, stream=sys.stderr) == 0
         gen_s = time.perf_counter() - t0
@@ -284,7 +284,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=0, help="ours: --memory-budget in bytes "
                    "(default: the cap minus 64 MiB of page-cache slack)")
     p.add_argument("--tools", default="ours,airllm,accelerate")
-    p.add_argument("--compress", default="", help="also run ours with this scheme (int8)")
+    p.add_argument("--compress", default="",
+                   help="also run ours with these schemes (comma-separated: int8,nf4)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per tool (with 2 threads on a shared 2-core box "
                         "OpenMP collapses; see benchmarks/README.md)")
@@ -305,7 +306,7 @@ def main() -> None:
     prompts = write_prompts(work / "prompts.jsonl", int(a.prompts))
     shard = max(model.glob("*.safetensors"), key=lambda f: f.stat().st_size)
     bw0 = disk_bandwidth(shard)
-    tools = [t for t in a.tools.split(",") if t] + ([f"ours-{a.compress}"] if a.compress else [])
+    tools = [t for t in a.tools.split(",") if t] + [f"ours-{c}" for c in a.compress.split(",") if c]
     print(f"model {model_bytes / 1e9:.2f} GB ({a.layers} layers, hidden {a.hidden}); cap "
           f"{cap / 2**30:.2f} GiB; {a.prompts} prompts x {a.new_tokens} new tokens; "
           f"{a.threads} threads; disk {bw0 / 1e9:.2f} GB/s (dd iflag=direct, best of "

@@ -123,9 +123,10 @@ class StreamingCausalLM:
     """Runs passes of a causal LM over micro-batches, streaming units from disk."""
 
     def __init__(self, model_dir: Path, *, device: torch.device,
-                 refs: dict[str, TensorRef] | None = None) -> None:
+                 refs: dict[str, TensorRef] | None = None, kv_bits: int = 16) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
+        self.kv_bits = kv_bits  # 8: caches from new_cache() hold int8 K/V (infer.kvcache)
         self.refs = refs if refs is not None else index_model(self.model_dir)
         self.dtype = stored_dtype(self.refs)
         self.config, self.model = build_skeleton(self.model_dir, self.dtype)
@@ -237,17 +238,24 @@ class StreamingCausalLM:
         prefetched to the GPU just before that layer runs (not yet measured on a GPU)."""
         from transformers import DynamicCache
 
-        if self.device.type == "cuda":
-            return DynamicCache(config=self.config, offloading=True)
-        return DynamicCache(config=self.config)
+        offloading = self.device.type == "cuda"
+        if self.kv_bits == 8:
+            from shoestring.infer.kvcache import int8_cache
+
+            return int8_cache(self.config, offloading=offloading)
+        return DynamicCache(config=self.config, offloading=offloading)
 
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
 
 
-def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """K and V bytes per token over all layers."""
+def kv_bytes_per_token(config: Any, dtype: torch.dtype, bits: int = 16) -> int:
+    """K and V bytes per token over all layers (``bits`` 8: int8 plus per-head scales)."""
+    if bits == 8:
+        from shoestring.infer.kvcache import kv8_bytes_per_token
+
+        return kv8_bytes_per_token(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -191,7 +191,7 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
                           f"{e}") from e
     work = tokenize(records, tok, mode)
     try:
-        engine = StreamingCausalLM(model_dir, device=device)
+        engine = StreamingCausalLM(model_dir, device=device, kv_bits=cfg.memory.kv_bits)
     except ShardError as e:
         raise ConfigError(f"--model (model.path): {e}") from e
     if adapter is not None:
@@ -201,7 +201,8 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
     flat = to_flat(cfg)
     identity = {"input_sha256": input_sha, "model": _model_id(model_dir),
                 "adapter": adapter.fingerprint if adapter else "",
-                **{k: flat[k] for k in OUTPUT_KEYS if k not in ("model.path", "io.input")}}
+                **{k: flat[k] for k in OUTPUT_KEYS if k not in ("model.path", "io.input")
+                   and not (k == "memory.kv_bits" and flat[k] == 16)}}  # older run dirs stay valid
     run_json = run_dir / "run.json"
     prior = json.loads(run_json.read_text()) if run_json.is_file() else None
     if prior is not None and prior["identity"] != identity:
@@ -241,7 +242,8 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
     pinned = prior["pinned"] if prior else {}
     plan: Plan = make_plan(
         budget=budget, reserve=reserve, unit_bytes=engine.unit_bytes, unit_extra=unit_extra,
-        kv_per_token=kv_bytes_per_token(engine.config, engine.dtype) if new else 0,
+        kv_per_token=kv_bytes_per_token(engine.config, engine.dtype,
+                                        cfg.memory.kv_bits) if new else 0,
         config=engine.config, itemsize=engine.dtype.itemsize, prompt_lens=lens,
         new_tokens=new, want_batch=cfg.memory.batch_size,
         micro_tokens=cfg.memory.micro_batch_tokens, depth=cfg.memory.prefetch_depth,
