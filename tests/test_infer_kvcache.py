@@ -134,3 +134,37 @@ def test_infer_job_with_kv_bits_8(tmp_path: Path) -> None:
         start = json.loads((run / "events.jsonl").read_text().splitlines()[0])
         kv_part[bits] = start["plan"]["breakdown"]["kv_and_hidden"]
     assert kv_part[8] < kv_part[16]
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_decode_merges_prefill_groups_without_changing_tokens(
+        tmp_path: Path, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoestring.infer import decode
+
+    torch.set_num_threads(1)
+    model = build_random_model(tmp_path / "llama", "llama", seed=4)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 11, 6, 14, 2, 9)]
+    real = decode._merge_for_decode
+    seen: list[tuple[int, int]] = []
+
+    def spy(engine, groups, mbs):  # type: ignore[no-untyped-def]
+        out = real(engine, groups, mbs)
+        seen.append((len(mbs), len(out[1])))
+        return out
+
+    def run() -> list[list[int]]:
+        eng = StreamingCausalLM(model, device=torch.device("cpu"), kv_bits=bits).start()
+        try:
+            res = decode.generate(eng, prompts, max_new_tokens=10, eos_ids=set(), pad_id=0,
+                                  micro_tokens=24)
+        finally:
+            eng.close()
+        return [r.tokens for r in res]
+
+    monkeypatch.setattr(decode, "_merge_for_decode", spy)
+    merged = run()
+    monkeypatch.setattr(decode, "_merge_for_decode", lambda e, gr, m: (gr, m))
+    separate = run()
+    assert len(seen) == 1 and seen[0][0] >= 3 and seen[0][1] == 1  # 3+ groups -> 1
+    assert merged == separate

@@ -115,3 +115,41 @@ def kv8_bytes_per_token(config: Any) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return 2 * config.num_hidden_layers * kv_heads * (head_dim + 4)
+
+
+def merge_left_padded(caches: list[Any], target: Any) -> Any | None:
+    """Stack per-micro-batch caches into ``target`` (an empty cache of the same model),
+    left-padding each to the longest, layer by layer (the sources are emptied as it
+    goes, so the extra memory is one layer's worth). Returns ``target``, or None — and
+    leaves the sources untouched — when a layer kind cannot be stacked this way
+    (sliding-window or other layers that track their own positions)."""
+    kinds = {type(layer) for c in caches for layer in c.layers} | \
+        {type(layer) for layer in target.layers}
+    if not kinds <= {DynamicLayer, Int8KVLayer} or len(kinds) != 1:
+        return None
+    if any(not layer.is_initialized for c in caches for layer in c.layers):
+        return None
+    longest = max(c.layers[0].get_seq_length() for c in caches)
+
+    def stack(parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(p, (0, 0, longest - n, 0))
+                          for p, n in zip(parts, lengths)], dim=0)
+
+    for i, dst in enumerate(target.layers):
+        src = [c.layers[i] for c in caches]
+        lengths = [layer.get_seq_length() for layer in src]
+        if isinstance(dst, Int8KVLayer):
+            dst.lazy_initialization(src[0].keys, src[0].values)
+            dst.dtype = src[0].dtype
+            dst._k = tuple(stack([layer._k[j] for layer in src], lengths) for j in (0, 1))
+            dst._v = tuple(stack([layer._v[j] for layer in src], lengths) for j in (0, 1))
+            dst.length = longest
+            for layer in src:
+                layer._k = layer._v = None
+        else:
+            dst.lazy_initialization(src[0].keys, src[0].values)
+            dst.keys = stack([layer.keys for layer in src], lengths)
+            dst.values = stack([layer.values for layer in src], lengths)
+            for layer in src:
+                layer.keys = layer.values = None
+    return target
