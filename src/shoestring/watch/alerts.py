@@ -64,7 +64,7 @@ class WebhookSink:
     def __init__(self, url: str, job: str, host: str, *, timeout_s: float = 5.0,
                  retries: int = 3, backoff_s: float = 1.0, max_queue: int = 100) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--alert-webhook: expected an http(s) URL, got {url!r}")
+            raise ValueError(f"webhook: expected an http(s) URL, got {url!r}")
         self.url, self.job, self.host = url, job, host
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self._q: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=max_queue)

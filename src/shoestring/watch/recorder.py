@@ -43,7 +43,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 #: Signal that makes a rank dump all thread stacks (faulthandler, no ptrace needed).
 STACK_SIGNAL = signal.SIGRTMIN + 3
@@ -172,6 +172,11 @@ class Recorder:
                                "dtype": dtype, "start": self._clock(), "end": None}
         return seq
 
+    def _begin_on(self, op: str, group: str, tensors: Sequence[Any]) -> int:
+        """:meth:`_begin` described by the tensors a collective is called with."""
+        return self._begin(op, group, [list(getattr(t, "shape", ())) for t in tensors],
+                           str(getattr(tensors[0], "dtype", "")) if tensors else "")
+
     def _end(self, seq: int) -> None:
         with self._lock:
             rec = self._open.pop(seq, None)
@@ -182,8 +187,7 @@ class Recorder:
 
     @contextlib.contextmanager
     def collective(self, op: str, tensors: list[Any] = (), group: str = "default") -> Iterator[int]:  # type: ignore[assignment]
-        seq = self._begin(op, group, [list(getattr(t, "shape", ())) for t in tensors],
-                          str(getattr(tensors[0], "dtype", "")) if tensors else "")
+        seq = self._begin_on(op, group, tensors)
         try:
             yield seq
         finally:
@@ -200,7 +204,7 @@ class Recorder:
 
         def hook(state, bucket):  # type: ignore[no-untyped-def]
             buf = bucket.buffer()
-            seq = self._begin("allreduce[ddp]", "default", [list(buf.shape)], str(buf.dtype))
+            seq = self._begin_on("allreduce[ddp]", "default", [buf])
             fut = default_hooks.allreduce_hook(state, bucket)
 
             def done(f):  # type: ignore[no-untyped-def]
@@ -252,10 +256,8 @@ class Recorder:
                     or not on_default_group(kwargs.get("group")):
                 return fn(*args, **kwargs)
             tensors = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape")][:1]
-            shapes = [list(getattr(t, "shape", ())) for t in tensors]
-            dtype = str(getattr(tensors[0], "dtype", "")) if tensors else ""
             self._depth.n = 1
-            seq = self._begin(name, "default", shapes, dtype)
+            seq = self._begin_on(name, "default", tensors)
             closed_later = False
             try:
                 out = fn(*args, **kwargs)
