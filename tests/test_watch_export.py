@@ -105,17 +105,24 @@ def test_degradation_alarms_reach_log_webhook_and_prometheus(cli: CLI, tmp_path:
     alarms = [e for e in ev if e["event"] == "alarm"]
     kinds = {(a["kind"], a["rank"]) for a in alarms}
     assert ("throughput_drop", 0) in kinds and ("throughput_drop", 1) in kinds, alarms
-    assert any(a["kind"] == "comm_degraded" and a["rank"] == 1 and a["step"] >= 100
-               for a in alarms), alarms
+    assert ("comm_degraded", 1) in kinds, alarms
     windows = [e for e in ev if e["event"] == "window"]
+    t101 = next(e["ts"] for e in ev if e["event"] == "step" and e["step"] >= 101)
     for rank in (0, 1):
         drop = [a for a in alarms if a["kind"] == "throughput_drop" and a["rank"] == rank][-1]
         late = [w for w in windows if w["rank"] == rank and w["t0"] > drop["ts"]]
-        late_after = [w for w in late if w["t0"] >= next(
-            e["ts"] for e in ev if e["event"] == "step" and e["step"] >= 101)]
+        late_after = [w for w in late if w["t0"] >= t101]
         assert late_after and all(w["tokens_per_s"] < 0.95 * drop["baseline"]
                                   for w in late_after)  # still below: the episode goes on
         assert min(w["tokens_per_s"] for w in late_after) < 0.6 * drop["baseline"]
+    # Rank 1's communication episode (opened by the injected +2 x 100 ms per step, or
+    # already open from drift, as in one CI run where it opened at step 92) stays open
+    # through the injected delay: every later window is above the alarm's baseline.
+    comm = [a for a in alarms if a["kind"] == "comm_degraded" and a["rank"] == 1][-1]
+    comm_after = [w for w in windows if w["rank"] == 1 and w["t0"] >= max(t101, comm["ts"])]
+    assert comm_after and all(w["comm_s_per_step"] > 1.10 * comm["baseline"]
+                              for w in comm_after)
+    assert min(w["comm_s_per_step"] for w in comm_after) > comm["baseline"] + 0.1
     windows = [e for e in ev if e["event"] == "window"]
     assert {w["rank"] for w in windows} == {0, 1}
     assert all(w["steps"] >= 5 and w["tokens_per_s"] > 0 for w in windows)
