@@ -251,15 +251,13 @@ class StreamingCausalLM:
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype, bits: int = 16) -> int:
-    """K and V bytes per token over all layers (``bits`` 8: int8 plus per-head scales)."""
-    if bits == 8:
-        from shoestring.infer.kvcache import kv8_bytes_per_token
-
-        return kv8_bytes_per_token(config)
+    """K and V bytes per token over all layers; ``bits`` 8: int8 values plus one fp32
+    scale per head (infer.kvcache)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    per_head = head_dim + 4 if bits == 8 else head_dim * dtype.itemsize
+    return 2 * config.num_hidden_layers * kv_heads * per_head
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:

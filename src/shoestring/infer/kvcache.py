@@ -18,10 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-
-def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (x.float().abs().amax(-1, keepdim=True) / 127.0).clamp_min(1e-12)
-    return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8), scale
+from shoestring.infer.quant import dequantize, int8_rows
 
 
 class Int8KVLayer(DynamicLayer):
@@ -51,15 +48,15 @@ class Int8KVLayer(DynamicLayer):
     @staticmethod
     def _append(old: tuple[torch.Tensor, torch.Tensor] | None, new: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, s = _quantize(new)
+        q, s = int8_rows(new)
         if old is None:
             return q, s
         return torch.cat([old[0], q], dim=-2), torch.cat([old[1], s], dim=-2)
 
     def _dequantize(self, qs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         q, s = qs
-        return torch.empty(q.shape, dtype=torch.float32, device=q.device).copy_(q).mul_(s) \
-            .to(self.dtype)
+        return dequantize({"q8": q, "s": s}, torch.empty(q.shape, dtype=self.dtype,
+                                                          device=q.device))
 
     def get_seq_length(self) -> int:
         return self.length
@@ -109,14 +106,6 @@ def int8_cache(config: Any, offloading: bool = False) -> DynamicCache:
     return cache
 
 
-def kv8_bytes_per_token(config: Any) -> int:
-    """K and V bytes per token over all layers: int8 values plus one fp32 scale per head."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return 2 * config.num_hidden_layers * kv_heads * (head_dim + 4)
-
-
 def merge_left_padded(caches: list[Any], target: Any) -> Any | None:
     """Stack per-micro-batch caches into ``target`` (an empty cache of the same model),
     left-padding each to the longest, layer by layer (the sources are emptied as it
@@ -140,7 +129,6 @@ def merge_left_padded(caches: list[Any], target: Any) -> Any | None:
         lengths = [layer.get_seq_length() for layer in src]
         if isinstance(dst, Int8KVLayer):
             dst.lazy_initialization(src[0].keys, src[0].values)
-            dst.dtype = src[0].dtype
             dst._k = tuple(stack([layer._k[j] for layer in src], lengths) for j in (0, 1))
             dst._v = tuple(stack([layer._v[j] for layer in src], lengths) for j in (0, 1))
             dst.length = longest

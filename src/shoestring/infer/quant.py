@@ -57,9 +57,15 @@ def _quantize(w: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
         idx = idx.reshape(w.shape[0], -1)
         packed = (idx[:, 0::2] << 4) | idx[:, 1::2]
         return {"q4": packed.contiguous(), "a": absmax[..., 0].contiguous()}
-    scale = (w.abs().amax(1, keepdim=True) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    q, scale = int8_rows(w)
     return {"q8": q.contiguous(), "s": scale.contiguous()}
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dimension: (codes, fp32 scale = absmax / 127 per row)."""
+    x = x.float()
+    scale = (x.abs().amax(-1, keepdim=True) / 127.0).clamp_min(1e-12)
+    return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
 #: Both NF4 values of every code byte (high nibble first): one lookup per byte.

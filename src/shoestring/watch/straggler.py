@@ -35,18 +35,12 @@ class StragglerPolicy:
     """Steps per rank the judgement looks at (the latest ones)."""
     min_steps: int = 20
     """No judgement before every rank has this many steps."""
-    quantile: float = 0.25
-    """Which quantile of a rank's per-token work times stands for its speed."""
     confirm_steps: int = 10
     """A rank must stay slower for this many steps before it is reported."""
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+def _lower_quartile(xs: Sequence[float]) -> float:
+    return statistics.quantiles(xs, n=4, method="inclusive")[0]
 
 
 def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
@@ -54,7 +48,7 @@ def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
     """``{"rank", "part", "slower_by", ...}`` for the slowest straggler now, or None.
 
     A rank is slower when its total collective-free work per token (the sum of the
-    parts' quantiles) exceeds the median of the other ranks' totals by more than
+    parts' lower quartiles) exceeds the median of the other ranks' totals by more than
     ``threshold``; the part named is the one with the largest absolute excess, so a
     noisy but negligible part (batch building is microseconds) never decides.
     """
@@ -68,7 +62,7 @@ def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
             xs = work.get(part) or []
             if len(xs) < policy.min_steps:
                 return None
-            speed[r][part] = _quantile(xs[-policy.window:], policy.quantile)
+            speed[r][part] = _lower_quartile(xs[-policy.window:])
     total = {r: sum(m.values()) for r, m in speed.items()}
     worst: dict[str, Any] | None = None
     for r, t in total.items():
