@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from shoestring.watch import HangPolicy, analyze
 
 POLICY = HangPolicy(multiple=3.0, floor_s=10.0, first_timeout_s=300.0)
@@ -89,8 +91,9 @@ def test_frozen_rank_is_stale_and_missing_ranks_mean_not_started() -> None:
     assert analyze({0: snaps[0]}, now=1000.0, policy=POLICY, world_size=2) is None
 
 
-def _work(data: float, fwd: float, n: int = 30) -> dict[str, list[float]]:
-    return {"data": [data] * n, "forward": [fwd] * n}
+def _work(data: float, fwd: float, n: int = 30, tokens: int = 100) -> dict[str, list]:
+    """Steps of ``tokens`` tokens whose work takes ``data`` and ``fwd`` seconds per token."""
+    return {"data": [[data * tokens, tokens]] * n, "forward": [[fwd * tokens, tokens]] * n}
 
 
 def test_straggler_is_named_with_its_slow_part() -> None:
@@ -102,6 +105,7 @@ def test_straggler_is_named_with_its_slow_part() -> None:
     found = straggler(snaps, pol)
     assert found is not None and found["rank"] == 1 and found["part"] == "forward"
     assert abs(found["slower_by"] - (687 / 612 - 1)) < 1e-3  # peers: median of 607 and 617
+    assert found["ms_per_step"]["1"]["forward"] == pytest.approx(68.0)
     # 5 % slower is within the threshold; a noisy but negligible part never decides.
     snaps[1] = {"work": _work(9e-6, 630e-6)}
     assert straggler(snaps, pol) is None
@@ -116,14 +120,41 @@ def test_straggler_speed_is_a_lower_quartile_so_contention_spikes_do_not_count()
     pol = StragglerPolicy(threshold=0.10, window=30, min_steps=20)
     # Rank 1 is as fast as rank 0 but a neighbour steals its CPU on 60 % of its steps
     # (+50 %): its median moves, its fast steps do not.
-    spiky = [600e-6 * (1.5 if i % 5 in (1, 2, 3) else 1.0) for i in range(30)]
+    spiky = [[0.06 * (1.5 if i % 5 in (1, 2, 3) else 1.0), 100] for i in range(30)]
     snaps = {0: {"work": _work(7e-6, 600e-6)},
-             1: {"work": {"data": [7e-6] * 30, "forward": spiky}}}
+             1: {"work": {"data": [[7e-4, 100]] * 30, "forward": spiky}}}
     assert straggler(snaps, pol) is None
     # A device 20 % slower on every step is still one.
-    snaps[1] = {"work": {"data": [7e-6] * 30, "forward": [x * 1.2 for x in spiky]}}
+    snaps[1] = {"work": {"data": [[7e-4, 100]] * 30,
+                         "forward": [[s * 1.2, t] for s, t in spiky]}}
     found = straggler(snaps, pol)
     assert found is not None and found["rank"] == 1 and found["slower_by"] > 0.15
+
+
+def test_straggler_compares_ranks_at_the_same_batch_size() -> None:
+    from shoestring.watch.straggler import StragglerPolicy, straggler
+
+    pol = StragglerPolicy(threshold=0.10, window=30, min_steps=20)
+
+    def steps(sizes: list[int], fixed: float, per_token: float, slow: float = 1.0) -> dict:
+        return {"data": [[1e-4, t] for t in sizes],
+                "forward": [[(fixed + per_token * t) * slow, t] for t in sizes]}
+
+    # A step's forward has a fixed cost (50 ms) besides 0.1 ms per token; rank 1 happens
+    # to get shorter batches. Per token it would look 25-30 % slower; it is not slower.
+    long = [70 + (7 * i) % 21 for i in range(30)]
+    short = [50 + (5 * i) % 21 for i in range(30)]
+    snaps = {0: {"work": steps(long, 0.05, 1e-4)}, 1: {"work": steps(short, 0.05, 1e-4)}}
+    assert straggler(snaps, pol) is None
+    # A forward whose time does not depend on the batch size at all: not slower either.
+    snaps = {0: {"work": steps(long, 0.05, 0.0)}, 1: {"work": steps(short, 0.05, 0.0)}}
+    assert straggler(snaps, pol) is None
+    # The same rank 12 % slower on every step is one, by how much it is slower.
+    snaps = {0: {"work": steps(long, 0.05, 1e-4)},
+             1: {"work": steps(short, 0.05, 1e-4, slow=1.12)}}
+    found = straggler(snaps, pol)
+    assert found is not None and found["rank"] == 1 and found["part"] == "forward"
+    assert found["slower_by"] == pytest.approx(0.12, abs=0.01)
 
 
 def test_straggler_is_reported_once_after_it_stays_slow() -> None:

@@ -64,11 +64,12 @@ def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_pa
     # are written every 5 steps and the run crosses epoch boundaries (tiny dataset): none
     # of that is a hang or a straggler, even with a 2 s floor and a first-phase timeout
     # far below an eval.
-    # The straggler threshold is raised to 50 %: on a 2-core VM with both ranks computing on
-    # the CPU, rank 1's forwards measured 15-29 % slower per token in runs with rank-0 evals
-    # (and within 7 % without), real CPU contention, not a misattribution. An eval, a save or
-    # an epoch boundary leaking into the work timings would be several times that (an eval
-    # here takes > 3 steps), so this still fails if the judgement counts them.
+    # The straggler threshold is raised to 25 %: on this 2-core VM, with both ranks and the
+    # supervisor sharing the CPUs, identical ranks measured up to 8 % apart (three runs of
+    # this job at the default 10 %: no alarm, largest gap +8 %); a CI run with the old
+    # per-token measure saw 15-29 %. An eval, a save or an epoch boundary leaking into the
+    # work timings would be several times that (an eval here takes > 3 steps), so this
+    # still fails if the judgement counts them.
     out = tmp_path / "run"
     data = tmp_path / "small.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{w} ->", "completion": f" {w[::-1]}"}) + "\n"
@@ -78,7 +79,7 @@ def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_pa
                 "--data.eval", "builtin:reverse", "--eval.max_samples", "48",
                 "--eval.every_steps", "10", "--checkpoint.every_steps", "5",
                 run_args=("--hang-floor", "2", "--first-phase-timeout", "60",
-                          "--straggler-threshold", "0.5"))
+                          "--straggler-threshold", "0.25"))
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     assert not [e for e in ev if e["event"] in ("hang", "straggler", "restart")]

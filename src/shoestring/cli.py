@@ -104,9 +104,9 @@ def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="budget of a phase seen fewer than 3 times: first step, first eval, "
                         "first checkpoint (default 300)")
     p.add_argument("--straggler-threshold", type=float, default=0.10, metavar="F",
-                   help="report a rank whose collective-free work per token (lower quartile of "
-                        "its last 30 steps) is more than F above its peers' for 10 steps "
-                        "(default 0.10)")
+                   help="report a rank whose collective-free work per step, at the same "
+                        "batch size (lower quartile of its last 30 steps), is more than F "
+                        "above its peers' for 10 steps (default 0.10)")
     p.add_argument("--window", type=float, default=60.0, metavar="S",
                    help="degradation window: per S seconds and rank, communication time per "
                         "step and throughput are compared with the run's baseline (default 60)")

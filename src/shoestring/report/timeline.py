@@ -333,7 +333,7 @@ def to_alarm(e: Event) -> Alarm:
         kind = "straggler"
         ranks = _ranks(d.get("rank"))
         slower = _num(d.get("slower_by"))
-        msg = (f"{d.get('part', '?')} work per token "
+        msg = (f"{d.get('part', '?')} work per step "
                f"{'+' + format(slower, '.0%') if slower is not None else '?'} vs peers"
                f" at step {d.get('step', '?')}")
     elif e.kind == "alarm":
