@@ -157,7 +157,8 @@ def test_killed_anywhere_the_rerun_output_is_byte_identical(
     p = _Job(jobs, args, "ckpt.before_rename@1:kill")
     assert p.wait(timeout=120) == -9
     assert chunks() == 1
-    # 3: SIGTERM while chunk 2 computes (its passes slowed 20x) -> exit 75, chunks kept.
+    # 3: SIGTERM while chunk 2 computes (its passes slowed 20x) -> exit 75, chunks kept,
+    # and chunk 2's generation saved after the pass it was in.
     p = _Job(jobs, args, "step.forward@6:slow2000")
     deadline = time.time() + 120
     while chunks() < 2 and time.time() < deadline and p.poll() is None:
@@ -166,15 +167,47 @@ def test_killed_anywhere_the_rerun_output_is_byte_identical(
     assert p.wait(timeout=120) == 75
     ev = _events(out)
     assert ev[-1]["event"] == "preempt" and ev[-1]["reason"] == "SIGTERM"
-    # 4: a clean rerun of the same command finishes the job.
+    (saved,) = [e for e in ev if e["event"] == "partial_saved"]
+    assert saved["chunk"] == 2 and 1 <= saved["passes"] <= 5
+    assert ev[-1]["partial_passes"] == saved["passes"]
+    # 4: a clean rerun of the same command continues chunk 2 from there and finishes.
+    n_before = len(_events(out))
     p = _Job(jobs, args)
     assert p.wait(timeout=120) == 0
+    rerun = _events(out)[n_before:]
+    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == \
+        [(2, saved["passes"])]
+    assert rerun[-1]["passes"] == (5 - saved["passes"]) + 5  # rest of chunk 2, all of 3
+    assert not list((Path(str(out) + ".run") / "partial").iterdir())
     assert out.read_bytes() == ref.read_bytes()
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in lines] == list(range(11))
     assert [x["id"] for x in lines] == [f"p{i}" for i in range(11)]
     starts = [e for e in _events(out) if e["event"] == "infer_start"]
     assert [s["chunks_done"] for s in starts] == [0, 1, 1, 2]
+
+
+def test_kill_without_notice_resumes_from_the_periodic_state(
+        tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    """``job.save_every_s``: a SIGKILL in the middle of a chunk, with no signal first,
+    costs only the passes since the last periodic save."""
+    inp = _write_prompts(tmp_path / "in.jsonl", 6)
+    common = ["--max-new-tokens", "6", "--batch-size", "3"]
+    ref = tmp_path / "ref.jsonl"
+    assert main(_args(tiny, inp, ref, *common)) == 0
+    out = tmp_path / "out.jsonl"
+    args = _args(tiny, inp, out, *common, "--job.save_every_s", "1e-9")  # after every pass
+    # Chunk 0 takes passes 1-6; SIGKILL at the end of pass 10 (chunk 1's 4th).
+    assert _Job(jobs, args, "step.end@10:kill").wait(timeout=120) == -9
+    saved = [(e["chunk"], e["passes"]) for e in _events(out) if e["event"] == "partial_saved"]
+    assert saved == [(0, p) for p in range(1, 7)] + [(1, p) for p in range(1, 5)]
+    n_before = len(_events(out))
+    assert _Job(jobs, args).wait(timeout=120) == 0
+    rerun = _events(out)[n_before:]
+    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == \
+        [(1, 4)]
+    assert rerun[-1]["passes"] == 2
+    assert out.read_bytes() == ref.read_bytes()
 
 
 def test_peak_rss_stays_within_a_budget_smaller_than_the_model(

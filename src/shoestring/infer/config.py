@@ -98,6 +98,11 @@ class JobConfig:
                          choices=("auto", "bar", "plain", "off"))
     preempt_signal: str = knob("SIGUSR1", "Extra signal meaning 'commit and exit' besides "
                                "SIGTERM and SIGINT.", choices=("SIGUSR1", "SIGUSR2", "none"))
+    save_every_s: float = knob(600.0, "Also save a running chunk's generation state (tokens "
+                               "and KV cache, at a pass boundary) every S seconds, so a kill "
+                               "without notice loses at most about S seconds of a long chunk; "
+                               "0: only when asked to stop. A stop signal always saves it.",
+                               check=non_negative)
 
 
 @dataclass

@@ -46,24 +46,57 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def generate(engine: StreamingCausalLM, prompts: list[list[int]], *, max_new_tokens: int,
-             eos_ids: set[int], pad_id: int, micro_tokens: int,
-             on_pass: Callable[[], None] = lambda: None) -> list[Generated]:
-    """Greedy continuation of every prompt: one prefill pass, then one pass per token."""
+@dataclass
+class GenState:
+    """Where a chunk's generation stands between passes: everything the next pass needs.
+
+    Consistent after every completed pass (``step`` of them), which is where the job
+    saves it when asked to stop (:mod:`shoestring.infer.partial`)."""
+
+    groups: list[list[int]]  # sequence indices per micro-batch
+    mbs: list[MicroBatch]  # next tokens, masks and KV caches per micro-batch
+    out: list[Generated]
+    done: list[bool]
+    step: int = 0  # passes completed (0: prefill still to do)
+
+
+def start(engine: StreamingCausalLM, prompts: list[list[int]], *, pad_id: int,
+          micro_tokens: int) -> GenState:
+    """The state before the prefill: prompts grouped and left-padded, empty caches."""
     groups = group([len(p) for p in prompts], micro_tokens)
     mbs = []
     for g in groups:
         ids, mask = _left_pad([prompts[i] for i in g], pad_id)
         mbs.append(MicroBatch(ids, mask, cache=engine.new_cache()))
-    out = [Generated([], "length") for _ in prompts]
-    done = [False] * len(prompts)
+    return GenState(groups, mbs, [Generated([], "length") for _ in prompts],
+                    [False] * len(prompts))
+
+
+def generate(engine: StreamingCausalLM, prompts: list[list[int]], *, max_new_tokens: int,
+             eos_ids: set[int], pad_id: int, micro_tokens: int,
+             on_pass: Callable[[], None] = lambda: None) -> list[Generated]:
+    """Greedy continuation of every prompt: one prefill pass, then one pass per token."""
+    state = start(engine, prompts, pad_id=pad_id, micro_tokens=micro_tokens)
+    return generate_from(engine, state, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                         pad_id=pad_id, on_pass=on_pass)
+
+
+def generate_from(engine: StreamingCausalLM, state: GenState, *, max_new_tokens: int,
+                  eos_ids: set[int], pad_id: int,
+                  on_pass: Callable[[], None] = lambda: None) -> list[Generated]:
+    """Greedy continuation from ``state``: a prefill pass (if not done yet), then one pass
+    per token. ``on_pass`` runs after each pass, with ``state`` complete for it (it may
+    raise to stop; the state can then be saved and generation resumed from it)."""
+    out, done = state.out, state.done
 
     def last_token(mb: MicroBatch, h: torch.Tensor) -> torch.Tensor:
         return engine.logits(h[:, -1, :]).argmax(-1).cpu()
 
-    for step in range(max_new_tokens):
-        picks = engine.forward_pass(mbs, last_token)
-        for g, mb, tok in zip(groups, mbs, picks):
+    for step in range(state.step, max_new_tokens):
+        if all(done):
+            break
+        picks = engine.forward_pass(state.mbs, last_token)
+        for g, mb, tok in zip(state.groups, state.mbs, picks):
             for r, i in enumerate(g):
                 if done[i]:
                     continue
@@ -76,10 +109,9 @@ def generate(engine: StreamingCausalLM, prompts: list[list[int]], *, max_new_tok
             mb.attention_mask = torch.cat(
                 [mb.attention_mask, torch.ones((len(g), 1), dtype=torch.long)], dim=1)
         if step == 0:
-            groups, mbs = _merge_for_decode(engine, groups, mbs)
+            state.groups, state.mbs = _merge_for_decode(engine, state.groups, state.mbs)
+        state.step = step + 1
         on_pass()
-        if all(done) or step == max_new_tokens - 1:
-            break
     return out
 
 

@@ -7,12 +7,17 @@ Layout of the run directory (``OUTPUT.run`` unless ``io.run_dir`` is set)::
     events.jsonl        infer_start, chunk, preempt, infer_end (docs/inference.md)
     chunks/step-0000000K/  chunk K's output lines, committed with the checkpoint
                         protocol (temp dir, fsync, manifest last, rename)
+    partial/step-0000000K/ the generation state of chunk K when the job was asked to
+                        stop mid-chunk (infer/partial.py); removed once K commits
     weights-int8/       the compressed copy of the layers, if compress.scheme is set
 
 Chunk K always holds input records [K*C, (K+1)*C) and is computed with the
 same batch grouping, so a rerun after any kill recomputes exactly the missing
 chunks to the same bytes; the output file is assembled from the ledger at the
-end (temp file, fsync, rename), so it is either absent or complete.
+end (temp file, fsync, rename), so it is either absent or complete. A chunk
+stopped by a preemption signal is not recomputed from its prefill: the job
+finishes the pass it is in, saves the generation state, and the rerun continues
+from the next pass on the same tensors.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ import torch
 from shoestring import exitcodes
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.local import (clean_stale, commit_local, committed_steps, fsync_dir,
-                                         quarantine, step_dirname, write_file_durably)
-from shoestring.checkpoint.manifest import CorruptCheckpoint, read_manifest, sha256_bytes
+                                         quarantine, remove_checkpoint, step_dirname,
+                                         write_file_durably)
+from shoestring.checkpoint.manifest import (MANIFEST, CorruptCheckpoint, read_manifest,
+                                            sha256_bytes)
 from shoestring.config import ConfigError, to_flat
 from shoestring.events import EventLog
 from shoestring.infer.config import OUTPUT_KEYS, InferConfig, parse_size
-from shoestring.infer.decode import generate, score
+from shoestring.infer import partial
+from shoestring.infer.decode import GenState, generate_from, score, start
 from shoestring.infer.engine import StreamingCausalLM, kv_bytes_per_token
 from shoestring.infer.inputs import Record, read_records
 from shoestring.infer.plan import Plan, make_plan
@@ -263,6 +271,11 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
     log = EventLog(run_dir / "events.jsonl", run_id=run_id)
     clean_stale(root)
     done = _verified_chunks(root, log)
+    partial_root = run_dir / "partial"
+    clean_stale(partial_root)
+    for k in committed_steps(partial_root):
+        if k in done:  # committed after its state was saved (a kill between the two)
+            remove_checkpoint(partial_root / step_dirname(k))
     faults.hit("resume.after_load")
     todo = [k for k in range(n_chunks) if k not in done]
     streamed = sum(u.plan.read_bytes for i, u in enumerate(engine.units)
@@ -275,12 +288,16 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
 
     stats = Stats()
     status = "completed"
+    saved = 0
     if todo:
         engine.start(set(plan.resident), plan.depth, prepare)
         progress = Progress(len(records), sum(min(chunk, len(records) - k * chunk)
                                                for k in done), cfg.job.progress, stream)
         flag = PreemptionFlag()
         pass_t = [time.perf_counter()]
+        last_save = [time.perf_counter()]  # of the running chunk's state
+        state: GenState | None = None  # the running chunk's generation, saved on a stop
+        k = todo[0]
 
         def on_pass() -> None:
             now = time.perf_counter()
@@ -295,6 +312,11 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
             act = faults.hit("step.forward")  # slowNN: a straggler, for preemption tests
             if act and act.startswith("slow"):
                 time.sleep((now - pass_t[0]) * int(act[4:]) / 100)
+            every = cfg.job.save_every_s
+            if state is not None and every and not flag.is_set() \
+                    and time.perf_counter() - last_save[0] >= every:
+                _save_partial(partial_root, k, state, run_id, log, faults)
+                last_save[0] = time.perf_counter()
             pass_t[0] = time.perf_counter()
             progress.tick(stats.passes, engine.streamer.reader.bytes_read)  # type: ignore
             faults.hit("step.end")
@@ -307,12 +329,24 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
                     t0 = time.perf_counter()
                     read0 = engine.streamer.reader.bytes_read  # type: ignore[union-attr]
                     idx = range(k * chunk, min((k + 1) * chunk, len(records)))
-                    pass_t[0] = time.perf_counter()
-                    stats.chunk_pass = 0
-                    results = _run_chunk(engine, work, idx, cfg, plan, on_pass, stats)
+                    flat = [(i, j) for i in idx for j in range(len(work.seqs[i]))]
+                    if mode == "generate":
+                        state = _resume(partial_root / step_dirname(k), engine, len(flat), log,
+                                        k) or start(engine, [work.seqs[i][j] for i, j in flat],
+                                                    pad_id=work.pad_id,
+                                                    micro_tokens=plan.micro_tokens)
+                        stats.chunk_pass = state.step
+                    else:
+                        stats.chunk_pass = 0
+                    pass_t[0] = last_save[0] = time.perf_counter()
+                    results = _run_chunk(engine, work, idx, flat, cfg, plan, on_pass, stats,
+                                         state)
                     data = _chunk_lines(work, idx, mode, results, tok)
                     commit_local(root, k, {CHUNK_FILE: data},
                                  {"records": [idx.start, idx.stop], "run_id": run_id}, faults)
+                    state = None
+                    if (partial_root / step_dirname(k)).exists():
+                        remove_checkpoint(partial_root / step_dirname(k))
                     stats.prompts += len(idx)
                     done.add(k)
                     read = engine.streamer.reader.bytes_read - read0  # type: ignore[union-attr]
@@ -325,17 +359,20 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
                         raise Preempted(flag.reason)
         except Preempted as e:
             status = "preempted"
+            notice_ms = round((time.time() - (flag.set_at or time.time())) * 1000, 1)
+            saved = _save_partial(partial_root, k, state, run_id, log, faults) \
+                if state is not None and state.step > 0 else 0
             log.emit("preempt", reason=str(e), chunks_done=len(done), of=n_chunks,
-                     notice_to_stop_ms=round((time.time() - (flag.set_at or time.time()))
-                                             * 1000, 1))
+                     notice_to_stop_ms=notice_ms, partial_passes=saved)
         finally:
             progress.close()
             engine.close()
     summary = summary_of(engine, stats, plan, streamed, time.perf_counter() - t_start)
     if status == "preempted":
         log.close()
+        kept = f", and chunk {k}'s first {saved} passes" if saved else ""
         print(f"shoestring infer: preempted; {len(done)}/{n_chunks} chunks committed in "
-              f"{root}. Rerun the same command to continue.", file=stream)
+              f"{root}{kept}. Rerun the same command to continue.", file=stream)
         return exitcodes.PREEMPTED
     nbytes = _assemble(root, n_chunks, output)
     log.emit("infer_end", status=status, output=str(output), output_bytes=nbytes, **summary)
@@ -344,14 +381,14 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
     return exitcodes.OK
 
 
-def _run_chunk(engine: StreamingCausalLM, work: Work, idx: range, cfg: InferConfig,
-               plan: Plan, on_pass: Any, stats: Stats) -> list[list[Any]]:
-    flat = [(i, j) for i in idx for j in range(len(work.seqs[i]))]
-    if cfg.generate.mode == "generate":
-        outs = generate(engine, [work.seqs[i][j] for i, j in flat],
-                        max_new_tokens=cfg.generate.max_new_tokens,
-                        eos_ids=work.eos_ids if cfg.generate.stop_at_eos else set(),
-                        pad_id=work.pad_id, micro_tokens=plan.micro_tokens, on_pass=on_pass)
+def _run_chunk(engine: StreamingCausalLM, work: Work, idx: range, flat: list[tuple[int, int]],
+               cfg: InferConfig, plan: Plan, on_pass: Any, stats: Stats,
+               state: GenState | None) -> list[list[Any]]:
+    if state is not None:
+        outs: list[Any] = generate_from(
+            engine, state, max_new_tokens=cfg.generate.max_new_tokens,
+            eos_ids=work.eos_ids if cfg.generate.stop_at_eos else set(),
+            pad_id=work.pad_id, on_pass=on_pass)
         stats.tokens += sum(len(o.tokens) for o in outs)
     else:
         outs = score(engine, [(work.seqs[i][j], work.starts[i][j]) for i, j in flat],
@@ -361,3 +398,33 @@ def _run_chunk(engine: StreamingCausalLM, work: Work, idx: range, cfg: InferConf
     for (i, _j), o in zip(flat, outs):
         grouped[i - idx.start].append(o)
     return grouped
+
+
+def _resume(path: Path, engine: StreamingCausalLM, n_seqs: int, log: EventLog,
+            chunk: int) -> GenState | None:
+    """The saved generation state of this chunk, or None (none saved, or unusable: then
+    it is quarantined and the chunk starts over)."""
+    if not (path / MANIFEST).is_file():
+        return None
+    try:
+        state = partial.load(path, engine, n_seqs)
+    except (CorruptCheckpoint, OSError, KeyError, ValueError) as e:
+        log.emit("partial_invalid", chunk=chunk, error=str(e), quarantined=str(quarantine(path)))
+        return None
+    log.emit("partial_loaded", chunk=chunk, passes=state.step)
+    return state
+
+
+def _save_partial(root: Path, chunk: int, state: GenState, run_id: str, log: EventLog,
+                  faults: FaultPlan) -> int:
+    """Save the stopped chunk's state; returns the passes it holds (0: not saved)."""
+    t0 = time.perf_counter()
+    try:
+        path, nbytes = partial.save(root, chunk, state, {"chunk": chunk, "run_id": run_id},
+                                    faults)
+    except partial.Unsupported as e:
+        log.emit("partial_skipped", chunk=chunk, reason=str(e))
+        return 0
+    log.emit("partial_saved", chunk=chunk, passes=state.step, bytes=nbytes,
+             seconds=round(time.perf_counter() - t0, 4), path=str(path))
+    return state.step

@@ -1,0 +1,87 @@
+"""A generation stopped between passes, saved and loaded into a fresh engine, continues
+bit for bit: same tokens and the same KV cache contents as a run that never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoestring.checkpoint.manifest import CorruptCheckpoint
+from shoestring.infer import partial
+from shoestring.infer.decode import GenState, generate_from, start
+from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.fixtures import build_random_model
+
+
+class Stop(Exception):
+    pass
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, 14, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
+
+
+def _cache_tensors(state: GenState) -> list[torch.Tensor]:
+    out = []
+    for mb in state.mbs:
+        for layer in mb.cache.layers:
+            qs = getattr(layer, "_k", None)
+            out += [*layer._k, *layer._v] if qs is not None else [layer.keys, layer.values]
+    return out
+
+
+@pytest.mark.parametrize("arch,kv_bits", [("llama", 16), ("llama", 8), ("mistral", 16)])
+def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bits: int) -> None:
+    torch.set_num_threads(1)
+    extra = {"sliding_window": 8} if arch == "mistral" else {}
+    model = build_random_model(tmp_path / "m", arch, seed=4, **extra)
+    prompts = _prompts(7, seed=11)
+    kw = dict(max_new_tokens=9, eos_ids=set(), pad_id=0)
+
+    def engine() -> StreamingCausalLM:
+        return StreamingCausalLM(model, device=torch.device("cpu"), kv_bits=kv_bits).start(
+            resident=1, depth=1)
+
+    eng = engine()
+    try:
+        ref = start(eng, prompts, pad_id=0, micro_tokens=24)  # several prefill groups
+        ref_out = [g.tokens for g in generate_from(eng, ref, **kw)]  # type: ignore[arg-type]
+    finally:
+        eng.close()
+
+    for stop_after in (1, 4):  # right after the prefill; in the middle of decoding
+        eng = engine()
+        state = start(eng, prompts, pad_id=0, micro_tokens=24)
+
+        def on_pass() -> None:
+            if state.step == stop_after:
+                raise Stop
+
+        try:
+            with pytest.raises(Stop):
+                generate_from(eng, state, on_pass=on_pass, **kw)  # type: ignore[arg-type]
+            path, nbytes = partial.save(tmp_path / "partial", stop_after, state,
+                                        {"chunk": 0})
+        finally:
+            eng.close()
+        assert nbytes > sum(t.numel() * t.element_size() for t in _cache_tensors(state))
+        eng = engine()  # a new process, as far as the engine is concerned
+        try:
+            loaded = partial.load(path, eng, len(prompts))
+            assert loaded.step == stop_after
+            assert [g.tokens for g in loaded.out] == [t[:stop_after] for t in ref_out]
+            got = [g.tokens for g in generate_from(eng, loaded, **kw)]  # type: ignore[arg-type]
+        finally:
+            eng.close()
+        assert got == ref_out
+        assert loaded.groups == ref.groups
+        assert all(torch.equal(a, b) for a, b in zip(_cache_tensors(loaded),
+                                                     _cache_tensors(ref), strict=True))
+
+    # A state saved for another chunk shape is refused, not silently continued.
+    with pytest.raises(CorruptCheckpoint, match="sequences"):
+        partial.load(path, engine(), len(prompts) + 1)
