@@ -6,9 +6,7 @@ import json
 import multiprocessing
 import multiprocessing.context
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -157,18 +155,15 @@ def test_killed_anywhere_the_rerun_output_is_byte_identical(
     p = _Job(jobs, args, "ckpt.before_rename@1:kill")
     assert p.wait(timeout=120) == -9
     assert chunks() == 1
-    # 3: SIGTERM while chunk 2 computes (its passes slowed 20x) -> exit 75, chunks kept,
-    # and chunk 2's generation saved after the pass it was in.
-    p = _Job(jobs, args, "step.forward@6:slow2000")
-    deadline = time.time() + 120
-    while chunks() < 2 and time.time() < deadline and p.poll() is None:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
+    # 3: SIGTERM at the end of chunk 2's 2nd pass (this process redoes chunk 1 in passes
+    # 1-5) -> exit 75, chunks kept, and chunk 2's generation saved after those 2 passes.
+    p = _Job(jobs, args, "step.end@7:term")
     assert p.wait(timeout=120) == 75
     ev = _events(out)
     assert ev[-1]["event"] == "preempt" and ev[-1]["reason"] == "SIGTERM"
+    assert chunks() == 2 and ev[-1]["mid_pass"] is False
     (saved,) = [e for e in ev if e["event"] == "partial_saved"]
-    assert saved["chunk"] == 2 and 1 <= saved["passes"] <= 5
+    assert (saved["chunk"], saved["passes"]) == (2, 2)
     assert ev[-1]["partial_passes"] == saved["passes"]
     # 4: a clean rerun of the same command continues chunk 2 from there and finishes.
     n_before = len(_events(out))
@@ -207,6 +202,30 @@ def test_kill_without_notice_resumes_from_the_periodic_state(
     assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == \
         [(1, 4)]
     assert rerun[-1]["passes"] == 2
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def test_notice_inside_a_pass_stops_there_and_resumes_exactly(
+        tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    """SIGTERM between two layers of a decode pass: the job does not finish the pass (it
+    may take longer than the notice), it saves the state as of the last whole pass."""
+    inp = _write_prompts(tmp_path / "in.jsonl", 6)
+    common = ["--max-new-tokens", "6", "--batch-size", "3"]
+    ref = tmp_path / "ref.jsonl"
+    assert main(_args(tiny, inp, ref, *common)) == 0
+    out = tmp_path / "out.jsonl"
+    args = _args(tiny, inp, out, *common)
+    # 4 layers: the stop check runs before units 1-5 of each pass; hit 23 is before the
+    # 3rd unit (2nd layer) of pass 5, chunk 0's 4th decode pass.
+    assert _Job(jobs, args, "pass.unit@23:term").wait(timeout=120) == 75
+    ev = _events(out)
+    assert ev[-1]["event"] == "preempt" and ev[-1]["mid_pass"] is True
+    assert [(e["chunk"], e["passes"]) for e in ev if e["event"] == "partial_saved"] == [(0, 4)]
+    n_before = len(ev)
+    assert _Job(jobs, args).wait(timeout=120) == 0
+    rerun = _events(out)[n_before:]
+    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == \
+        [(0, 4)]
     assert out.read_bytes() == ref.read_bytes()
 
 

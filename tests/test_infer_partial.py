@@ -11,7 +11,7 @@ import torch
 from shoestring.checkpoint.manifest import CorruptCheckpoint
 from shoestring.infer import partial
 from shoestring.infer.decode import GenState, generate_from, start
-from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.engine import PassStopped, StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model
 
 
@@ -85,3 +85,59 @@ def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bi
     # A state saved for another chunk shape is refused, not silently continued.
     with pytest.raises(CorruptCheckpoint, match="sequences"):
         partial.load(path, engine(), len(prompts) + 1)
+
+
+@pytest.mark.parametrize("arch,kv_bits", [("llama", 16), ("llama", 8), ("mistral", 16)])
+def test_stop_inside_a_pass_cuts_the_caches_back_and_resumes_bit_for_bit(
+        tmp_path: Path, arch: str, kv_bits: int) -> None:
+    """A pass is abandoned between two layers (a notice shorter than a pass): the layers
+    already run drop this pass's token, and the saved state continues exactly. Sliding-
+    window caches cannot drop it again, so there the pass runs to its end."""
+    torch.set_num_threads(1)
+    extra = {"sliding_window": 8} if arch == "mistral" else {}
+    model = build_random_model(tmp_path / "m", arch, seed=5, layers=5, **extra)
+    prompts = _prompts(5, seed=12)
+    kw = dict(max_new_tokens=7, eos_ids=set(), pad_id=0)
+
+    def engine() -> StreamingCausalLM:
+        return StreamingCausalLM(model, device=torch.device("cpu"), kv_bits=kv_bits).start(
+            resident=0, depth=1)
+
+    eng = engine()
+    try:
+        ref = start(eng, prompts, pad_id=0, micro_tokens=24)
+        ref_out = [g.tokens for g in generate_from(eng, ref, **kw)]  # type: ignore[arg-type]
+    finally:
+        eng.close()
+
+    eng = engine()
+    state = start(eng, prompts, pad_id=0, micro_tokens=24)
+    asked = [0]
+
+    def stop() -> bool:  # in pass 4 (3 complete), before its 4th unit (after 2 layers)
+        if state.step == 3:
+            asked[0] += 1
+        return asked[0] >= 3
+
+    try:
+        if arch == "mistral":
+            got = [g.tokens for g in generate_from(eng, state, stop=stop, **kw)]  # type: ignore
+            assert got == ref_out and asked[0] == 0  # never cut a pass short
+            return
+        with pytest.raises(PassStopped):
+            generate_from(eng, state, stop=stop, **kw)  # type: ignore[arg-type]
+        assert state.step == 3 and [g.tokens for g in state.out] == [t[:3] for t in ref_out]
+        lengths = {layer.get_seq_length() for mb in state.mbs for layer in mb.cache.layers}
+        assert len(lengths) == 1  # every layer back at the pass's start
+        path, _ = partial.save(tmp_path / "partial", 0, state, {})
+    finally:
+        eng.close()
+    eng = engine()
+    try:
+        loaded = partial.load(path, eng, len(prompts))
+        got = [g.tokens for g in generate_from(eng, loaded, **kw)]  # type: ignore[arg-type]
+    finally:
+        eng.close()
+    assert got == ref_out
+    assert all(torch.equal(a, b) for a, b in zip(_cache_tensors(loaded), _cache_tensors(ref),
+                                                 strict=True))

@@ -3,7 +3,8 @@
 The writer calls ``faults.hit("ckpt.before_manifest")`` at each interesting
 moment. A :class:`FaultPlan` parsed from a spec such as
 ``"ckpt.partial_file@3:kill,upload.before_manifest"`` makes the N-th hit of a
-point SIGKILL the process (default), raise ``ENOSPC``, or ``hang`` (a stalled disk). The CLI reads the
+point SIGKILL the process (default), raise ``ENOSPC``, ``hang`` (a stalled disk), or
+``term`` (SIGTERM to itself: a preemption notice at that exact moment). The CLI reads the
 spec from ``SHOESTRING_FAULTS`` once; library code receives the plan object.
 
 Points: ``ckpt.after_file``, ``ckpt.partial_file`` (dies with a half-written
@@ -14,7 +15,8 @@ file), ``ckpt.before_manifest``, ``ckpt.before_rename``, ``ckpt.after_rename``,
 out on this rank, ``extra`` issues an additional mis-shaped one), ``step.forward``
 (after each forward pass; ``slowNN`` makes every forward from the N-th hit on NN %
 slower — a straggler), ``comm.ddp`` (each DDP gradient all-reduce; ``delayMS``
-holds every one from the N-th bucket on for MS milliseconds more — a degrading link).
+holds every one from the N-th bucket on for MS milliseconds more — a degrading link),
+``pass.unit`` (``shoestring infer``: before each unit of a pass after the first).
 
 Qualifiers after the action: ``rankN`` fires only in rank N of a distributed
 run; ``once`` fires at most once per run directory (a marker file records it),
@@ -36,11 +38,11 @@ POINTS = frozenset({
     "ckpt.after_file", "ckpt.partial_file", "ckpt.before_manifest", "ckpt.before_rename",
     "ckpt.after_rename", "ckpt.retention", "upload.after_file", "upload.before_manifest",
     "resume.after_load", "step.end", "step.data", "step.agree", "step.forward",
-    "comm.ddp",
+    "comm.ddp", "pass.unit",
 })
 #: kill | enospc | hang act here; skip and extra are returned to the call site, which
 #: skips its collective or issues an extra, mis-shaped one (``step.agree``).
-ACTIONS = frozenset({"kill", "enospc", "hang", "skip", "extra"})
+ACTIONS = frozenset({"kill", "enospc", "hang", "term", "skip", "extra"})
 
 
 @dataclass
@@ -131,6 +133,9 @@ class FaultPlan:
                     time.sleep(3600)
                 if r.action == "enospc":
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (fault {point})")
+                if r.action == "term":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return None
                 for pid in self.kill_pids:
                     os.kill(pid, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -27,12 +27,14 @@ byte-identical to an uninterrupted run.
 
 exit codes:
   0 done; 1 failed; 2 bad config or input (nothing started);
-  75 preempted (SIGTERM/SIGINT/SIGUSR1): committed chunks are kept, rerun the same command;
+  75 preempted (SIGTERM/SIGINT/SIGUSR1): committed chunks and the state of the chunk in
+     flight are kept, rerun the same command;
   76 second signal: exited at once, committed chunks intact, rerun.
 
 environment (read here only):
-  SHOESTRING_FAULTS  fault injection for tests, e.g. step.end@3:kill (the 3rd pass) or
-                     ckpt.before_rename@2:kill (inside the 2nd chunk commit)
+  SHOESTRING_FAULTS  fault injection for tests, e.g. step.end@3:kill (the 3rd pass),
+                     ckpt.before_rename@2:kill (inside the 2nd commit) or
+                     pass.unit@7:term (SIGTERM between two layers of the 2nd pass)
 """
 
 

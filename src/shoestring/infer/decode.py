@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from shoestring.infer.engine import MicroBatch, StreamingCausalLM
+from shoestring.infer.engine import MicroBatch, PassStopped, StreamingCausalLM
 
 
 @dataclass
@@ -83,10 +83,18 @@ def generate(engine: StreamingCausalLM, prompts: list[list[int]], *, max_new_tok
 
 def generate_from(engine: StreamingCausalLM, state: GenState, *, max_new_tokens: int,
                   eos_ids: set[int], pad_id: int,
-                  on_pass: Callable[[], None] = lambda: None) -> list[Generated]:
+                  on_pass: Callable[[], None] = lambda: None,
+                  stop: Callable[[], bool] | None = None) -> list[Generated]:
     """Greedy continuation from ``state``: a prefill pass (if not done yet), then one pass
     per token. ``on_pass`` runs after each pass, with ``state`` complete for it (it may
-    raise to stop; the state can then be saved and generation resumed from it)."""
+    raise to stop; the state can then be saved and generation resumed from it).
+
+    ``stop`` is asked between the units of a pass: a pass can take a minute on a big
+    model, more than a 30 s preemption notice. When it says yes, the pass is abandoned,
+    the caches are cut back to where the pass began, and :class:`PassStopped` is
+    raised with ``state`` as after the last complete pass. Caches that cannot be cut
+    back (a sliding window that already dropped its oldest token) are never stopped
+    mid-pass; the pass then ends normally."""
     out, done = state.out, state.done
 
     def last_token(mb: MicroBatch, h: torch.Tensor) -> torch.Tensor:
@@ -95,7 +103,14 @@ def generate_from(engine: StreamingCausalLM, state: GenState, *, max_new_tokens:
     for step in range(state.step, max_new_tokens):
         if all(done):
             break
-        picks = engine.forward_pass(state.mbs, last_token)
+        marks = _cache_marks(state.mbs) if stop is not None else None
+        try:
+            picks = engine.forward_pass(state.mbs, last_token,
+                                        stop if marks is not None else None)
+        except PassStopped:
+            assert marks is not None
+            _cut_back(state.mbs, marks)
+            raise
         for g, mb, tok in zip(state.groups, state.mbs, picks):
             for r, i in enumerate(g):
                 if done[i]:
@@ -113,6 +128,43 @@ def generate_from(engine: StreamingCausalLM, state: GenState, *, max_new_tokens:
         state.step = step + 1
         on_pass()
     return out
+
+
+def _cache_marks(mbs: list[MicroBatch]) -> list[list[int]] | None:
+    """Per micro-batch and cache layer, the stored length before a pass; None when some
+    layer could not be cut back to it (a layer kind that drops or rewrites old tokens)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from shoestring.infer.kvcache import Int8KVLayer
+
+    marks = []
+    for mb in mbs:
+        if mb.cache is None:
+            return None
+        row = []
+        for layer in mb.cache.layers:
+            if type(layer) is Int8KVLayer:
+                row.append(layer.length)
+            elif type(layer) is DynamicLayer:
+                row.append(layer.keys.shape[-2] if layer.is_initialized else 0)
+            else:
+                return None
+        marks.append(row)
+    return marks
+
+
+def _cut_back(mbs: list[MicroBatch], marks: list[list[int]]) -> None:
+    from shoestring.infer.kvcache import Int8KVLayer
+
+    for mb, row in zip(mbs, marks):
+        for layer, n in zip(mb.cache.layers, row):
+            if isinstance(layer, Int8KVLayer):
+                if layer._k is not None and layer._v is not None and layer.length > n:
+                    layer._k = tuple(t[..., :n, :] for t in layer._k)  # type: ignore
+                    layer._v = tuple(t[..., :n, :] for t in layer._v)  # type: ignore
+                    layer.length = n
+            elif layer.is_initialized and layer.keys.shape[-2] > n:
+                layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
 
 
 def _merge_for_decode(engine: StreamingCausalLM, groups: list[list[int]],

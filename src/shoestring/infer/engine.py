@@ -38,6 +38,10 @@ class Unit:
         self.plan = plan_reads(self.refs)
 
 
+class PassStopped(Exception):
+    """A pass was abandoned before unit ``args[0]`` because its ``stop`` said so."""
+
+
 @dataclass
 class MicroBatch:
     """State of a group of sequences that go through a layer in one call."""
@@ -197,13 +201,20 @@ class StreamingCausalLM:
 
     @torch.inference_mode()
     def forward_pass(self, batches: list[MicroBatch],
-                     head: Callable[[MicroBatch, torch.Tensor], Any]) -> list[Any]:
+                     head: Callable[[MicroBatch, torch.Tensor], Any],
+                     stop: Callable[[], bool] | None = None) -> list[Any]:
         """One pass of every unit over every micro-batch; ``head(mb, final_hidden)`` is
         called per micro-batch after the final norm, with the lm_head bound (call
-        :meth:`logits`). Returns the head results in micro-batch order."""
+        :meth:`logits`). Returns the head results in micro-batch order.
+
+        ``stop`` is asked before each unit after the first: when it says yes the pass
+        is abandoned with :class:`PassStopped` (the caches then hold this pass's tokens
+        for the layers already run; the engine must be closed, its reader is mid-cycle)."""
         assert self.streamer is not None, "call start() first"
         results: list[Any] = []
         for i, unit in enumerate(self.units):
+            if stop is not None and i > 0 and stop():
+                raise PassStopped(i)
             _bind(unit, self.streamer.acquire(i))
             try:
                 if unit.name == "embed":

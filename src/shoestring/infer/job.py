@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 
@@ -45,7 +45,7 @@ from shoestring.events import EventLog
 from shoestring.infer.config import OUTPUT_KEYS, InferConfig, parse_size
 from shoestring.infer import partial
 from shoestring.infer.decode import GenState, generate_from, score, start
-from shoestring.infer.engine import StreamingCausalLM, kv_bytes_per_token
+from shoestring.infer.engine import PassStopped, StreamingCausalLM, kv_bytes_per_token
 from shoestring.infer.inputs import Record, read_records
 from shoestring.infer.plan import Plan, make_plan
 from shoestring.infer.report import Progress, Stats, print_summary
@@ -323,6 +323,10 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
             if flag.is_set():
                 raise Preempted(flag.reason)
 
+        def stop() -> bool:  # asked between the units of a pass
+            faults.hit("pass.unit")
+            return flag.is_set()
+
         try:
             with SignalSource(flag, cfg.job.preempt_signal):
                 for k in todo:
@@ -340,7 +344,7 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
                         stats.chunk_pass = 0
                     pass_t[0] = last_save[0] = time.perf_counter()
                     results = _run_chunk(engine, work, idx, flat, cfg, plan, on_pass, stats,
-                                         state)
+                                         state, stop)
                     data = _chunk_lines(work, idx, mode, results, tok)
                     commit_local(root, k, {CHUNK_FILE: data},
                                  {"records": [idx.start, idx.stop], "run_id": run_id}, faults)
@@ -357,13 +361,15 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
                                     engine.streamer.reader.bytes_read)  # type: ignore
                     if flag.is_set():
                         raise Preempted(flag.reason)
-        except Preempted as e:
+        except (Preempted, PassStopped) as e:
             status = "preempted"
+            reason = str(e) if isinstance(e, Preempted) else flag.reason
             notice_ms = round((time.time() - (flag.set_at or time.time())) * 1000, 1)
             saved = _save_partial(partial_root, k, state, run_id, log, faults) \
                 if state is not None and state.step > 0 else 0
-            log.emit("preempt", reason=str(e), chunks_done=len(done), of=n_chunks,
-                     notice_to_stop_ms=notice_ms, partial_passes=saved)
+            log.emit("preempt", reason=reason, chunks_done=len(done), of=n_chunks,
+                     notice_to_stop_ms=notice_ms, partial_passes=saved,
+                     mid_pass=isinstance(e, PassStopped))
         finally:
             progress.close()
             engine.close()
@@ -383,12 +389,12 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
 
 def _run_chunk(engine: StreamingCausalLM, work: Work, idx: range, flat: list[tuple[int, int]],
                cfg: InferConfig, plan: Plan, on_pass: Any, stats: Stats,
-               state: GenState | None) -> list[list[Any]]:
+               state: GenState | None, stop: Callable[[], bool]) -> list[list[Any]]:
     if state is not None:
         outs: list[Any] = generate_from(
             engine, state, max_new_tokens=cfg.generate.max_new_tokens,
             eos_ids=work.eos_ids if cfg.generate.stop_at_eos else set(),
-            pad_id=work.pad_id, on_pass=on_pass)
+            pad_id=work.pad_id, on_pass=on_pass, stop=stop)
         stats.tokens += sum(len(o.tokens) for o in outs)
     else:
         outs = score(engine, [(work.seqs[i][j], work.starts[i][j]) for i, j in flat],
