@@ -160,18 +160,31 @@ def test_straggler_compares_ranks_at_the_same_batch_size() -> None:
 def test_straggler_is_reported_once_after_it_stays_slow() -> None:
     from shoestring.watch.straggler import StragglerPolicy, StragglerWatch
 
+    def snaps(n: int, slow: range) -> dict[int, dict]:
+        """Steps 1..n of two ranks; rank 1's forward is 20 % slower on the steps in ``slow``."""
+        def work(r: int) -> dict[str, list]:
+            fwd = [[0.06 * (1.2 if r == 1 and s in slow else 1.0), 100, s]
+                   for s in range(1, n + 1)]
+            return {"data": [[7e-4, 100, s] for s in range(1, n + 1)], "forward": fwd}
+        return {r: {"step": n, "work": work(r)} for r in (0, 1)}
+
+    # Slower for 10 steps in the middle of the run: a burst, never an alarm (a quarter of
+    # the window stays fast, and the alarm needs 10 steps of verdicts in a row).
+    burst = StragglerWatch(StragglerPolicy(confirm_steps=10))
+    assert all(burst.observe(snaps(n, range(21, 31))) is None for n in range(20, 61))
+    # Slower from the first step: judged from step 20 (min_steps), reported once it has
+    # been the verdict for 10 steps — from one snapshot, however rarely polled.
     watch = StragglerWatch(StragglerPolicy(confirm_steps=10))
-
-    def poll(step: int, fwd1: float) -> dict | None:
-        return watch.observe({0: {"step": step, "work": _work(7e-6, 600e-6)},
-                              1: {"step": step, "work": _work(7e-6, fwd1)}})
-
-    # Slower for 8 steps, then back to normal: a burst, no alarm.
-    assert all(poll(s, 700e-6) is None for s in range(20, 28))
-    assert poll(28, 600e-6) is None
-    # Slower from step 30 on: reported at step 40, with where it began, and only once.
-    assert all(poll(s, 700e-6) is None for s in range(30, 40))
-    found = poll(40, 700e-6)
+    assert watch.observe(snaps(28, range(1, 99))) is None
+    found = watch.observe(snaps(29, range(1, 99)))
     assert found is not None and found["rank"] == 1 and found["part"] == "forward"
-    assert found["step"] == 40 and found["slower_since_step"] == 30
-    assert poll(41, 700e-6) is None
+    assert found["step"] == 29 and found["slower_since_step"] == 20
+    assert watch.observe(snaps(30, range(1, 99))) is None  # once per rank and part
+    late = StragglerWatch(StragglerPolicy(confirm_steps=10))  # first poll at step 45
+    assert late.observe(snaps(45, range(1, 99)))["slower_since_step"] == 20  # type: ignore
+    # Slow from step 15 on, polled every step: one report, 9 steps after the verdict began
+    # (the lower quartile turns once most of the 30-step window is slow).
+    onset = StragglerWatch(StragglerPolicy(confirm_steps=10))
+    reports = [f for n in range(20, 90) if (f := onset.observe(snaps(n, range(15, 99))))]
+    assert len(reports) == 1 and reports[0]["step"] - reports[0]["slower_since_step"] == 9
+    assert reports[0]["slower_since_step"] > 15

@@ -94,17 +94,25 @@ def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_pa
         assert len(live["work"]["forward"]) >= 20
 
 
-def test_slow_rank_is_flagged_with_its_slow_phase(cli: CLI, tmp_path: Path) -> None:
+@pytest.mark.parametrize("slow", [
+    "slow20",
+    # The 10 %: flagged in 3 of 3 runs here (steps 39-40, measured 11-13 % slower),
+    # but that is at the threshold, so CI runs the 20 % case (measured 20-22 %).
+    pytest.param("slow10", marks=pytest.mark.slow),
+])
+def test_slow_rank_is_flagged_with_its_slow_phase(cli: CLI, tmp_path: Path, slow: str) -> None:
     out = tmp_path / "run"
-    # Every forward pass of rank 1 takes 20 % longer from the first step on.
+    # Every forward pass of rank 1 takes 20 % (10 %) longer from the first step on.
     # 50 steps, the bound: a judgement needs 20 quiet steps (not overlapping a
-    # save) on every rank, and a report 10 more steps of the same verdict.
-    r = run_job(cli, out, 2, *DIST, "--train.max_steps", "50",
-                env={"SHOESTRING_FAULTS": "step.forward@1:slow20:rank1"})
+    # save) on every rank, and a report the same verdict as of 10 steps in a row, all
+    # seen in one published snapshot (published every second, so a few steps late).
+    # Saves every 10 steps (not DIST's 4: each drops the steps its writer overlaps).
+    r = run_job(cli, out, 2, *DIST, "--train.max_steps", "50", "--checkpoint.every_steps", "10",
+                env={"SHOESTRING_FAULTS": f"step.forward@1:{slow}:rank1"})
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     (alarm,) = [e for e in ev if e["event"] == "straggler"]
     assert alarm["rank"] == 1 and alarm["part"] == "forward"
     assert alarm["slower_by"] > 0.10 and alarm["step"] <= 50
-    assert alarm["step"] - alarm["slower_since_step"] >= 10
+    assert alarm["step"] - alarm["slower_since_step"] >= 9
     assert not [e for e in ev if e["event"] in ("hang", "restart")]

@@ -93,7 +93,7 @@ class Recorder:
         self._stack_file: Any = None
         self._patched: dict[str, Any] = {}
         self._work_step: dict[str, list[float]] = {}
-        self._work: dict[str, deque[tuple[float, float]]] = {}
+        self._work: dict[str, deque[tuple[float, float, int]]] = {}
         # Cumulative over quiet steps: the watchdog turns deltas into per-minute windows.
         self._totals = {"steps": 0, "tokens": 0, "train_s": 0.0, "comm_s": 0.0}
         self._step_train_s = 0.0
@@ -141,7 +141,8 @@ class Recorder:
 
     def work(self, part: str, seconds: float, tokens: int) -> None:
         """Collective-free work of this step (``data``, ``forward``) and the padded tokens it
-        covered; summed per step and kept as (seconds, tokens) for the straggler check."""
+        covered; summed per step and kept as (seconds, tokens, step) for the straggler
+        check."""
         with self._lock:
             acc = self._work_step.setdefault(part, [0.0, 0.0])
             acc[0] += seconds
@@ -154,7 +155,8 @@ class Recorder:
             self._step = step
             for part, (sec, tok) in self._work_step.items() if count_work else ():
                 if tok > 0:
-                    self._work.setdefault(part, deque(maxlen=self._window)).append((sec, tok))
+                    self._work.setdefault(part, deque(maxlen=self._window)).append(
+                        (sec, tok, step))
             if count_work:
                 t = self._totals
                 t["steps"] += 1
@@ -296,8 +298,8 @@ class Recorder:
                     "recent_collectives": [dict(r) for r in list(self._recent)[-8:]],
                     "stats": stats,
                     "totals": {k: round(v, 6) for k, v in self._totals.items()},
-                    "work": {k: [[round(sec, 9), int(tok)] for sec, tok in list(v)[-64:]]
-                             for k, v in self._work.items()}}
+                    "work": {k: [[round(sec, 9), int(tok), step] for sec, tok, step
+                                 in list(v)[-64:]] for k, v in self._work.items()}}
 
     def publish(self) -> None:
         snap = self.snapshot()

@@ -71,8 +71,8 @@ def shared_cost_per_token(ranks: Sequence[Sequence[tuple[float, float]]]) -> flo
     return min(max(sxy / sxx, 0.0), cap)
 
 
-def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
-              ) -> dict[str, Any] | None:
+def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy,
+              back: int = 0) -> dict[str, Any] | None:
     """``{"rank", "part", "slower_by", "ms_per_step"}`` for the slowest straggler now, or None.
 
     Per part, each of a rank's last ``window`` steps is brought to the ranks' mean batch
@@ -80,7 +80,8 @@ def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
     rank's figure (``ms_per_step``). A rank is slower when its total over the parts
     exceeds the median of the other ranks' totals by more than ``threshold``; the part
     named is the one with the largest absolute excess, so a noisy but negligible part
-    (batch building is microseconds) never decides.
+    (batch building is microseconds) never decides. ``back`` judges as of that many
+    steps earlier (each rank's latest ``back`` steps left out).
     """
     if len(snaps) < 2:
         return None
@@ -89,10 +90,10 @@ def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
         work = s.get("work") or {}
         recent[r] = {}
         for part in PARTS:
-            xs = work.get(part) or []
+            xs = (work.get(part) or [])[:len(work.get(part) or []) - back]
             if len(xs) < policy.min_steps:
                 return None
-            recent[r][part] = [(float(sec), float(tok)) for sec, tok in xs[-policy.window:]]
+            recent[r][part] = [(float(x[0]), float(x[1])) for x in xs[-policy.window:]]
     speed: dict[int, dict[str, float]] = {r: {} for r in recent}
     for part in PARTS:
         per_rank = [recent[r][part] for r in recent]
@@ -120,28 +121,36 @@ def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy
 
 @dataclass
 class StragglerWatch:
-    """Turns successive judgements into alarms: one per rank and part, once confirmed.
+    """Turns judgements into alarms: one per rank and part, once confirmed.
 
-    ``observe`` is called on every poll with the running ranks' snapshots (which
-    carry ``step``); it returns the alarm fields the first time a rank has been the
-    straggler for ``policy.confirm_steps`` steps in a row, else None.
+    ``observe`` is called on every poll with the running ranks' snapshots. A rank is
+    reported when it is the straggler as of each of its last ``policy.confirm_steps``
+    steps — judged from the one snapshot, whose work lists carry the step numbers,
+    so the confirmation does not depend on how often the snapshots are polled.
+    ``slower_since_step`` is the earliest step from which the verdict holds without a
+    break, as far back as the snapshot allows.
     """
 
     policy: StragglerPolicy = StragglerPolicy()
-    _suspect: dict[int, int] = field(default_factory=dict)  # rank -> first step it was slower
     _reported: set[tuple[int, str]] = field(default_factory=set)
 
     def observe(self, snaps: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
         found = straggler(snaps, self.policy)
         if found is None:
-            self._suspect.clear()
             return None
         rank = found["rank"]
-        step = int(snaps[rank].get("step") or 0)
-        since = self._suspect.get(rank, step)
-        self._suspect = {rank: since}
-        if step - since < self.policy.confirm_steps or (rank, found["part"]) in self._reported:
+        for back in range(1, self.policy.confirm_steps):
+            earlier = straggler(snaps, self.policy, back)
+            if earlier is None or earlier["rank"] != rank:
+                return None
+        if (rank, found["part"]) in self._reported:
             return None
         self._reported.add((rank, found["part"]))
-        found["step"], found["slower_since_step"] = step, since
+        back = self.policy.confirm_steps - 1  # how far back the verdict holds
+        while (earlier := straggler(snaps, self.policy, back + 1)) is not None \
+                and earlier["rank"] == rank:
+            back += 1
+        work = snaps[rank]["work"][found["part"]]
+        found["step"] = int(snaps[rank].get("step") or work[-1][2])
+        found["slower_since_step"] = int(work[-1 - back][2])
         return found

@@ -135,8 +135,9 @@ class Watchdog:
         found = self.stragglers.observe(running)
         if found is None:
             return
-        found["message"] = (f"its {found['part']} work is {found['slower_by']:.0%} slower per "
-                            f"token than its peers' (since step {found['slower_since_step']})")
+        found["message"] = (f"its {found['part']} work is {found['slower_by']:.0%} slower than "
+                            f"its peers' for the same batch size (since step "
+                            f"{found['slower_since_step']})")
         self.on_alarm("straggler", found)
 
     def _check_windows(self, snaps: dict[int, dict[str, Any]]) -> None:
