@@ -92,6 +92,18 @@ def test_rerun_with_other_output_settings_is_refused(tiny: Path, tmp_path: Path,
         capsys.readouterr().err
 
 
+def _reference_and_job(tiny: Path, tmp_path: Path, n: int, new_tokens: int,
+                       *job_args: str) -> tuple[Path, Path, list[str]]:
+    """An uninterrupted run's output (3 prompts per chunk), and the interrupted job's
+    output path and arguments (the same job, plus ``job_args``)."""
+    inp = _write_prompts(tmp_path / "in.jsonl", n)
+    common = ["--max-new-tokens", str(new_tokens), "--batch-size", "3"]
+    ref = tmp_path / "ref.jsonl"
+    assert main(_args(tiny, inp, ref, *common)) == 0
+    out = tmp_path / "out.jsonl"
+    return ref, out, _args(tiny, inp, out, *common, *job_args)
+
+
 class _Job:
     """A job started in a child process forked from a server that has already imported
     torch and transformers: a real process (kill -9, signals, its own RSS) without
@@ -136,12 +148,7 @@ def jobs() -> multiprocessing.context.BaseContext:
 def test_killed_anywhere_the_rerun_output_is_byte_identical(
         tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
     """Kill mid-chunk, kill mid-commit, preempt with SIGTERM, then finish: same bytes."""
-    inp = _write_prompts(tmp_path / "in.jsonl", 11)
-    common = ["--max-new-tokens", "5", "--batch-size", "3"]
-    ref = tmp_path / "ref.jsonl"
-    assert main(_args(tiny, inp, ref, *common)) == 0
-    out = tmp_path / "out.jsonl"
-    args = _args(tiny, inp, out, *common)
+    ref, out, args = _reference_and_job(tiny, tmp_path, 11, 5)
 
     def chunks() -> int:
         return sum(e["event"] == "chunk" for e in _events(out)) if \
@@ -186,12 +193,8 @@ def test_kill_without_notice_resumes_from_the_periodic_state(
         tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
     """``job.save_every_s``: a SIGKILL in the middle of a chunk, with no signal first,
     costs only the passes since the last periodic save."""
-    inp = _write_prompts(tmp_path / "in.jsonl", 6)
-    common = ["--max-new-tokens", "6", "--batch-size", "3"]
-    ref = tmp_path / "ref.jsonl"
-    assert main(_args(tiny, inp, ref, *common)) == 0
-    out = tmp_path / "out.jsonl"
-    args = _args(tiny, inp, out, *common, "--job.save_every_s", "1e-9")  # after every pass
+    ref, out, args = _reference_and_job(tiny, tmp_path, 6, 6,
+                                        "--job.save_every_s", "1e-9")  # after every pass
     # Chunk 0 takes passes 1-6; SIGKILL at the end of pass 10 (chunk 1's 4th).
     assert _Job(jobs, args, "step.end@10:kill").wait(timeout=120) == -9
     saved = [(e["chunk"], e["passes"]) for e in _events(out) if e["event"] == "partial_saved"]
@@ -209,12 +212,7 @@ def test_notice_inside_a_pass_stops_there_and_resumes_exactly(
         tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
     """SIGTERM between two layers of a decode pass: the job does not finish the pass (it
     may take longer than the notice), it saves the state as of the last whole pass."""
-    inp = _write_prompts(tmp_path / "in.jsonl", 6)
-    common = ["--max-new-tokens", "6", "--batch-size", "3"]
-    ref = tmp_path / "ref.jsonl"
-    assert main(_args(tiny, inp, ref, *common)) == 0
-    out = tmp_path / "out.jsonl"
-    args = _args(tiny, inp, out, *common)
+    ref, out, args = _reference_and_job(tiny, tmp_path, 6, 6)
     # 4 layers: the stop check runs before units 1-5 of each pass; hit 23 is before the
     # 3rd unit (2nd layer) of pass 5, chunk 0's 4th decode pass.
     assert _Job(jobs, args, "pass.unit@23:term").wait(timeout=120) == 75

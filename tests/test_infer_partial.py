@@ -4,6 +4,7 @@ bit for bit: same tokens and the same KV cache contents as a run that never stop
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -34,24 +35,34 @@ def _cache_tensors(state: GenState) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("arch,kv_bits", [("llama", 16), ("llama", 8), ("mistral", 16)])
-def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bits: int) -> None:
+def _reference(tmp_path: Path, arch: str, kv_bits: int, prompts: list[list[int]],
+               new_tokens: int, *, seed: int, resident: int, **model_kw: Any
+               ) -> tuple[Callable[[], StreamingCausalLM], dict[str, Any], GenState,
+                          list[list[int]]]:
+    """(engine factory, generate kwargs, final state and tokens of an uninterrupted run)."""
     torch.set_num_threads(1)
     extra = {"sliding_window": 8} if arch == "mistral" else {}
-    model = build_random_model(tmp_path / "m", arch, seed=4, **extra)
-    prompts = _prompts(7, seed=11)
-    kw = dict(max_new_tokens=9, eos_ids=set(), pad_id=0)
+    model = build_random_model(tmp_path / "m", arch, seed=seed, **extra, **model_kw)
+    kw: dict[str, Any] = dict(max_new_tokens=new_tokens, eos_ids=set(), pad_id=0)
 
     def engine() -> StreamingCausalLM:
         return StreamingCausalLM(model, device=torch.device("cpu"), kv_bits=kv_bits).start(
-            resident=1, depth=1)
+            resident=resident, depth=1)
 
     eng = engine()
     try:
         ref = start(eng, prompts, pad_id=0, micro_tokens=24)  # several prefill groups
-        ref_out = [g.tokens for g in generate_from(eng, ref, **kw)]  # type: ignore[arg-type]
+        ref_out = [g.tokens for g in generate_from(eng, ref, **kw)]
     finally:
         eng.close()
+    return engine, kw, ref, ref_out
+
+
+@pytest.mark.parametrize("arch,kv_bits", [("llama", 16), ("llama", 8), ("mistral", 16)])
+def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bits: int) -> None:
+    prompts = _prompts(7, seed=11)
+    engine, kw, ref, ref_out = _reference(tmp_path, arch, kv_bits, prompts, 9, seed=4,
+                                          resident=1)
 
     for stop_after in (1, 4):  # right after the prefill; in the middle of decoding
         eng = engine()
@@ -63,7 +74,7 @@ def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bi
 
         try:
             with pytest.raises(Stop):
-                generate_from(eng, state, on_pass=on_pass, **kw)  # type: ignore[arg-type]
+                generate_from(eng, state, on_pass=on_pass, **kw)
             path, nbytes = partial.save(tmp_path / "partial", stop_after, state,
                                         {"chunk": 0})
         finally:
@@ -74,7 +85,7 @@ def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bi
             loaded = partial.load(path, eng, len(prompts))
             assert loaded.step == stop_after
             assert [g.tokens for g in loaded.out] == [t[:stop_after] for t in ref_out]
-            got = [g.tokens for g in generate_from(eng, loaded, **kw)]  # type: ignore[arg-type]
+            got = [g.tokens for g in generate_from(eng, loaded, **kw)]
         finally:
             eng.close()
         assert got == ref_out
@@ -93,22 +104,9 @@ def test_stop_inside_a_pass_cuts_the_caches_back_and_resumes_bit_for_bit(
     """A pass is abandoned between two layers (a notice shorter than a pass): the layers
     already run drop this pass's token, and the saved state continues exactly. Sliding-
     window caches cannot drop it again, so there the pass runs to its end."""
-    torch.set_num_threads(1)
-    extra = {"sliding_window": 8} if arch == "mistral" else {}
-    model = build_random_model(tmp_path / "m", arch, seed=5, layers=5, **extra)
     prompts = _prompts(5, seed=12)
-    kw = dict(max_new_tokens=7, eos_ids=set(), pad_id=0)
-
-    def engine() -> StreamingCausalLM:
-        return StreamingCausalLM(model, device=torch.device("cpu"), kv_bits=kv_bits).start(
-            resident=0, depth=1)
-
-    eng = engine()
-    try:
-        ref = start(eng, prompts, pad_id=0, micro_tokens=24)
-        ref_out = [g.tokens for g in generate_from(eng, ref, **kw)]  # type: ignore[arg-type]
-    finally:
-        eng.close()
+    engine, kw, ref, ref_out = _reference(tmp_path, arch, kv_bits, prompts, 7, seed=5,
+                                          resident=0, layers=5)
 
     eng = engine()
     state = start(eng, prompts, pad_id=0, micro_tokens=24)
@@ -121,11 +119,11 @@ def test_stop_inside_a_pass_cuts_the_caches_back_and_resumes_bit_for_bit(
 
     try:
         if arch == "mistral":
-            got = [g.tokens for g in generate_from(eng, state, stop=stop, **kw)]  # type: ignore
+            got = [g.tokens for g in generate_from(eng, state, stop=stop, **kw)]
             assert got == ref_out and asked[0] == 0  # never cut a pass short
             return
         with pytest.raises(PassStopped):
-            generate_from(eng, state, stop=stop, **kw)  # type: ignore[arg-type]
+            generate_from(eng, state, stop=stop, **kw)
         assert state.step == 3 and [g.tokens for g in state.out] == [t[:3] for t in ref_out]
         lengths = {layer.get_seq_length() for mb in state.mbs for layer in mb.cache.layers}
         assert len(lengths) == 1  # every layer back at the pass's start
@@ -135,7 +133,7 @@ def test_stop_inside_a_pass_cuts_the_caches_back_and_resumes_bit_for_bit(
     eng = engine()
     try:
         loaded = partial.load(path, eng, len(prompts))
-        got = [g.tokens for g in generate_from(eng, loaded, **kw)]  # type: ignore[arg-type]
+        got = [g.tokens for g in generate_from(eng, loaded, **kw)]
     finally:
         eng.close()
     assert got == ref_out
