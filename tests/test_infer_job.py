@@ -208,6 +208,21 @@ def test_kill_without_notice_resumes_from_the_periodic_state(
     assert out.read_bytes() == ref.read_bytes()
 
 
+def test_a_state_save_that_fails_does_not_stop_the_job(
+        tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    ref, out, args = _reference_and_job(tiny, tmp_path, 3, 4, "--job.save_every_s", "1e-9")
+    # The disk is full while the state after pass 2 is written (its 2nd file; a save of
+    # this 4-layer model is 6 files): logged, the temp dir removed, the state of pass 1
+    # kept, and the job finishes.
+    assert _Job(jobs, args, "ckpt.after_file@8:enospc").wait(timeout=120) == 0
+    ev = _events(out)
+    (skipped,) = [e for e in ev if e["event"] == "partial_skipped"]
+    assert skipped["passes"] == 2 and "No space left" in skipped["reason"]
+    assert [e["passes"] for e in ev if e["event"] == "partial_saved"] == [1, 3, 4]
+    assert not list((Path(str(out) + ".run") / "partial").iterdir())
+    assert out.read_bytes() == ref.read_bytes()
+
+
 def test_notice_inside_a_pass_stops_there_and_resumes_exactly(
         tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
     """SIGTERM between two layers of a decode pass: the job does not finish the pass (it

@@ -423,13 +423,16 @@ def _resume(path: Path, engine: StreamingCausalLM, n_seqs: int, log: EventLog,
 
 def _save_partial(root: Path, chunk: int, state: GenState, run_id: str, log: EventLog,
                   faults: FaultPlan) -> int:
-    """Save the stopped chunk's state; returns the passes it holds (0: not saved)."""
+    """Save the running chunk's state; returns the passes it holds (0: not saved).
+
+    A failure to save (a full disk) is logged, not raised: the job goes on (or exits 75)
+    with the committed chunks and any state saved before intact."""
     t0 = time.perf_counter()
     try:
         path, nbytes = partial.save(root, chunk, state, {"chunk": chunk, "run_id": run_id},
                                     faults)
-    except partial.Unsupported as e:
-        log.emit("partial_skipped", chunk=chunk, reason=str(e))
+    except (partial.Unsupported, OSError) as e:
+        log.emit("partial_skipped", chunk=chunk, passes=state.step, reason=str(e))
         return 0
     log.emit("partial_saved", chunk=chunk, passes=state.step, bytes=nbytes,
              seconds=round(time.perf_counter() - t0, 4), path=str(path))
