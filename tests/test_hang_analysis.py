@@ -188,3 +188,25 @@ def test_straggler_is_reported_once_after_it_stays_slow() -> None:
     reports = [f for n in range(20, 90) if (f := onset.observe(snaps(n, range(15, 99))))]
     assert len(reports) == 1 and reports[0]["step"] - reports[0]["slower_since_step"] == 9
     assert reports[0]["slower_since_step"] > 15
+
+
+def test_ranks_that_never_start_are_named_after_the_first_phase_timeout() -> None:
+    from shoestring.watch.hang import not_started
+
+    pol = HangPolicy(first_timeout_s=60.0)
+    starting = {"rank": 0, "world_size": 3, "pid": 1, "host": "h", "ts": 1000.0,
+                "status": "starting", "step": 0, "phase": "start", "seq": 0}
+    snaps = {0: starting, 2: dict(starting, rank=2)}
+    # Within the timeout: no verdict; after it, the rank that never announced itself.
+    assert not_started(snaps, now=1050.0, policy=pol, world_size=3, since=1000.0) is None
+    v = not_started(snaps, now=1061.0, policy=pol, world_size=3, since=1000.0)
+    assert v is not None and v.kind == "not_started" and v.culprits == [1]
+    assert "rank(s) [1] never started" in v.summary and "[0, 2] wait" in v.summary
+    # Everyone arrived but nobody got past forming the group: all of them.
+    snaps[1] = dict(starting, rank=1)
+    v = not_started(snaps, now=1061.0, policy=pol, world_size=3, since=1000.0)
+    assert v is not None and v.culprits == [0, 1, 2]
+    # Training ranks, or a command that publishes nothing: not judged.
+    running = {r: dict(starting, rank=r, status="running") for r in range(3)}
+    assert not_started(running, now=5000.0, policy=pol, world_size=3, since=1000.0) is None
+    assert not_started({}, now=5000.0, policy=pol, world_size=3, since=1000.0) is None

@@ -16,7 +16,8 @@ out on this rank, ``extra`` issues an additional mis-shaped one), ``step.forward
 (after each forward pass; ``slowNN`` makes every forward from the N-th hit on NN %
 slower — a straggler), ``comm.ddp`` (each DDP gradient all-reduce; ``delayMS``
 holds every one from the N-th bucket on for MS milliseconds more — a degrading link),
-``pass.unit`` (``shoestring infer``: before each unit of a pass after the first).
+``pass.unit`` (``shoestring infer``: before each unit of a pass after the first),
+``start.init`` (a distributed rank, before it announces itself and joins the group).
 
 Qualifiers after the action: ``rankN`` fires only in rank N of a distributed
 run; ``once`` fires at most once per run directory (a marker file records it),
@@ -38,7 +39,7 @@ POINTS = frozenset({
     "ckpt.after_file", "ckpt.partial_file", "ckpt.before_manifest", "ckpt.before_rename",
     "ckpt.after_rename", "ckpt.retention", "upload.after_file", "upload.before_manifest",
     "resume.after_load", "step.end", "step.data", "step.agree", "step.forward",
-    "comm.ddp", "pass.unit",
+    "comm.ddp", "pass.unit", "start.init",
 })
 #: kill | enospc | hang act here; skip and extra are returned to the call site, which
 #: skips its collective or issues an extra, mis-shaped one (``step.agree``).

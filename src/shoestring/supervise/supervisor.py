@@ -125,12 +125,23 @@ class Supervisor:
                              "verdict_kind": verdict.kind, "collective": verdict.collective,
                              "detected_after_s": round(verdict.detected_after_s, 3),
                              "verdict_file": str(path)})
-        for info in verdict.ranks.values():
-            try:
-                os.kill(int(info["pid"]), signal.SIGKILL)
-            except (KeyError, ProcessLookupError, PermissionError, ValueError):
-                pass
+        pids = {int(info["pid"]) for info in verdict.ranks.values() if info.get("pid")}
         child = self._child
+        if child is not None and child.poll() is None:
+            # Every process below the launcher too: torchrun may start ranks in sessions of
+            # their own, and a rank the verdict cannot name (one that never started) has no
+            # pid in it; killing torchrun alone would orphan those.
+            import psutil
+
+            try:
+                pids |= {p.pid for p in psutil.Process(child.pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if child is not None and child.poll() is None:
             try:
                 os.killpg(child.pid, signal.SIGKILL)

@@ -7,6 +7,7 @@ step, save synchronously and exit 75 → at the end, save, export ``final/``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ from shoestring.train.model import (apply_lora, build_optimizer, check_lora_grad
                                     model_summary, require_bitsandbytes, resolve_model_dir,
                                     trainable_parameters)
 from shoestring.train.progress import ProgressDisplay
-from shoestring.watch.recorder import NullRecorder, Recorder
+from shoestring.watch.recorder import NullRecorder, Recorder, StartupBeacon
 
 log = logging.getLogger("shoestring.finetune")
 
@@ -474,7 +475,10 @@ class Finetune:
         self._prepare_inputs()
         if self.dist.is_distributed:
             c = self.cfg.distributed
-            with ProcessGroups(self.dist, c.backend, c.timeout_s) as groups:
+            self.opts.faults.hit("start.init")  # a rank stuck before it joins the group
+            beacon = StartupBeacon(self.out, self.rank, self.dist.world_size) \
+                if self.cfg.watch.enabled else contextlib.nullcontext()
+            with beacon, ProcessGroups(self.dist, c.backend, c.timeout_s) as groups:
                 self.groups = groups
                 return self._run_with_log()
         return self._run_with_log()

@@ -41,7 +41,7 @@ class HangPolicy:
 
 @dataclass
 class Verdict:
-    kind: str  # stuck_rank | collective_mismatch | collective_hang | stale
+    kind: str  # stuck_rank | collective_mismatch | collective_hang | stale | not_started
     culprits: list[int]
     summary: str
     collective: dict[str, Any] | None = None
@@ -71,6 +71,36 @@ def _rank_view(snap: Mapping[str, Any], now: float, policy: HangPolicy) -> dict[
             "budget_s": round(policy.budget(snap, phase), 3),
             "waiting_in": _desc(c) if c else None, "last_seq": snap["seq"],
             "pid": snap["pid"], "host": snap["host"]}
+
+
+def not_started(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPolicy,
+                world_size: int, since: float) -> Verdict | None:
+    """A verdict when the attempt began more than ``first_timeout_s`` ago and some ranks
+    never reached training: the ranks that never announced themselves (a process stuck
+    or gone before joining), else those still forming the process group (rendezvous,
+    ``init_process_group``). Needs at least one rank's snapshot: a command that does
+    not publish any is not judged."""
+    waited = now - since
+    if not snaps or waited <= policy.first_timeout_s:
+        return None
+    missing = sorted(set(range(world_size)) - set(snaps))
+    starting = sorted(r for r, s in snaps.items() if s.get("status") == "starting")
+    if missing:
+        culprits = missing
+        summary = (f"rank(s) {missing} never started ({waited:.0f}s after launch, no sign "
+                   f"of life)" + (f"; rank(s) {starting} wait for them to form the process "
+                                  f"group" if starting else ""))
+    elif starting:
+        culprits = starting
+        summary = (f"rank(s) {starting} still forming the process group {waited:.0f}s after "
+                   f"launch (rendezvous / init_process_group)")
+    else:
+        return None
+    views = {r: {"step": s.get("step"), "phase": s.get("phase"), "status": s.get("status"),
+                 "in_phase_s": round(now - float(s.get("ts", now)), 3),
+                 "budget_s": policy.first_timeout_s, "waiting_in": None,
+                 "pid": s.get("pid"), "host": s.get("host")} for r, s in snaps.items()}
+    return Verdict("not_started", culprits, summary, None, views, waited)
 
 
 def analyze(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPolicy,

@@ -315,6 +315,39 @@ class Recorder:
             self.publish()
 
 
+class StartupBeacon:
+    """A rank's first sign of life, before it joins the process group.
+
+    Writes ``live.json`` with status ``starting`` (once: the process-group join
+    blocks the thread) and lets the watchdog ask for stacks, so a start-up that
+    never ends — a rank that never arrives, or every rank stuck forming the
+    group — is named and its stacks kept, like a hang in training. The
+    :class:`Recorder` replaces the file once training starts.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int) -> None:
+        self.dir = Path(run_dir) / "ranks" / f"rank{rank}"
+        self.rank, self.world_size = rank, world_size
+        self._stack_file: Any = None
+
+    def __enter__(self) -> "StartupBeacon":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._stack_file = open(self.dir / STACKS, "a")
+        faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
+        snap = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "host": socket.gethostname(), "ts": time.time(), "status": "starting",
+                "step": 0, "phase": "start", "seq": 0}
+        tmp = self.dir / f".{LIVE}.tmp"
+        tmp.write_text(json.dumps(snap, separators=(",", ":")))
+        os.replace(tmp, self.dir / LIVE)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # The recorder registered its own handler meanwhile; this file only closes.
+        if self._stack_file is not None:
+            self._stack_file.close()
+
+
 class NullRecorder:
     """The same interface, doing nothing (single process without a watchdog)."""
 

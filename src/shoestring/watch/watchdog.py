@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shoestring.watch.degrade import DegradationMonitor, DegradePolicy
-from shoestring.watch.hang import HangPolicy, Verdict, analyze
+from shoestring.watch.hang import HangPolicy, Verdict, analyze, not_started
 from shoestring.watch.recorder import LIVE, STACK_SIGNAL, STACKS
 from shoestring.watch.straggler import StragglerPolicy, StragglerWatch
 
@@ -120,7 +120,9 @@ class Watchdog:
         self._check_stragglers(snaps, world)
         self._check_windows(snaps)
         self._sample(snaps)
-        verdict = analyze(snaps, self._clock(), self.policy, world)
+        now = self._clock()
+        verdict = analyze(snaps, now, self.policy, world) or \
+            not_started(snaps, now, self.policy, world, self._since)
         if verdict is None:
             return None
         stacks = capture_stacks(self.run_dir, {r: snaps[r] for r in snaps})
