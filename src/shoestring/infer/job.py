@@ -15,9 +15,10 @@ Chunk K always holds input records [K*C, (K+1)*C) and is computed with the
 same batch grouping, so a rerun after any kill recomputes exactly the missing
 chunks to the same bytes; the output file is assembled from the ledger at the
 end (temp file, fsync, rename), so it is either absent or complete. A chunk
-stopped by a preemption signal is not recomputed from its prefill: the job
-finishes the pass it is in, saves the generation state, and the rerun continues
-from the next pass on the same tensors.
+stopped by a preemption signal is not recomputed from its prefill: the job stops
+between two layers of the pass it is in, cuts the KV caches back to the last whole
+pass, saves the generation state (also every ``job.save_every_s``), and the rerun
+continues from the next pass on the same tensors.
 """
 
 from __future__ import annotations
