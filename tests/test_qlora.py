@@ -132,3 +132,43 @@ def test_quantize_and_optimizer_are_not_resume_safe() -> None:
     assert config_hash(load(FinetuneConfig, None, ["--train.optimizer", "adamw8bit"])) != base
     assert config_hash(load(FinetuneConfig, None, ["--plan.gpu", "T4",
                                                    "--plan.enforce", "false"])) == base
+
+
+def test_an_eval_does_not_change_the_4bit_base_training_uses(cache_dir: Path) -> None:
+    """bitsandbytes >= 0.50 repacks a Linear4bit for its AVX512-BF16 CPU kernel on the
+    first no-grad forward in eval mode, rounding the block scales to bf16 and routing
+    later forwards through a kernel autograd cannot see through. A mid-run eval would
+    then change the model being trained (and a resumed run, loading fresh weights,
+    would diverge from an uninterrupted one). The loaded base must keep one format."""
+    from shoestring.config import LoraSection
+    from shoestring.train.model import apply_lora, trainable_parameters
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 12))
+    _, base = _tiny_qlora(cache_dir)
+    model = apply_lora(base, LoraSection(r=8, dropout=0.0), seed=0, gradient_checkpointing=False)
+
+    def train_step() -> tuple[float, dict[str, torch.Tensor]]:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in trainable_parameters(model).items()}
+
+    before_loss, before_grads = train_step()
+    model.eval()
+    with torch.no_grad():
+        eval_logits = model(input_ids=ids).logits
+    after_loss, after_grads = train_step()
+    assert after_loss == before_loss
+    assert before_grads.keys() == after_grads.keys()
+    for name, g in before_grads.items():
+        assert torch.equal(g, after_grads[name]), name
+    # and the eval computed the same function the training step did
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, eval_logits)
+    states = [m.weight.quant_state for m in model.modules() if hasattr(m, "weight")
+              and getattr(m.weight, "quant_state", None) is not None]
+    assert states and not any(getattr(s, "packing_format_for_cpu", False) for s in states)

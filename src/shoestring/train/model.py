@@ -140,7 +140,27 @@ def load_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none",
     model.config.use_cache = False
     for p in model.parameters():  # k-bit preparation without peft's fp32 upcast
         p.requires_grad_(False)
+    if qcfg is not None:
+        keep_one_4bit_format(model)
     return model
+
+
+def keep_one_4bit_format(model: Any) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16, bitsandbytes >= 0.50 converts a ``Linear4bit`` on its
+    first no-grad forward in eval mode: block scales rounded to bf16, nested
+    quantization dropped, and every later forward (training too) routed through a
+    kernel with no autograd formula. One mid-run eval would silently change the
+    model being trained and stop gradients flowing through the base layers, and a
+    resumed run (fresh weights) would diverge from an uninterrupted one. Returns the
+    number of modules switched."""
+    n = 0
+    for m in model.modules():
+        if getattr(m, "support_avx512bf16_for_cpu", False):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
 
 
 def upcast_frozen_params(model: Any, dtype: str) -> list[str]:
