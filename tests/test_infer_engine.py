@@ -133,9 +133,35 @@ def test_each_layer_read_once_per_pass_for_the_whole_batch(llama_dir: Path) -> N
     assert abs(per_batch[16] - per_batch[1]) <= 3 * max(u.plan.read_bytes for u in eng.units)
 
 
-@pytest.mark.parametrize("scheme,min_agree", [("int8", 0.75), ("nf4", 0.2)])
+def test_bf16_compute_of_an_fp32_checkpoint_matches_transformers_in_bf16(llama_dir: Path
+                                                                         ) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.bfloat16).eval()
+    prompts = _prompts(4, seed=5)
+    eng = StreamingCausalLM(llama_dir, device=CPU, dtype=torch.bfloat16).start(resident=1)
+    try:
+        out = generate(eng, prompts, max_new_tokens=6, eos_ids=set(), pad_id=0,
+                       micro_tokens=64)
+        mbs = [MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
+               for p in prompts]
+        logits = eng.forward_pass(mbs, lambda mb, h: eng.logits(h)[0])
+    finally:
+        eng.close()
+    # Bitwise: the same modules on the same bf16-rounded weights (fp32 compute differs).
+    for p, o, lg in zip(prompts, out, logits):
+        want = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert o.tokens == want[0, len(p):].tolist()
+        with torch.no_grad():
+            assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
+
+
+@pytest.mark.parametrize("scheme,dtype,min_agree", [("int8", torch.float32, 0.75),
+                                                    ("int8", torch.bfloat16, 0.75),
+                                                    ("nf4", torch.float32, 0.2)])
 def test_compression_reads_fewer_bytes_and_drift_is_measured(
-        llama_dir: Path, tmp_path: Path, scheme: str, min_agree: float,
+        llama_dir: Path, tmp_path: Path, scheme: str, dtype: torch.dtype, min_agree: float,
         capsys: pytest.CaptureFixture[str]) -> None:
     from shoestring.infer.quant import build_compressed, use_compressed
 
@@ -152,7 +178,7 @@ def test_compression_reads_fewer_bytes_and_drift_is_measured(
     base = _engine(llama_dir)
     full = last_logits(base)
     base_bytes = base.streamer.streamed_bytes
-    eng = StreamingCausalLM(llama_dir, device=CPU)
+    eng = StreamingCausalLM(llama_dir, device=CPU, dtype=dtype)
     dest = build_compressed(eng, tmp_path / f"w-{scheme}", scheme, "test")
     prepare, _scratch = use_compressed(eng, dest)
     eng.start(resident=0, prepare=prepare)
@@ -162,7 +188,7 @@ def test_compression_reads_fewer_bytes_and_drift_is_measured(
     drift = (q - full).abs().max().item() / full.std().item()  # in units of the logit spread
     agree = (q.argmax(-1) == full.argmax(-1)).float().mean().item()
     with capsys.disabled():
-        print(f"\n[{scheme}] layer bytes {layer_bytes / base_layer_bytes:.3f}x of fp32, "
+        print(f"\n[{scheme}, {str(dtype)[6:]} compute] layer bytes {layer_bytes / base_layer_bytes:.3f}x of fp32, "
               f"max |logit diff| {drift:.4f} std, next-token agreement {agree:.3f}")
     assert eng.streamer.streamed_bytes < base_bytes
     assert layer_bytes <= base_layer_bytes * (0.27 if scheme == "int8" else 0.16)
@@ -219,3 +245,7 @@ def test_fast_dequantize_is_bitwise_the_plain_formula(scheme: str) -> None:
     out = dequantize(parts, torch.empty(700, 192), rows=256)
     assert torch.equal(out, plain)
     assert (out - w).abs().max() < w.abs().max() * (0.01 if scheme == "int8" else 0.2)
+    # Into a 16-bit compute dtype: the fp32 values rounded once (not the scale first).
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize(parts, torch.empty(700, 192, dtype=dtype), rows=256),
+                           plain.to(dtype))

@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import multiprocessing.context
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -90,6 +91,41 @@ def test_rerun_with_other_output_settings_is_refused(tiny: Path, tmp_path: Path,
     assert main(_args(tiny, inp, out, "--max-new-tokens", "4")) == 2
     assert "belongs to a different job (generate.max_new_tokens changed)" in \
         capsys.readouterr().err
+
+
+def test_compute_dtype_is_resolved_once_and_pinned(tiny: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--compress with dtype auto: bf16 where it measures faster; the choice is pinned in
+    run.json, so a rerun on a machine that measures otherwise computes the same way."""
+    from shoestring.infer import job
+
+    inp = _write_prompts(tmp_path / "in.jsonl", 6)
+    out = tmp_path / "out.jsonl"
+    common = ("--max-new-tokens", "3", "--batch-size", "3", "--compress", "int8")
+    monkeypatch.setattr(job, "bf16_is_faster", lambda device: True)
+    assert main(_args(tiny, inp, out, *common, "--job.chunk_size", "3")) == 0
+    first = out.read_bytes()
+    run_json = json.loads((Path(str(out) + ".run") / "run.json").read_text())
+    assert run_json["pinned"]["dtype"] == "bfloat16"
+    assert [e["dtype"] for e in _events(out) if e["event"] == "infer_start"] == ["bfloat16"]
+    # Rerun from half way on a "machine" where bf16 is slow: the pinned bf16 is kept.
+    chunks = Path(str(out) + ".run") / "chunks"
+    shutil.rmtree(sorted(chunks.iterdir())[-1])
+    out.unlink()
+    monkeypatch.setattr(job, "bf16_is_faster", lambda device: False)
+    assert main(_args(tiny, inp, out, *common, "--job.chunk_size", "3")) == 0
+    assert [e["dtype"] for e in _events(out) if e["event"] == "infer_start"][-1] == "bfloat16"
+    assert out.read_bytes() == first
+    # The same job in a fresh run dir resolves again (fp32 here) and computes differently;
+    # without compression auto is always the checkpoint's dtype.
+    fresh = tmp_path / "fresh.jsonl"
+    assert main(_args(tiny, inp, fresh, *common)) == 0
+    assert [e["dtype"] for e in _events(fresh) if e["event"] == "infer_start"] == ["float32"]
+    assert job.compute_dtype("auto", torch.float32, "none", torch.device("cpu")) == torch.float32
+    assert job.compute_dtype("auto", torch.bfloat16, "int8", torch.device("cpu")) == torch.bfloat16
+    assert job.compute_dtype("float16", torch.float32, "none", torch.device("cpu")) == torch.float16
+    assert job.compute_dtype("auto", torch.float32, "int8", torch.device("cpu"),
+                             pinned="stored") == torch.float32
 
 
 def _reference_and_job(tiny: Path, tmp_path: Path, n: int, new_tokens: int,

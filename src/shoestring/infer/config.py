@@ -38,6 +38,11 @@ class InferModelConfig:
                         "(peft format). Empty: none.")
     device: str = knob("auto", "Where layers are computed ('auto': cuda if available).",
                        choices=("auto", "cpu", "cuda"))
+    dtype: str = knob("auto", "Compute dtype of weights, activations and KV cache. 'auto': "
+                      "the checkpoint's dtype (exact), except with --compress on a float32 "
+                      "checkpoint (already inexact): bfloat16 where a bf16 matmul measures "
+                      "faster on this device. The resolved choice is pinned in run.json.",
+                      choices=("auto", "float32", "bfloat16", "float16"))
 
 
 @dataclass
@@ -123,10 +128,10 @@ ALIASES: dict[str, str] = {
     "--mode": "generate.mode", "--max-new-tokens": "generate.max_new_tokens",
     "--memory-budget": "memory.budget", "--batch-size": "memory.batch_size",
     "--compress": "compress.scheme", "--threads": "job.num_threads",
-    "--kv-bits": "memory.kv_bits",
+    "--kv-bits": "memory.kv_bits", "--dtype": "model.dtype",
 }
 
 #: Keys whose change would change the output bytes: a resume refuses if they differ.
 OUTPUT_KEYS: tuple[str, ...] = ("model.path", "model.adapter", "io.input", "generate.mode",
                                 "generate.max_new_tokens", "generate.stop_at_eos",
-                                "compress.scheme", "memory.kv_bits")
+                                "compress.scheme", "memory.kv_bits", "model.dtype")

@@ -14,6 +14,7 @@ is acquired, so a decode step reads each layer once for all sequences.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,14 @@ from torch import nn
 
 from shoestring.infer.shards import ReadPlan, ShardError, TensorRef, index_model, plan_reads
 from shoestring.infer.stream import LayerStreamer, Slot
+
+_LAYER_RE = re.compile(r"\.layers\.\d+\.")
+
+
+def generic_key(key: str) -> str:
+    """``key`` without its decoder-layer index: a ring slot holds different layers over
+    time, and reuses one scratch buffer per generic name."""
+    return _LAYER_RE.sub(".layers.*.", key)
 
 
 @dataclass
@@ -127,12 +136,16 @@ class StreamingCausalLM:
     """Runs passes of a causal LM over micro-batches, streaming units from disk."""
 
     def __init__(self, model_dir: Path, *, device: torch.device,
-                 refs: dict[str, TensorRef] | None = None, kv_bits: int = 16) -> None:
+                 refs: dict[str, TensorRef] | None = None, kv_bits: int = 16,
+                 dtype: torch.dtype | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.kv_bits = kv_bits  # 8: caches from new_cache() hold int8 K/V (infer.kvcache)
         self.refs = refs if refs is not None else index_model(self.model_dir)
-        self.dtype = stored_dtype(self.refs)
+        # Compute dtype (weights, activations, KV cache). When it differs from the
+        # checkpoint's, each unit's float tensors are cast into slot scratch after
+        # ``prepare``, in the reader thread (see :meth:`cast_bytes`).
+        self.dtype = dtype or stored_dtype(self.refs)
         self.config, self.model = build_skeleton(self.model_dir, self.dtype)
         self.units = make_units(self.model, self.config, self.refs)
         base = self.model.base_model
@@ -151,11 +164,35 @@ class StreamingCausalLM:
               direct_io: bool = True) -> "StreamingCausalLM":
         """Read the resident units and start the read-ahead thread."""
         chosen = resident if isinstance(resident, set) else self.pick_resident(resident)
+        user = prepare or (lambda i, t, s: t)
         self.streamer = LayerStreamer([u.plan for u in self.units], chosen, depth=depth,
                                       device=self.device,
-                                      prepare=prepare or (lambda i, t, s: t),
+                                      prepare=lambda i, t, s: self._cast(user(i, t, s), s),
                                       direct_io=direct_io)
         return self
+
+    def _cast(self, tensors: dict[str, torch.Tensor], slot: Slot) -> dict[str, torch.Tensor]:
+        """Float tensors not in the compute dtype, cast into the slot's scratch buffers."""
+        out = tensors
+        for key, t in tensors.items():
+            if not t.is_floating_point() or t.dtype == self.dtype:
+                continue
+            if out is tensors:
+                out = dict(tensors)
+            name = "cast:" + generic_key(key)
+            buf = slot.scratch.get(name)
+            if buf is None or buf.shape != t.shape:
+                buf = slot.scratch[name] = torch.empty(t.shape, dtype=self.dtype,
+                                                       device=t.device)
+            out[key] = buf.copy_(t)
+        return out
+
+    def cast_bytes(self, i: int) -> int:
+        """Scratch bytes unit ``i`` needs for casts to the compute dtype (plain float
+        tensors only: compressed parts are dequantized straight into it)."""
+        return sum(self.dtype.itemsize * (r.nbytes // r.dtype.itemsize)
+                   for r in self.units[i].refs
+                   if r.dtype.is_floating_point and r.dtype != self.dtype and "::" not in r.key)
 
     def replace_refs(self, i: int, refs: list[TensorRef]) -> None:
         """Stream unit ``i`` from other tensors (a compressed copy); ``prepare`` maps them back."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Callable
 import torch
 
 from shoestring.checkpoint.local import fsync_dir, replace_dir
-from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.engine import StreamingCausalLM, generic_key
 from shoestring.infer.shards import ShardReader, TensorRef, aligned_empty, read_header, views
 from shoestring.infer.stream import Slot
 
@@ -34,7 +33,6 @@ NF4_CODE = torch.tensor([
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
-_LAYER_RE = re.compile(r"\.layers\.\d+\.")
 
 
 def quantize(w: torch.Tensor, scheme: str, rows: int = 256) -> dict[str, torch.Tensor]:
@@ -81,18 +79,34 @@ def dequantize(parts: dict[str, torch.Tensor], out: torch.Tensor, rows: int = 51
     (which takes a slow mixed-dtype path), and nf4 looks up both values of a
     byte at once, ``rows`` rows at a time, 6.5x faster than decoding nibbles
     over the whole matrix (numbers: docs/inference.md). Results are bitwise the
-    same as the plain formulas."""
+    same as the plain formulas.
+
+    Into a 16-bit ``out`` the product is formed in fp32 ``rows`` rows at a time and
+    rounded once: the same values as dequantizing in fp32 and casting, without a
+    full-size fp32 temporary (a bf16 ``copy_().mul_()`` would round the scale too)."""
     if "q8" in parts:
-        return out.copy_(parts["q8"]).mul_(parts["s"])
+        q8, s = parts["q8"], parts["s"]
+        if out.dtype == s.dtype:
+            return out.copy_(q8).mul_(s)
+        flat_q, flat_s = q8.reshape(-1, q8.shape[-1]), s.reshape(-1, 1)
+        dst = out.view(-1, q8.shape[-1])
+        tmp = torch.empty((min(rows, flat_q.shape[0]), flat_q.shape[1]), dtype=s.dtype,
+                          device=q8.device)
+        for i in range(0, flat_q.shape[0], rows):
+            n = min(rows, flat_q.shape[0] - i)
+            dst[i:i + n].copy_(tmp[:n].copy_(flat_q[i:i + n]).mul_(flat_s[i:i + n]))
+        return out
     packed, absmax = parts["q4"], parts["a"]
-    pairs = _NF4_PAIRS.to(device=packed.device, dtype=out.dtype)
+    pairs = _NF4_PAIRS.to(device=packed.device)
     groups = absmax.shape[1]
     flat = out.view(packed.shape[0], -1)
     for i in range(0, packed.shape[0], rows):
         vals = torch.nn.functional.embedding(packed[i:i + rows].long(), pairs)
         dst = flat[i:i + rows].view(-1, groups, GROUP)
-        torch.mul(vals.view(-1, groups, GROUP), absmax[i:i + rows].unsqueeze(-1).to(out.dtype),
-                  out=dst)
+        if out.dtype == torch.float32:
+            torch.mul(vals.view(-1, groups, GROUP), absmax[i:i + rows].unsqueeze(-1), out=dst)
+        else:
+            dst.copy_(vals.view(-1, groups, GROUP).mul_(absmax[i:i + rows].unsqueeze(-1)))
     return out
 
 
@@ -178,7 +192,7 @@ def use_compressed(engine: StreamingCausalLM, src: Path) -> tuple[
             return tensors
         out = {k: v for k, v in tensors.items() if "::" not in k}
         for key, (shape, _dt) in shapes[i].items():
-            generic = _LAYER_RE.sub(".layers.*.", key)
+            generic = generic_key(key)
             buf = slot.scratch.get(generic)
             if buf is None or tuple(buf.shape) != shape:
                 buf = slot.scratch[generic] = torch.empty(shape, dtype=engine.dtype,
