@@ -7,6 +7,7 @@ cgroup; page cache is charged to it, so streaming is real), and prints ratios.
 
     .venv/bin/python benchmarks/infer_vs_peers.py                  # mid model, 64 x 32
     .venv/bin/python benchmarks/infer_vs_peers.py --compress int8,nf4  # adds ours+int8, +nf4
+    ... --tools ours,airllm,accelerate,accelerate-bf16  # + Accelerate loading it as bf16
 
 Peers run from benchmarks/.venv-peers (gitignored): a venv that sees the project
 venv's packages through a .pth file and adds ``airllm==4.0.0`` (``--no-deps``);
@@ -227,7 +228,8 @@ def worker(tool: str, a: argparse.Namespace) -> dict[str, Any]:
                    bytes_per_step=end["bytes_per_pass"], model_bytes=start["model_bytes"],
                    resident_bytes=start["plan"]["breakdown"]["resident"],
                    tokens=end["tokens"], peak_rss=end["peak_rss_bytes"],
-                   roofline_pct_self=end["roofline_pct"], read_bw_self=end["read_bytes_per_s"])
+                   roofline_pct_self=end["roofline_pct"], read_bw_self=end["read_bytes_per_s"],
+                   dtype=start["dtype"])
         lines = (work / "out.jsonl").read_text().splitlines()
         out["first_completion"] = json.loads(lines[0])["completion"]
     else:
@@ -246,8 +248,12 @@ def worker(tool: str, a: argparse.Namespace) -> dict[str, Any]:
             n = AutoConfig.from_pretrained(a.model).num_hidden_layers
             dmap = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
                     "lm_head": "cpu", **{f"model.layers.{i}": "disk" for i in range(n)}}
+            # accelerate-bf16: loaded as bf16, so its offloaded copy is bf16 too (half the
+            # bytes per step) and it computes in bf16: its fastest setting on this CPU.
+            kw = {"dtype": torch.bfloat16} if tool == "accelerate-bf16" else {}
             model = AutoModelForCausalLM.from_pretrained(a.model, device_map=dmap,
-                                                         offload_folder=str(work / "offload"))
+                                                         offload_folder=str(work / "offload"),
+                                                         **kw)
         out["setup_s"] = time.perf_counter() - t_setup
         stamps = _Stamps()
         read0 = _io_read_bytes()
@@ -283,7 +289,8 @@ def main() -> None:
     p.add_argument("--cap", default="1.5GiB", help="memory cgroup limit of every tool")
     p.add_argument("--budget", type=int, default=0, help="ours: --memory-budget in bytes "
                    "(default: the cap minus 64 MiB of page-cache slack)")
-    p.add_argument("--tools", default="ours,airllm,accelerate")
+    p.add_argument("--tools", default="ours,airllm,accelerate",
+                   help="also: accelerate-bf16 (Accelerate loading the model as bf16)")
     p.add_argument("--compress", default="",
                    help="also run ours with these schemes (comma-separated: int8,nf4)")
     p.add_argument("--threads", type=int, default=1,
@@ -338,18 +345,20 @@ def main() -> None:
               f"{r['prompts_h']:>11.0f}{r['decode_step_s']:>9.3f}"
               f"{r['bytes_per_step'] / 1e9:>9.3f}{100 * r['roofline']:>8.0f}%"
               f"{r['peak_rss'] / 1e9:>9.2f}G{r['cgroup_peak'] / 1e9:>8.2f}G")
-    ours = results.get("ours", {})
-    if "tok_s" in ours:
+    for name in tools:
+        ours = results[name]
+        if not name.startswith("ours") or "tok_s" not in ours:
+            continue
         ratio = ours["bytes_per_step"] / max(ours["model_bytes"] - ours["resident_bytes"], 1)
-        print(f"\nours: disk bytes per decode step = {ratio:.3f} x (model - resident) "
-              f"[target <= 1.05]; resident {ours['resident_bytes'] / 1e9:.2f} GB; "
-              f"peak RSS {ours['peak_rss'] / 1e9:.2f} GB vs budget "
-              f"{(a.budget or cap - (64 << 20)) / 1e9:.2f} GB")
+        print(f"\n{name} ({ours['dtype']} compute): disk bytes per decode step = {ratio:.3f} x "
+              f"(model - resident) [target <= 1.05]; resident "
+              f"{ours['resident_bytes'] / 1e9:.2f} GB; peak RSS {ours['peak_rss'] / 1e9:.2f} GB "
+              f"vs budget {(a.budget or cap - (64 << 20)) / 1e9:.2f} GB")
         for peer in tools:
             r = results[peer]
-            if peer == "ours" or "tok_s" not in r:
+            if peer.startswith("ours") or "tok_s" not in r:
                 continue
-            print(f"ours / {peer:<11} generated tok/s {ours['tok_s'] / r['tok_s']:6.2f}x, "
+            print(f"{name} / {peer:<15} generated tok/s {ours['tok_s'] / r['tok_s']:6.2f}x, "
                   f"prompts/h (whole process) {ours['prompts_h'] / r['prompts_h']:6.2f}x, "
                   f"decode step {r['decode_step_s'] / ours['decode_step_s']:6.2f}x faster")
 
