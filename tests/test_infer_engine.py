@@ -157,6 +157,30 @@ def test_bf16_compute_of_an_fp32_checkpoint_matches_transformers_in_bf16(llama_d
             assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
 
 
+def test_resident_units_prepared_into_scratch_drop_their_raw_bytes(llama_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    from shoestring.infer.quant import build_compressed, use_compressed
+
+    prompts = _prompts(5, seed=2)
+    results = []
+    for resident in (0, 99):
+        eng = StreamingCausalLM(llama_dir, device=CPU, dtype=torch.bfloat16)
+        dest = build_compressed(eng, tmp_path / "w", "int8", "test")
+        prepare, _ = use_compressed(eng, dest)
+        # bf16 compute of an fp32 checkpoint: every tensor is rebuilt in scratch.
+        assert not any(eng.raw_kept(i) for i in range(len(eng.units)))
+        eng.start(resident=resident, prepare=prepare)  # raises if a tensor kept a raw view
+        try:
+            results.append(generate(eng, prompts, max_new_tokens=4, eos_ids=set(), pad_id=0,
+                                    micro_tokens=32))
+        finally:
+            eng.close()
+    assert [o.tokens for o in results[0]] == [o.tokens for o in results[1]]
+    fp32 = StreamingCausalLM(llama_dir, device=CPU)
+    use_compressed(fp32, build_compressed(fp32, tmp_path / "w32", "int8", "test"))
+    assert all(fp32.raw_kept(i) for i in range(len(fp32.units)))  # fp32 norms are views
+
+
 @pytest.mark.parametrize("scheme,dtype,min_agree", [("int8", torch.float32, 0.75),
                                                     ("int8", torch.bfloat16, 0.75),
                                                     ("nf4", torch.float32, 0.2)])

@@ -344,3 +344,10 @@ def test_plan_spends_the_budget_on_batch_first_and_counts_dequantized_residents(
         assert sum(p.breakdown.values()) <= p.budget
     assert len(packed.resident) <= len(plain.resident) < 10
     assert packed.breakdown["resident"] == len(packed.resident) * int(12.5 * mb)
+    # Prepared entirely into scratch (dequantized and cast): a resident unit drops its
+    # raw bytes, so the same room holds more of them.
+    dropped = make_plan(unit_bytes=[int(2.5 * mb)] * 10, unit_extra=[10 * mb] * 10,
+                        raw_kept=[False] * 10, **common)
+    assert dropped.breakdown["resident"] == len(dropped.resident) * 10 * mb
+    assert len(dropped.resident) > len(packed.resident)
+    assert sum(dropped.breakdown.values()) <= dropped.budget

@@ -168,8 +168,19 @@ class StreamingCausalLM:
         self.streamer = LayerStreamer([u.plan for u in self.units], chosen, depth=depth,
                                       device=self.device,
                                       prepare=lambda i, t, s: self._cast(user(i, t, s), s),
-                                      direct_io=direct_io)
+                                      direct_io=direct_io,
+                                      drop_raw={i for i in chosen if not self.raw_kept(i)})
         return self
+
+    def raw_kept(self, i: int) -> bool:
+        """Whether unit ``i``'s tensors, once prepared, still point into its raw bytes.
+
+        Not when every tensor is rebuilt in scratch (compressed parts dequantized,
+        other floats cast to the compute dtype): a resident unit then frees its raw
+        buffer and costs only its prepared tensors. On CUDA the raw copy is kept."""
+        return self.device.type == "cuda" or any(
+            "::" not in r.key and not (r.dtype.is_floating_point and r.dtype != self.dtype)
+            for r in self.units[i].refs)
 
     def _cast(self, tensors: dict[str, torch.Tensor], slot: Slot) -> dict[str, torch.Tensor]:
         """Float tensors not in the compute dtype, cast into the slot's scratch buffers."""

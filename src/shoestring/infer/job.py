@@ -303,7 +303,8 @@ def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
         new_tokens=new, want_batch=cfg.memory.batch_size,
         micro_tokens=cfg.memory.micro_batch_tokens, depth=cfg.memory.prefetch_depth,
         want_resident=cfg.memory.resident, pinned_batch=pinned.get("batch_size"),
-        pinned_micro=pinned.get("micro_tokens"))
+        pinned_micro=pinned.get("micro_tokens"),
+        raw_kept=[engine.raw_kept(i) for i in range(len(engine.units))])
     chunk = pinned.get("chunk_records") or max(1, min(cfg.job.chunk_size or plan.batch_size,
                                                       plan.batch_size) // per_record)
     if prior is None:

@@ -47,18 +47,22 @@ def make_plan(*, budget: int, reserve: int, unit_bytes: list[int], unit_extra: l
               kv_per_token: int, config: Any, itemsize: int, prompt_lens: list[int],
               new_tokens: int, want_batch: int, micro_tokens: int, depth: int,
               want_resident: int, pinned_batch: int | None = None,
-              pinned_micro: int | None = None) -> Plan:
+              pinned_micro: int | None = None, raw_kept: list[bool] | None = None) -> Plan:
     """Size the job batch, then the prefill micro-batches, then the resident set.
 
     ``unit_extra[i]`` is the scratch unit ``i`` needs once read (its dequantized
     weights with compression): every ring slot needs the largest, and a resident
-    unit keeps its own. ``pinned_*`` come from a previous attempt of the same job (run.json): the
-    numerics must not change on resume, so they are honoured or the plan fails.
+    unit keeps its own, and its raw bytes only where ``raw_kept[i]`` (some of its
+    tensors are views into them; default: all). ``pinned_*`` come from a previous
+    attempt of the same job (run.json): the numerics must not change on resume, so
+    they are honoured or the plan fails.
     """
     longest = max(prompt_lens) if prompt_lens else 1
     seq = longest + new_tokens
     n_units = len(unit_bytes)
     cost = [b + e for b, e in zip(unit_bytes, unit_extra)]
+    keep = raw_kept if raw_kept is not None else [True] * n_units
+    held = [c if k else e for c, k, e in zip(cost, keep, unit_extra)]  # as a resident unit
     ring = (min(depth, n_units) + 1) * max(cost)
     per_tok = activation_per_token(config, seq, itemsize)
     # Logits are fp32 plus a log_softmax copy: every scored position, or one row a sequence.
@@ -104,10 +108,10 @@ def make_plan(*, budget: int, reserve: int, unit_bytes: list[int], unit_extra: l
         for i in sorted(range(n_units), key=lambda i: (-unit_bytes[i], -i)):
             if want_resident > 0 and len(resident) >= want_resident:
                 break
-            if cost[i] <= left:
-                left -= cost[i]
+            if held[i] <= left:
+                left -= held[i]
                 resident.append(i)
     parts = {"runtime": reserve, "read_ahead": ring, "activations": act(micro, batch),
              "kv_and_hidden": batch * per_seq,
-             "resident": sum(cost[i] for i in resident), "slack": slack}
+             "resident": sum(held[i] for i in resident), "slack": slack}
     return Plan(batch, micro, tuple(sorted(resident)), depth, budget, parts)

@@ -43,7 +43,8 @@ class LayerStreamer:
     """Serves unit tensors in cyclic order; reads ahead ``depth`` streamed units."""
 
     def __init__(self, plans: list[ReadPlan], resident: set[int], *, depth: int,
-                 device: torch.device, prepare: Prepare, direct_io: bool = True) -> None:
+                 device: torch.device, prepare: Prepare, direct_io: bool = True,
+                 drop_raw: set[int] | None = None) -> None:
         self.plans = plans
         self.device = device
         self.cuda = device.type == "cuda"
@@ -55,6 +56,12 @@ class LayerStreamer:
         for i in sorted(resident):
             slot = self._new_slot(plans[i].nbytes)
             self._resident[i] = self._load(i, slot)
+            if drop_raw and i in drop_raw:  # all in scratch: the raw bytes are not needed
+                raw = slot.host.untyped_storage().data_ptr()
+                if any(t.untyped_storage().data_ptr() == raw
+                       for t in self._resident[i].values()):
+                    raise RuntimeError(f"unit {i}: prepared tensors still use its raw buffer")
+                slot.host = torch.empty(0, dtype=torch.uint8)
         self.resident_bytes = sum(plans[i].nbytes for i in resident)
         self.streamed_bytes = sum(plans[i].read_bytes for i in self.order)
         self._error: BaseException | None = None
