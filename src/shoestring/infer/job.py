@@ -190,9 +190,10 @@ def bf16_is_faster(device: torch.device, reps: int = 5) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     times = {}
+    g = torch.Generator().manual_seed(0)  # leaves the global RNG alone
     for dt in (torch.float32, torch.bfloat16):
-        x = torch.randn(64, 2048, dtype=dt)
-        w = torch.randn(2048, 2048, dtype=dt)
+        x = torch.randn(64, 2048, generator=g).to(dt)
+        w = torch.randn(2048, 2048, generator=g).to(dt)
         torch.nn.functional.linear(x, w)
         t0 = time.perf_counter()
         for _ in range(reps):
