@@ -285,6 +285,7 @@ class StreamingCausalLM:
             finally:
                 self.streamer.release(i)
         self.passes += 1
+        trim_heap()
         return results
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -307,6 +308,31 @@ class StreamingCausalLM:
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
+
+
+_LIBC: Any = None
+
+
+def trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    Every decode pass frees each layer's KV cache and allocates one a token longer;
+    glibc keeps the holes, so RSS crept ~85 MB past the plan over 32 passes of the
+    benchmark job (peak 1.555 GB on a 1.54 GB budget). Trimming after each pass held
+    it to 1.474 GB for 3.5 ms a pass."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        try:
+            lib = ctypes.CDLL(name) if name else None
+            _LIBC = lib if lib is not None and hasattr(lib, "malloc_trim") else False
+        except OSError:
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype, bits: int = 16) -> int:
