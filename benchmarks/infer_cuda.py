@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from shoestring.infer.decode import generate  # noqa: E402
-from shoestring.infer.engine import MicroBatch, StreamingCausalLM  # noqa: E402
+from shoestring.infer.decode import generate, prompt_logits  # noqa: E402
+from shoestring.infer.engine import StreamingCausalLM  # noqa: E402
 from shoestring.infer.fixtures import build_random_model  # noqa: E402
 
 
@@ -71,9 +71,7 @@ def exactness(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict
     try:
         out = generate(eng, prompts, max_new_tokens=16, eos_ids=set(), pad_id=0,
                        micro_tokens=64)
-        mbs = [MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
-               for p in prompts]
-        logits = eng.forward_pass(mbs, lambda mb, h: eng.logits(h)[0])
+        logits = prompt_logits(eng, prompts)
     finally:
         eng.close()
     same, diff = 0, 0.0

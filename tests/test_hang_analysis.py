@@ -210,3 +210,40 @@ def test_ranks_that_never_start_are_named_after_the_first_phase_timeout() -> Non
     running = {r: dict(starting, rank=r, status="running") for r in range(3)}
     assert not_started(running, now=5000.0, policy=pol, world_size=3, since=1000.0) is None
     assert not_started({}, now=5000.0, policy=pol, world_size=3, since=1000.0) is None
+
+
+def test_a_straggler_confirmed_as_the_run_ends_is_still_reported(tmp_path: Any) -> None:
+    """A short run can finish between two polls right after its straggler is confirmed:
+    the watchdog judges the snapshots the ranks published as they finished."""
+    import json
+    import time
+
+    from shoestring.watch.recorder import LIVE
+    from shoestring.watch.watchdog import Watchdog
+
+    alarms: list[tuple[str, dict[str, Any]]] = []
+    wd = Watchdog(tmp_path, POLICY, on_hang=lambda v: None,
+                  on_alarm=lambda kind, f: alarms.append((kind, f)), poll_s=3600.0)
+
+    def publish(status: str, slow: float) -> None:
+        for r in (0, 1):
+            fwd = [[0.06 * (slow if r == 1 else 1.0), 100, s] for s in range(1, 51)]
+            snap = {"rank": r, "world_size": 2, "pid": 1, "host": "h", "ts": time.time(),
+                    "status": status, "step": 50,
+                    "work": {"data": [[7e-4, 100, s] for s in range(1, 51)], "forward": fwd}}
+            d = tmp_path / "ranks" / f"rank{r}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / LIVE).write_text(json.dumps(snap))
+
+    with wd:  # never polled while running (poll_s is an hour)
+        publish("done", 1.2)
+    assert [(k, f["rank"], f["part"], f["step"]) for k, f in alarms] == \
+        [("straggler", 1, "forward", 50)]
+    alarms.clear()
+    with Watchdog(tmp_path, POLICY, on_hang=lambda v: None, poll_s=3600.0,
+                  on_alarm=lambda kind, f: alarms.append((kind, f))):
+        publish("failed", 1.2)  # not a clean finish: no last look
+    with Watchdog(tmp_path, POLICY, on_hang=lambda v: None, poll_s=3600.0,
+                  on_alarm=lambda kind, f: alarms.append((kind, f))):
+        publish("done", 1.0)  # healthy
+    assert alarms == []

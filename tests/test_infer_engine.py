@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoestring.infer.decode import generate, score
+from shoestring.infer.decode import generate, prompt_logits, score
 from shoestring.infer.engine import MicroBatch, StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model
 
@@ -63,9 +63,7 @@ def test_greedy_tokens_and_logits_match_transformers(model_dir: Path) -> None:
         out = generate(eng, prompts, max_new_tokens=12, eos_ids={eos}, pad_id=0,
                        micro_tokens=20)
         n_units = len(eng.units)
-        mbs = [MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
-               for p in prompts]
-        logits = eng.forward_pass(mbs, lambda mb, h: eng.logits(h)[0])
+        logits = prompt_logits(eng, prompts)
     finally:
         eng.close()
     assert eng.passes <= 12 + 1 and n_units == ref.config.num_hidden_layers + 2
@@ -143,9 +141,7 @@ def test_bf16_compute_of_an_fp32_checkpoint_matches_transformers_in_bf16(llama_d
     try:
         out = generate(eng, prompts, max_new_tokens=6, eos_ids=set(), pad_id=0,
                        micro_tokens=64)
-        mbs = [MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
-               for p in prompts]
-        logits = eng.forward_pass(mbs, lambda mb, h: eng.logits(h)[0])
+        logits = prompt_logits(eng, prompts)
     finally:
         eng.close()
     # Bitwise: the same modules on the same bf16-rounded weights (fp32 compute differs).

@@ -233,3 +233,11 @@ def score(engine: StreamingCausalLM, seqs: list[tuple[list[int], int]], *, pad_i
         for i, s in zip(g, res):
             out[i] = s
     return [s for s in out if s is not None]
+
+
+def prompt_logits(engine: StreamingCausalLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """fp32 logits at every position of each prompt, one micro-batch per prompt (no
+    padding): what a check against an in-memory reference model compares."""
+    mbs = [MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
+           for p in prompts]
+    return engine.forward_pass(mbs, lambda mb, h: engine.logits(h)[0])

@@ -109,6 +109,17 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.verdict is None:
+            self._last_look()
+
+    def _last_look(self) -> None:
+        """Judge stragglers once more on the snapshots every rank published as it
+        finished: a short run can end between two polls, right after its straggler
+        was confirmed, and would otherwise never report it."""
+        snaps = read_snapshots(self.run_dir, self._since)
+        if snaps and all(s.get("status") == "done" for s in snaps.values()):
+            world = max(int(s.get("world_size", 1)) for s in snaps.values())
+            self._check_stragglers(snaps, world, status="done")
 
     def check_once(self) -> Verdict | None:
         snaps = read_snapshots(self.run_dir, self._since)
@@ -130,8 +141,9 @@ class Watchdog:
             verdict.ranks.setdefault(r, {})["stacks"] = text
         return verdict
 
-    def _check_stragglers(self, snaps: dict[int, dict[str, Any]], world: int) -> None:
-        running = {r: s for r, s in snaps.items() if s.get("status") == "running"}
+    def _check_stragglers(self, snaps: dict[int, dict[str, Any]], world: int,
+                          status: str = "running") -> None:
+        running = {r: s for r, s in snaps.items() if s.get("status") == status}
         if self.on_alarm is None or len(running) < max(world, 2):
             return
         found = self.stragglers.observe(running)
