@@ -132,39 +132,25 @@ def generate_from(engine: StreamingCausalLM, state: GenState, *, max_new_tokens:
 
 def _cache_marks(mbs: list[MicroBatch]) -> list[list[int]] | None:
     """Per micro-batch and cache layer, the stored length before a pass; None when some
-    layer could not be cut back to it (a layer kind that drops or rewrites old tokens)."""
+    layer could not be cut back to it (a layer kind that drops or rewrites old tokens,
+    such as a sliding window)."""
     from transformers.cache_utils import DynamicLayer
 
     from shoestring.infer.kvcache import Int8KVLayer
 
     marks = []
     for mb in mbs:
-        if mb.cache is None:
+        if mb.cache is None or any(type(layer) not in (DynamicLayer, Int8KVLayer)
+                                   for layer in mb.cache.layers):
             return None
-        row = []
-        for layer in mb.cache.layers:
-            if type(layer) is Int8KVLayer:
-                row.append(layer.length)
-            elif type(layer) is DynamicLayer:
-                row.append(layer.keys.shape[-2] if layer.is_initialized else 0)
-            else:
-                return None
-        marks.append(row)
+        marks.append([layer.get_seq_length() for layer in mb.cache.layers])
     return marks
 
 
 def _cut_back(mbs: list[MicroBatch], marks: list[list[int]]) -> None:
-    from shoestring.infer.kvcache import Int8KVLayer
-
     for mb, row in zip(mbs, marks):
         for layer, n in zip(mb.cache.layers, row):
-            if isinstance(layer, Int8KVLayer):
-                if layer._k is not None and layer._v is not None and layer.length > n:
-                    layer._k = tuple(t[..., :n, :] for t in layer._k)  # type: ignore
-                    layer._v = tuple(t[..., :n, :] for t in layer._v)  # type: ignore
-                    layer.length = n
-            elif layer.is_initialized and layer.keys.shape[-2] > n:
-                layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+            layer.crop(n - layer.get_seq_length())
 
 
 def _merge_for_decode(engine: StreamingCausalLM, groups: list[list[int]],

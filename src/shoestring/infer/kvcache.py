@@ -24,7 +24,7 @@ from shoestring.infer.quant import dequantize, int8_rows
 class Int8KVLayer(DynamicLayer):
     """A full-attention cache layer holding int8 keys/values and per-token scales."""
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -60,6 +60,18 @@ class Int8KVLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a
+        negative count), e.g. to cut a pass that was stopped midway back off."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        n = max(self.length + tokens_to_remove, 0)
+        if self._k is None or self._v is None or n == self.length:
+            return
+        self._k = tuple(t[..., :n, :] for t in self._k)  # type: ignore[assignment]
+        self._v = tuple(t[..., :n, :] for t in self._v)  # type: ignore[assignment]
+        self.length = n
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for qs in (self._k, self._v) if qs for t in qs)
