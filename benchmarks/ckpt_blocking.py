@@ -1,7 +1,7 @@
 """Training time blocked per checkpoint: shoestring vs a synchronous ``torch.save``.
 
-One real ``shoestring`` fine-tuning run (``Finetune`` driven in-process, eval
-skipped) checkpoints every K steps. In the same process, on the same live
+One real ``shoestring`` fine-tuning run (the real trainer, step and save driven
+in-process, eval skipped) checkpoints every K steps. In the same process, on the same live
 training state, the PEER is timed too: what a naive trainer blocks on, a
 synchronous
 
@@ -16,7 +16,7 @@ the following step. Old peer files are deleted only at the end.
 Reported per save (medians over the run):
 
 * ours "blocked": the wall time the training thread spent inside
-  ``Finetune._save`` (measured around it here; the headline number), next to
+  ``train.loop.save`` (measured around it here; the headline number), next to
   the ``blocking_ms`` the run itself logs in OUTPUT/events.jsonl;
 * ours "commit": serialize + write/fsync/rename + retention, from the
   "checkpoint" events (off the training thread unless --async-mode off);
@@ -54,16 +54,22 @@ import torch
 
 from shoestring.config import FinetuneConfig, load
 from shoestring.train import state as S
-from shoestring.train.loop import Finetune, RunOptions
+from shoestring.train.device import Accelerator, resolve
+from shoestring.train.loop import save
+from shoestring.train.resume import resume
+from shoestring.train.run import Inputs, RunOptions, open_run
+from shoestring.train.saves import SavePolicy
+from shoestring.train.step import train_step
+from shoestring.train.trainer import Trainer, build_trainer
 
 
-def peer_save(f: Finetune, path: Path) -> tuple[float, int]:
+def peer_save(t: Trainer, path: Path) -> tuple[float, int]:
     """A naive trainer's checkpoint: one pickle of the live state, then fsync. Returns (ms, bytes)."""
     t0 = time.perf_counter()
     state = {
-        "adapter": {n: p.detach() for n, p in f.params.items()},
-        "optimizer": f.optimizer.state_dict(),
-        "scheduler": f.scheduler.state_dict(),
+        "adapter": {n: p.detach() for n, p in t.learner.params.items()},
+        "optimizer": t.learner.optimizer.state_dict(),
+        "scheduler": t.learner.scheduler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                 "numpy": np.random.get_state()},
     }
@@ -75,35 +81,43 @@ def peer_save(f: Finetune, path: Path) -> tuple[float, int]:
     return ms, path.stat().st_size
 
 
-class BenchFinetune(Finetune):
-    """The real training loop; only eval is skipped and saves are timed from outside.
+class Bench:
+    """The real trainer, step and save, driven without eval; saves are timed from outside.
 
     The peer saves the same live state half-way between our checkpoints (step
     ``k*K + K//2``), so neither side's disk writes land on top of the other's.
     """
 
-    def __init__(self, cfg: FinetuneConfig, opts: RunOptions, peer_dir: Path | None,
-                 every: int) -> None:
-        super().__init__(cfg, opts)
-        self.peer_dir = peer_dir
+    def __init__(self, peer_dir: Path | None, every: int) -> None:
+        self.peer_dir, self.every = peer_dir, every
         self.peer_offset = every // 2 if every >= 2 else 0
-        self.every = every
         self.peer: list[dict[str, Any]] = []
         self.ours_wall: dict[int, float] = {}
+        self.trainable = 0
 
-    def _evaluate(self, step: int, tag: str) -> None:  # measuring training only
-        return None
-
-    def _save_due(self, step: int) -> str | None:
+    def after_step(self, t: Trainer, progress: S.Progress, saves: SavePolicy) -> None:
+        step = progress.step
         if self.peer_dir is not None and step % self.every == self.peer_offset:
-            ms, nbytes = peer_save(self, self.peer_dir / f"step-{step:08d}.pt")
+            ms, nbytes = peer_save(t, self.peer_dir / f"step-{step:08d}.pt")
             self.peer.append({"step": step, "ms": ms, "bytes": nbytes})
-        return super()._save_due(step)
+        reason = saves.due(step)
+        if reason:
+            self.ours_wall[step] = save(t, progress, reason, sync=False) * 1e3
 
-    def _save(self, progress: S.Progress, reason: str, sync: bool) -> None:
-        t0 = time.perf_counter()
-        super()._save(progress, reason, sync)
-        self.ours_wall[progress.step] = (time.perf_counter() - t0) * 1e3
+    def run(self, cfg: FinetuneConfig, opts: RunOptions) -> int:
+        cfg = resolve(cfg, Accelerator.probe(), 0)
+        inputs = Inputs.prepare(cfg, opts.dist)
+        with open_run(cfg, opts, inputs.remote) as run:
+            t = build_trainer(cfg, run, inputs)
+            progress = resume(t, "never")
+            saves = SavePolicy.from_config(cfg.checkpoint, progress.step)
+            while progress.step < cfg.train.max_steps:
+                m = train_step(t, progress)
+                run.events.emit("step", step=progress.step, **m)
+                self.after_step(t, progress, saves)
+            run.writer.wait()
+            self.trainable = sum(p.numel() for p in t.learner.params.values())
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,10 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     if mdir is not None:
         overrides += ["--model.path", str(mdir)]
     cfg = load(FinetuneConfig, None, overrides)
-    ft = BenchFinetune(cfg, RunOptions(resume="never", cache_dir=args.cache, tty=False), peer_dir,
-                       args.every)
+    ft = Bench(peer_dir, args.every)
     t_run = time.perf_counter()
-    rc = ft.run()
+    rc = ft.run(cfg, RunOptions(resume="never", cache_dir=args.cache, tty=False))
     t_run = time.perf_counter() - t_run
     if rc != 0:
         print(f"training run failed with exit code {rc}", file=sys.stderr)
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     bg = [c["background_ms"] for c in ckpts]
     state_mb = ckpts[0]["bytes"] / 2**20 if ckpts else float("nan")
     peer_ms = [p["ms"] for p in ft.peer]
-    trainable = sum(p.numel() for p in ft.params.values())
+    trainable = ft.trainable
 
     res: dict[str, Any] = {
         "model": str(mdir or cfg.model.path), "lora_r": args.lora_r,
@@ -223,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
           f"run {t_run:.1f}s")
     print(f"step time            median {med_step:8.1f} ms   mean (all steps) {res['step_ms_mean']:8.1f} ms")
     print(f"ours blocked         median {median(wall):8.2f} ms   p90 {pct(wall, 90):8.2f} ms   "
-          f"(wall time of Finetune._save on the training thread; events.jsonl says "
+          f"(wall time of train.loop.save on the training thread; events.jsonl says "
           f"blocking_ms {median(logged):.2f})")
     where = "on the training thread" if args.async_mode == "off" else "off the training thread"
     print(f"ours commit          median {median(bg):8.1f} ms   (serialize "

@@ -62,7 +62,7 @@ def test_longer_max_steps_on_resume_uses_the_new_schedule() -> None:
     # cosine schedule, not from the param group saved under the old one.
     import torch
 
-    from shoestring.train.loop import lr_lambda
+    from shoestring.train.learner import lr_lambda
     from shoestring.train.state import _load_schedule
 
     def make(total: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:

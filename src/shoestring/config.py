@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,9 +64,16 @@ def unit_interval(v: Any) -> str | None:
 class ModelConfig:
     path: str = knob("builtin:tiny", "Local directory of a Hugging Face causal LM (config.json, "
                      "weights, tokenizer). 'builtin:tiny' builds the embedded tiny model.")
-    dtype: str = knob("float32", "Dtype of the frozen base weights.",
-                      choices=("float32", "bfloat16", "float16"))
+    dtype: str = knob("auto", "Dtype of the frozen base weights. 'auto': float32 on CPU; on "
+                      "CUDA bfloat16 where the GPU supports it, else float16 (T4, V100). "
+                      "Resolved once at start and recorded in config.yaml.",
+                      choices=("auto", "float32", "bfloat16", "float16"))
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save memory.")
+    attn_implementation: str = knob("sdpa", "Attention kernel: 'sdpa' (torch's fused "
+                                    "scaled-dot-product attention), 'eager' (plain matmuls), "
+                                    "'flash_attention_2' (needs the flash-attn package and a "
+                                    "CUDA GPU).",
+                                    choices=("sdpa", "eager", "flash_attention_2"))
 
 
 @dataclass
@@ -103,6 +111,21 @@ class TrainConfig:
                                 check=positive)
     num_threads: int = knob(0, "torch intra-op threads (0: leave torch's default).",
                             check=non_negative)
+    device: str = knob("auto", "Where training runs: 'auto' (cuda:LOCAL_RANK when CUDA is "
+                       "available, else cpu), 'cpu', 'cuda' (cuda:LOCAL_RANK) or 'cuda:N'. "
+                       "Base model, adapters, batches and optimizer state all live there.",
+                       check=lambda v: None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)
+                       else "must be auto, cpu, cuda or cuda:N")
+    precision: str = knob("auto", "Compute precision of forward and backward: 'bf16' (autocast "
+                          "to bfloat16), 'fp16' (autocast to float16 with a gradient scaler, "
+                          "checkpointed; CUDA only), 'fp32'. 'auto': bf16 on GPUs that support "
+                          "it, fp16 on older ones (T4, V100), fp32 on CPU. Adapters and "
+                          "optimizer state stay float32.",
+                          choices=("auto", "bf16", "fp16", "fp32"))
+    deterministic: bool = knob(False, "Reproducible CUDA kernels: torch.use_deterministic_algorithms, "
+                               "CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN benchmark and TF32 off. "
+                               "With it a resumed GPU run is byte-identical to an uninterrupted "
+                               "one (CPU runs are already). Costs speed: see docs/planner.md.")
     optimizer: str = knob("adamw", "adamw: torch AdamW (fp32 moments). adamw8bit: bitsandbytes "
                           "8-bit AdamW (moments in uint8 blocks, 4x smaller). paged_adamw8bit: "
                           "the same in CUDA unified memory, paged to host RAM under pressure "
@@ -243,6 +266,7 @@ class FinetuneConfig:
 #: the continuation. Anything else changed makes ``--resume`` refuse.
 RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "output_dir", "train.max_steps", "train.log_every_steps", "train.num_threads",
+    "train.device", "train.deterministic",
     "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.", "watch.", "cost.",
     "plan.",
 )

@@ -12,6 +12,7 @@ whose message names the path and says which checkpoint is still intact.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -95,21 +96,46 @@ class _Blocking:
 
 
 class HostBuffers:
-    """Reused host-memory copies of snapshot tensors (fresh allocations page-fault)."""
+    """Reused host-memory copies of snapshot tensors (fresh allocations page-fault).
+
+    GPU tensors go into pinned buffers, copied on a side stream that first waits
+    for the training stream (so the optimizer's last kernels are in the copy);
+    the caller blocks only until that copy is done, never for serialization.
+    """
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, str], torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}
+
+    def _buffer(self, key: tuple[str, str], t: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        return buf
+
+    def _copy_stream(self, tensors: dict[str, dict[str, torch.Tensor]]) -> Any:
+        device = next((t.device for d in tensors.values() for t in d.values() if t.is_cuda),
+                      None)
+        if device is None:
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        stream = self._streams[device]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
 
     def stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        stream = self._copy_stream(tensors)
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for f, d in tensors.items():
-            out[f] = {}
-            for k, t in d.items():
-                buf = self._bufs.get((f, k))
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                    buf = self._bufs[(f, k)] = torch.empty(t.shape, dtype=t.dtype)
-                buf.copy_(t.detach())
-                out[f][k] = buf
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for f, d in tensors.items():
+                out[f] = {}
+                for k, t in d.items():
+                    buf = self._buffer((f, k), t)
+                    buf.copy_(t.detach(), non_blocking=t.is_cuda)
+                    out[f][k] = buf
+        if stream is not None:
+            stream.synchronize()  # the host copies are complete: training may go on
         return out
 
 

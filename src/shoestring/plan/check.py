@@ -36,13 +36,15 @@ def target_gpu(spec: str) -> GPU | None:
 
 
 def preflight(cfg: FinetuneConfig, model_dir: Path, world_size: int = 1) -> Plan | None:
-    """Plan ``cfg`` for its GPU; raise :class:`ConfigError` with the plan's advice when
+    """Plan ``cfg`` (resolved: concrete device and dtype) for its GPU; raise :class:`ConfigError` with the plan's advice when
     it will not fit and ``plan.enforce`` is on. Returns the plan (None: no GPU to check)."""
+    if cfg.plan.gpu == "auto" and not cfg.train.device.startswith("cuda"):
+        return None  # training on the CPU: no GPU to fit
     gpu = target_gpu(cfg.plan.gpu)
     if gpu is None:
         return None
     arch = arch_for(str(model_dir), "model.path")
-    workload, steps = workload_from_config(cfg, arch, world_size)
+    workload, steps = workload_from_config(cfg, arch, world_size, gpu=gpu)
     plan = make_plan(workload, gpu, Schedule(steps=steps))
     if plan.fits:
         return plan

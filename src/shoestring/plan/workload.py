@@ -43,13 +43,17 @@ def _targets(names: list[str] | tuple[str, ...], where: str) -> tuple[str, ...]:
 
 
 def workload_from_config(cfg: FinetuneConfig, arch: Arch, world_size: int = 1,
-                         device: str = "cuda") -> tuple[Workload, int]:
-    """The per-rank workload of a finetune config, and its optimizer steps."""
+                         device: str = "cuda", gpu: GPU | None = None) -> tuple[Workload, int]:
+    """The per-rank workload of a finetune config, and its optimizer steps. A
+    ``model.dtype`` of 'auto' is planned as finetune resolves it on ``gpu``."""
     t = cfg.train
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if gpu is None or gpu.bf16_flops else "float16"
     mb = t.micro_batch_size or max(t.batch_size // world_size, 1)
     accum = max(t.batch_size // (mb * world_size), 1)
     method = "qlora" if cfg.lora.quantize != "none" else "lora"
-    w = Workload(arch=arch, method=method, quantize=cfg.lora.quantize, dtype=cfg.model.dtype,
+    w = Workload(arch=arch, method=method, quantize=cfg.lora.quantize, dtype=dtype,
                  lora_r=cfg.lora.r, lora_targets=_targets(cfg.lora.target_modules,
                                                           "lora.target_modules"),
                  lora_dropout=cfg.lora.dropout, seq_len=cfg.data.max_length, micro_batch=mb,
@@ -97,7 +101,7 @@ def resolve_request(req: PlanRequest, gpu: GPU, cache_dir: Path | None = None
         cfg = load(FinetuneConfig, str(req.config), [])
         model = req.model or cfg.model.path
         arch = arch_for(model, "--model" if req.model else f"{req.config}: model.path")
-        w, steps = workload_from_config(cfg, arch)
+        w, steps = workload_from_config(cfg, arch, gpu=gpu)
         w = replace(w, gradient_checkpointing=cfg.model.gradient_checkpointing)
     else:
         if not req.model:

@@ -14,11 +14,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shoestring.train.data import IGNORE_INDEX, Example, Record, collate
+from shoestring.train.device import to_device
 
 
 @torch.no_grad()
 def eval_loss(model: Any, examples: Sequence[Example], batch_size: int, pad_id: int,
-              should_stop: Callable[[], bool]) -> dict[str, float] | None:
+              should_stop: Callable[[], bool],
+              device: torch.device | None = None) -> dict[str, float] | None:
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -26,7 +28,7 @@ def eval_loss(model: Any, examples: Sequence[Example], batch_size: int, pad_id: 
         for i in range(0, len(examples), batch_size):
             if should_stop():
                 return None
-            batch = collate(examples[i:i + batch_size], pad_id)
+            batch = to_device(collate(examples[i:i + batch_size], pad_id), device)
             labels = batch.pop("labels")
             logits = model(**batch).logits.float()
             shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
@@ -34,7 +36,7 @@ def eval_loss(model: Any, examples: Sequence[Example], batch_size: int, pad_id: 
             loss = torch.nn.functional.cross_entropy(shift_logits, shift_labels,
                                                      ignore_index=IGNORE_INDEX, reduction="sum")
             total += float(loss)
-            count += int((shift_labels != IGNORE_INDEX).sum())
+            count += int((shift_labels != IGNORE_INDEX).sum())  # one sync per batch
     finally:
         model.train(was_training)
     mean = total / max(count, 1)
@@ -43,7 +45,8 @@ def eval_loss(model: Any, examples: Sequence[Example], batch_size: int, pad_id: 
 
 @torch.no_grad()
 def exact_match(model: Any, tok: Any, records: Sequence[Record], max_new_tokens: int,
-                batch_size: int, should_stop: Callable[[], bool]) -> dict[str, float] | None:
+                batch_size: int, should_stop: Callable[[], bool],
+                device: torch.device | None = None) -> dict[str, float] | None:
     """Greedy-decode each prompt; count completions reproduced exactly (up to EOS)."""
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     groups: dict[int, list[tuple[list[int], str]]] = defaultdict(list)
@@ -60,7 +63,7 @@ def exact_match(model: Any, tok: Any, records: Sequence[Record], max_new_tokens:
                 if should_stop():
                     return None
                 chunk = items[i:i + batch_size]
-                ids = torch.tensor([c[0] for c in chunk])
+                ids = torch.tensor([c[0] for c in chunk], device=device)
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                      max_new_tokens=max_new_tokens, do_sample=False,
                                      use_cache=True, pad_token_id=tok.pad_token_id,

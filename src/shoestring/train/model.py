@@ -122,14 +122,20 @@ def quantization_config(quantize: str, dtype: str) -> Any:
 
 def load_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none",
                     device: str = "cpu") -> Any:
-    """The frozen base model, optionally quantized by bitsandbytes on ``device``."""
+    """The frozen base model on ``device`` (a concrete ``model.dtype``, see
+    :func:`shoestring.train.device.resolve`), optionally quantized by bitsandbytes."""
     from transformers import AutoModelForCausalLM
 
     quiet_hf()
     qcfg = quantization_config(quantize, cfg.dtype)
-    kwargs: dict[str, Any] = {"dtype": _DTYPES[cfg.dtype]}
+    # use_kernels=False: transformers 5 otherwise swaps layers for kernels fetched from the
+    # Hugging Face Hub at load time (a download, and kernels that differ between machines).
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[cfg.dtype], "use_kernels": False,
+                              "attn_implementation": cfg.attn_implementation}
     if qcfg is not None:
-        kwargs.update(quantization_config=qcfg, device_map={"": device})
+        kwargs["quantization_config"] = qcfg
+    if qcfg is not None or device != "cpu":  # weights go straight to the device
+        kwargs["device_map"] = {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except RuntimeError as e:

@@ -1,4 +1,6 @@
-"""Data-parallel (DDP) and sharded (FSDP2) wrapping of the LoRA model, and the global batch.
+"""The global batch and its split over ranks; helpers for sharded (FSDP2) models.
+
+Wrapping and the no-sync context belong to the strategies (``train/strategy.py``).
 
 The global batch — samples per optimizer step — is a config value; the world
 size only decides who computes which part of it. Positions
@@ -13,7 +15,6 @@ factor on each rank's loss.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -64,41 +65,6 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
         raise ConfigError("distributed.strategy fsdp: cannot find the model's decoder layers "
                           f"({type(base).__name__} declares no _no_split_modules)")
     return layers
-
-
-def wrap(model: Any, strategy: str, device: torch.device) -> torch.nn.Module:
-    """DDP-wrap or FSDP2-shard ``model`` in place; returns the module to call."""
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ids = [device.index] if device.type == "cuda" else None
-        # Decoder LMs have no running-stat buffers (rotary tables are constants), so
-        # skip DDP's per-forward buffer broadcast: one collective less per micro-batch.
-        return DDP(model, device_ids=ids, forward_sync_buffers=False)
-    if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in decoder_layers(model):
-            fully_shard(layer)
-        fully_shard(model)
-        return model  # type: ignore[no-any-return]  # fully_shard swapped its class in place
-    raise ConfigError(f"distributed.strategy: unknown strategy {strategy!r} (ddp|fsdp)")
-
-
-@contextlib.contextmanager
-def grad_sync(wrapped: torch.nn.Module, strategy: str | None, sync: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
-    if sync or strategy is None:
-        yield
-    elif strategy == "ddp":
-        with wrapped.no_sync():  # type: ignore[operator]
-            yield
-    else:
-        wrapped.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            wrapped.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 def grad_norm_value(norm: Any) -> float:

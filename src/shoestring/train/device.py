@@ -1,0 +1,139 @@
+"""Where training runs and in what precision, resolved once at start.
+
+``train.device``, ``train.precision`` and ``model.dtype`` accept ``auto``. The
+machine is probed once (:meth:`Accelerator.probe`) and :func:`resolve` turns
+every ``auto`` into a concrete value before anything is hashed, written to
+``config.yaml`` or compared with a checkpoint — so a run started on a GPU and
+resumed on another machine is checked against what it really computed with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, replace
+from typing import Any, ContextManager, Literal
+
+import torch
+
+from shoestring.config import ConfigError, FinetuneConfig
+
+PrecisionName = Literal["bf16", "fp16", "fp32"]
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """What this machine offers, probed once."""
+
+    cuda_devices: int = 0
+    bf16: bool = False  # CUDA device 0 computes bfloat16 natively (Ampere and later)
+    name: str = "cpu"
+
+    @classmethod
+    def probe(cls) -> "Accelerator":
+        if not torch.cuda.is_available():
+            return cls()
+        return cls(torch.cuda.device_count(), bool(torch.cuda.is_bf16_supported(False)),
+                   str(torch.cuda.get_device_name(0)))
+
+
+def resolve_device(spec: str, local_rank: int, acc: Accelerator) -> str:
+    """``train.device`` → ``cpu`` or ``cuda:N``."""
+    if spec == "auto":
+        spec = "cuda" if acc.cuda_devices else "cpu"
+    if spec == "cpu":
+        return spec
+    if not acc.cuda_devices:
+        raise ConfigError(f"train.device: {spec} asked for, but torch sees no CUDA device "
+                          f"(torch {torch.__version__}; a CPU build of torch, or no driver). "
+                          "Install a CUDA build of torch, or use --train.device cpu")
+    index = local_rank if spec == "cuda" else int(spec.split(":")[1])
+    if index >= acc.cuda_devices:
+        raise ConfigError(f"train.device: {spec} -> cuda:{index}, but this machine has "
+                          f"{acc.cuda_devices} CUDA device(s)")
+    return f"cuda:{index}"
+
+
+def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> FinetuneConfig:
+    """``cfg`` with every ``auto`` of device, precision and base dtype made concrete."""
+    device = resolve_device(cfg.train.device, local_rank, acc)
+    on_gpu = device.startswith("cuda")
+    gpu_half = "bf16" if acc.bf16 else "fp16"
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = gpu_half if on_gpu else "fp32"
+    if precision == "fp16" and not on_gpu:
+        raise ConfigError("train.precision: fp16 needs a CUDA device (its gradient scaler is "
+                          "CUDA-only); on CPU use bf16 or fp32")
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}[gpu_half] if on_gpu else "float32"
+    if cfg.model.attn_implementation == "flash_attention_2":
+        _require_flash_attention(on_gpu)
+    return replace(cfg, train=replace(cfg.train, device=device, precision=precision),
+                   model=replace(cfg.model, dtype=dtype))
+
+
+def _require_flash_attention(on_gpu: bool) -> None:
+    if not on_gpu:
+        raise ConfigError("model.attn_implementation: flash_attention_2 runs on CUDA only; "
+                          "use sdpa on CPU")
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        raise ConfigError("model.attn_implementation: flash_attention_2 needs the flash-attn "
+                          "package: pip install flash-attn --no-build-isolation") from None
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Autocast and gradient scaling for ``train.precision`` on one device."""
+
+    name: PrecisionName
+    device: torch.device
+
+    def autocast(self) -> ContextManager[Any]:
+        dtype = _AUTOCAST.get(self.name)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def make_scaler(self) -> "torch.amp.GradScaler | None":
+        """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
+        if self.name != "fp16":
+            return None
+        return torch.amp.GradScaler(self.device.type)
+
+
+def set_deterministic(device: torch.device) -> None:
+    """What PyTorch needs for reproducible kernels (``train.deterministic``).
+
+    cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when its handle is created, so this
+    runs before the model is loaded. TF32 is turned off: it rounds matmul inputs
+    to 10 mantissa bits, which no checkpoint can replay across GPU generations.
+    """
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=False)
+
+
+def to_device(batch: dict[str, torch.Tensor],
+              device: torch.device | None) -> dict[str, torch.Tensor]:
+    """Move a collated batch; on CUDA through pinned memory so the copy is asynchronous."""
+    if device is None or device.type == "cpu":
+        return batch
+    if device.type == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """``cuda_peak_bytes`` (max_memory_allocated since start) on CUDA; nothing elsewhere."""
+    if device.type != "cuda":
+        return {}
+    return {"cuda_peak_bytes": int(torch.cuda.max_memory_allocated(device))}

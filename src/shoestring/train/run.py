@@ -1,0 +1,178 @@
+"""Opening a run: the cheap input checks, then the spine every rank stands on.
+
+:class:`Inputs` is everything that can fail on bad input without loading weights.
+:func:`open_run` joins the process group (if any), picks the strategy, prepares
+the run directory (run id, config.yaml, stale temp dirs), and opens the event
+log, the checkpoint writer, the watchdog's recorder, the signal handlers and the
+cloud-notice watcher — closing them in reverse order, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from shoestring.checkpoint import NO_FAULTS, FaultPlan, RemoteStore
+from shoestring.checkpoint.local import clean_stale
+from shoestring.config import ConfigError, FinetuneConfig, to_yaml
+from shoestring.distributed import DistEnv, ProcessGroups
+from shoestring.events import EventLog
+from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
+from shoestring.train import data as D
+from shoestring.train.builtin import BUILTIN_TASK, builtin_records
+from shoestring.train.device import Accelerator
+from shoestring.train.model import require_bitsandbytes
+from shoestring.train.parallel import BatchPlan
+from shoestring.train.strategy import Strategy, Writer, make_strategy
+from shoestring.watch.recorder import NullRecorder, Recorder, StartupBeacon
+
+
+@dataclass
+class RunOptions:
+    """Run control that is not part of the (resume-checked) config."""
+
+    resume: str = "auto"
+    faults: FaultPlan = field(default_factory=lambda: NO_FAULTS)
+    cache_dir: Path = Path.home() / ".cache" / "shoestring"
+    tty: bool | None = None
+    flag: PreemptionFlag | None = None
+    dist: DistEnv = field(default_factory=DistEnv)
+    accelerator: Accelerator | None = None  # None: probe this machine
+
+
+def _records(spec: str, split: str) -> list[D.Record]:
+    if spec == BUILTIN_TASK:
+        return D.from_dicts(builtin_records(split), f"{BUILTIN_TASK}[{split}]")
+    return D.read_jsonl(spec)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The data records, the batch split and the checkpoint store, checked."""
+
+    train_records: list[D.Record]
+    eval_records: list[D.Record]
+    batch: BatchPlan
+    remote: RemoteStore | None
+
+    @classmethod
+    def prepare(cls, cfg: FinetuneConfig, dist: DistEnv) -> "Inputs":
+        if cfg.lora.quantize != "none":
+            require_bitsandbytes("lora.quantize")
+        if cfg.train.optimizer != "adamw":
+            require_bitsandbytes("train.optimizer")
+        batch = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size,
+                               dist.world_size, dist.rank)
+        eval_spec = cfg.data.eval
+        if eval_spec == "auto":
+            eval_spec = BUILTIN_TASK if cfg.data.train == BUILTIN_TASK else ""
+        return cls(_records(cfg.data.train, "train"),
+                   _records(eval_spec, "eval") if eval_spec else [], batch,
+                   _remote_store(cfg, dist.rank))
+
+
+def _remote_store(cfg: FinetuneConfig, rank: int) -> RemoteStore | None:
+    storage = cfg.checkpoint.storage
+    local = Path(cfg.output_dir) / "checkpoints"
+    if not storage or Path(storage).expanduser().resolve() == local.resolve():
+        return None
+    remote = RemoteStore(storage)
+    if rank == 0:
+        try:
+            remote.check()
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"checkpoint.storage: cannot use {storage!r}: {e}") from e
+    return remote
+
+
+@dataclass
+class Run:
+    """The open spine of one rank's run."""
+
+    cfg: FinetuneConfig
+    opts: RunOptions
+    out: Path
+    strategy: Strategy
+    flag: PreemptionFlag
+    events: EventLog
+    writer: Writer
+    rec: Recorder | NullRecorder
+    remote: RemoteStore | None
+
+    @property
+    def ckroot(self) -> Path:
+        return self.out / "checkpoints"
+
+    @property
+    def faults(self) -> FaultPlan:
+        return self.opts.faults
+
+
+def _run_id(out: Path) -> str:
+    p = out / "run.json"
+    if p.exists():
+        return str(json.loads(p.read_text())["run_id"])
+    rid = uuid.uuid4().hex[:12]
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"run_id": rid, "created": time.time()}))
+    tmp.replace(p)
+    return rid
+
+
+def _prepare_dir(cfg: FinetuneConfig, out: Path, strategy: Strategy) -> str:
+    """Rank 0 creates the run directory; every rank gets the run id."""
+    run_id = ""
+    if strategy.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        run_id = _run_id(out)
+        clean_stale(out / "checkpoints")
+        (out / "config.yaml").write_text(to_yaml(cfg))
+    return str(strategy.share(run_id))
+
+
+@contextlib.contextmanager
+def _process_group(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[ProcessGroups | None]:
+    dist = opts.dist
+    if not dist.is_distributed:
+        yield None
+        return
+    opts.faults.hit("start.init")  # a rank stuck before it joins the group
+    beacon = StartupBeacon(Path(cfg.output_dir), dist.rank, dist.world_size) \
+        if cfg.watch.enabled else contextlib.nullcontext()
+    with beacon, ProcessGroups(dist, cfg.distributed.backend,
+                               cfg.distributed.timeout_s) as groups:
+        yield groups
+
+
+@contextlib.contextmanager
+def open_run(cfg: FinetuneConfig, opts: RunOptions, remote: RemoteStore | None) -> Iterator[Run]:
+    """``cfg`` is resolved (no 'auto' device, precision or dtype left)."""
+    out, dist = Path(cfg.output_dir), opts.dist
+    flag = opts.flag or PreemptionFlag()
+    with contextlib.ExitStack() as stack:
+        groups = stack.enter_context(_process_group(cfg, opts))
+        strategy = make_strategy(cfg, groups)
+        run_id = _prepare_dir(cfg, out, strategy)
+        # Rank 0 owns events.jsonl; other ranks log beside it (the watchdog reads those).
+        log_path = out / "events.jsonl" if dist.rank == 0 else \
+            out / "ranks" / f"rank{dist.rank}" / "events.jsonl"
+        events = EventLog(log_path, run_id=run_id, rank=dist.rank)
+        stack.callback(events.close)
+        writer = strategy.make_writer(out / "checkpoints", cfg.checkpoint, events, remote,
+                                      opts.faults)
+        stack.callback(writer.close)
+        w = cfg.watch
+        rec: Recorder | NullRecorder = (
+            Recorder(out, dist.rank, world_size=dist.world_size, interval_s=w.interval_s,
+                     faults=opts.faults) if w.enabled else NullRecorder())
+        stack.enter_context(SignalSource(flag, cfg.preempt.signal))
+        stack.enter_context(cloud_watcher(cfg.preempt, flag, events.emit,
+                                          local_rank=dist.local_rank))
+        stack.enter_context(rec)
+        stack.enter_context(rec.trace_collectives())
+        yield Run(cfg, opts, out, strategy, flag, events, writer, rec, remote)

@@ -1,0 +1,95 @@
+"""One optimizer step over this rank's share of the global batch.
+
+The loss normaliser (label tokens of the *global* batch) is computed locally —
+every rank holds the tokenized data — so it needs no collective. Each
+micro-batch draws dropout from (seed, step, chunk), never from the world size.
+Losses accumulate on the device; the one host sync per step is the agreement
+(or, in one process, reading the loss for the log).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+from typing import Any
+
+import torch
+
+from shoestring.train import data as D
+from shoestring.train import state as S
+from shoestring.train.device import peak_memory, to_device
+from shoestring.train.model import check_lora_gradients
+from shoestring.train.parallel import grad_norm_value
+from shoestring.train.placement import misplaced
+from shoestring.train.trainer import Trainer
+
+
+def _micro_batch(t: Trainer, idx: list[int], start: int, size: int) -> dict[str, torch.Tensor]:
+    t_data = time.perf_counter()
+    t.run.faults.hit("step.data")
+    batch = D.collate([t.data.examples[i] for i in idx[start:start + size]], t.tok.pad_token_id)
+    batch = to_device(batch, t.device)
+    t.run.rec.work("data", time.perf_counter() - t_data, batch["input_ids"].numel())
+    return batch
+
+
+def _forward_backward(t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor,
+                      last: bool) -> torch.Tensor:
+    strategy, learner = t.run.strategy, t.learner
+    t_fwd = time.perf_counter()
+    with strategy.grad_sync(learner.wrapped, last):
+        with t.precision.autocast():
+            loss = learner.wrapped(**batch, num_items_in_batch=n_items).loss
+        slow = t.run.faults.hit("step.forward")
+        if slow:  # injected straggler: this forward takes NN % longer
+            time.sleep((time.perf_counter() - t_fwd) * int(slow[4:]) / 100)
+        t.run.rec.work("forward", time.perf_counter() - t_fwd, batch["input_ids"].numel())
+        # DDP/FSDP average gradients over ranks; each rank's share is a sum.
+        learner.backward(loss * strategy.world_size if strategy.world_size > 1 else loss)
+    return loss.detach()
+
+
+class MisplacedTensorError(RuntimeError):
+    """A tensor the step touches is not on the strategy's device (a bug, not bad input)."""
+
+
+def check_placement(t: Trainer, batch: dict[str, torch.Tensor]) -> None:
+    """After the first step: everything on the strategy's device, or stop with the list."""
+    wrong = misplaced(t.device, t.learner.model, t.learner.optimizer, batch)
+    if wrong:
+        raise MisplacedTensorError(f"{len(wrong)} tensor(s) are not on {t.device}, the "
+                                   f"device training runs on: {'; '.join(wrong[:8])}")
+
+
+def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
+    plan, cfg = t.data.batch, t.cfg.train
+    t0 = time.perf_counter()
+    idx = t.data.order.indices(progress.consumed, plan.batch_size)
+    n_items = torch.tensor(sum(D.label_count(t.data.examples[i]) for i in idx),
+                           device=t.device)
+    tokens = sum(len(t.data.examples[i].input_ids) for i in idx)
+    chunks = list(plan.my_chunks())
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for k, (chunk, start, size) in enumerate(chunks):
+        batch = _micro_batch(t, idx, start, size)
+        S.seed_micro_batch(cfg.seed, progress.step, chunk)
+        total += _forward_backward(t, batch, n_items, last=k == len(chunks) - 1)
+    first = not t.grads_checked
+    if first:  # a silent no-op training run fails here, loudly
+        check_lora_gradients(t.learner.params)
+        t.grads_checked = True
+    lr = t.learner.scheduler.get_last_lr()[0]
+    grad_norm = t.learner.apply_gradients(cfg.max_grad_norm, grad_norm_value)
+    if first:
+        check_placement(t, batch)
+    loss = t.run.strategy.agree(total, t.run.flag, t.run.faults)
+    progress.step += 1
+    progress.consumed += plan.batch_size
+    progress.tokens += tokens
+    dt = time.perf_counter() - t0
+    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+            "tokens_per_s": tokens / dt, "step_ms": dt * 1e3,
+            # Which samples made this step: equal across world sizes and resumes.
+            "batch_crc": zlib.crc32(struct.pack(f"<{len(idx)}q", *idx)),
+            **peak_memory(t.device)}

@@ -1,0 +1,124 @@
+"""Building a trainer: every component, in dependency order, before the first step.
+
+Order: threads and determinism → base model dir (rank 0 materializes the
+built-in one first) → memory plan check (before anything heavy) → tokenizer
+and tokenized data → base model on the strategy's load device → LoRA → wrap →
+learner (optimizer, schedule, gradient scaler). Nothing is added to a
+:class:`Trainer` after :func:`build_trainer` returns, except the counters of
+what was saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shoestring.config import FinetuneConfig, config_hash, to_flat
+from shoestring.train import data as D
+from shoestring.train.device import Precision, set_deterministic
+from shoestring.train.learner import Learner
+from shoestring.train.model import (apply_lora, fingerprint, load_base_model, load_tokenizer,
+                                    resolve_model_dir)
+from shoestring.train.parallel import BatchPlan
+from shoestring.train.run import Inputs, Run
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """Tokenized examples and the sample order; the records are kept for exact match."""
+
+    examples: list[D.Example]
+    eval_examples: list[D.Example]
+    eval_records: list[D.Record]
+    order: D.SampleOrder
+    batch: BatchPlan
+
+    @classmethod
+    def build(cls, cfg: FinetuneConfig, inputs: Inputs, tok: Any, stop: Any) -> "TrainData":
+        examples = D.tokenize(inputs.train_records, tok, cfg.data.max_length, stop)
+        if cfg.data.packing:
+            examples = D.pack(examples, cfg.data.max_length)
+        return cls(examples, D.tokenize(inputs.eval_records, tok, cfg.data.max_length, stop),
+                   inputs.eval_records, D.SampleOrder(len(examples), cfg.train.seed),
+                   inputs.batch)
+
+
+@dataclass
+class Trainer:
+    """One rank's fine-tuning job, built. ``cfg`` is resolved (concrete device,
+    precision and dtype)."""
+
+    cfg: FinetuneConfig
+    run: Run
+    model_dir: Path
+    base_fp: str
+    tok: Any
+    data: TrainData
+    learner: Learner
+    precision: Precision
+    config_flat: dict[str, Any]
+    config_hash: str
+    saved_step: int = -1
+    grads_checked: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.strategy.device
+
+    def meta(self) -> dict[str, Any]:
+        """What every checkpoint's manifest records about the run."""
+        return {"config_hash": self.config_hash, "base_fingerprint": self.base_fp,
+                "world_size": self.run.strategy.world_size, "strategy": self.run.strategy.name,
+                "torch": torch.__version__, "kind": "finetune"}
+
+
+def _model_dir(cfg: FinetuneConfig, run: Run) -> Path:
+    strategy = run.strategy
+    if strategy.rank != 0:
+        strategy.barrier()  # rank 0 materializes the built-in model first
+    model_dir = resolve_model_dir(cfg.model, run.opts.cache_dir)
+    if strategy.rank == 0:
+        strategy.barrier()
+    return model_dir
+
+
+def _plan_check(cfg: FinetuneConfig, run: Run, model_dir: Path) -> None:
+    """Refuse (plan.enforce) a config the planner says will not fit the GPU, before
+    anything heavy is loaded. Every rank reaches the same verdict."""
+    from shoestring.plan.check import preflight
+
+    plan = preflight(cfg, model_dir, run.strategy.world_size)
+    if plan is not None:
+        run.events.emit("plan", gpu=plan.gpu.name, fits=plan.fits, peak_bytes=plan.peak_bytes,
+                        gpu_memory_bytes=plan.gpu.memory_bytes, breakdown=plan.breakdown)
+
+
+def _learner(cfg: FinetuneConfig, run: Run, model_dir: Path, precision: Precision) -> Learner:
+    strategy = run.strategy
+    base = load_base_model(model_dir, cfg.model, cfg.lora.quantize, strategy.load_device())
+    model = apply_lora(base, cfg.lora, cfg.train.seed, cfg.model.gradient_checkpointing)
+    model.train()
+    wrapped = strategy.wrap(model, getattr(run.rec, "ddp_comm_hook", None))
+    return Learner.build(model, wrapped, cfg.train, precision.make_scaler())
+
+
+def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    device = run.strategy.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.train.deterministic:
+        set_deterministic(device)
+    model_dir = _model_dir(cfg, run)
+    _plan_check(cfg, run, model_dir)
+    base_fp = fingerprint(model_dir)
+    tok = load_tokenizer(model_dir)
+    data = TrainData.build(cfg, inputs, tok, run.flag.is_set)
+    precision = Precision(cfg.train.precision, device)  # type: ignore[arg-type]
+    learner = _learner(cfg, run, model_dir, precision)
+    return Trainer(cfg, run, model_dir, base_fp, tok, data, learner, precision, to_flat(cfg),
+                   config_hash(cfg))
