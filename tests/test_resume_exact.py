@@ -89,3 +89,23 @@ def test_resume_never_refuses_to_clobber(cli: CLI, tmp_path: Path) -> None:
     assert cli.run(out, *FAST, "--train.max_steps", "4").returncode == 0
     r = cli.run(out, *FAST, "--train.max_steps", "4", "--resume", "never")
     assert r.returncode == exitcodes.USAGE and "already has checkpoints" in r.stderr
+
+
+def test_bf16_autocast_deterministic_run_resumes_bit_exact(cli: CLI, tmp_path: Path,
+                                                           reference: dict[str, str]) -> None:
+    """The GPU default path (bf16 autocast, train.deterministic) on the CPU: SIGKILL at step 7,
+    resume from 4, and every byte of state equals an uninterrupted bf16 run's."""
+    args = [*FAST, "--train.precision", "bf16", "--train.deterministic", "true"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert cli.run(straight, *args).returncode == 0
+    r = cli.run(killed, *args, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
+    assert r.returncode == -signal.SIGKILL
+    r = cli.run(killed, *args)
+    assert r.returncode == 0, r.stderr
+    assert [e["from_step"] for e in read_events(killed) if e["event"] == "resume"] == [4]
+    assert state_digest(killed, 12) == state_digest(straight, 12)
+    # autocast was in effect: bf16 matmuls train a different adapter than fp32
+    assert state_digest(straight, 12)["adapter.safetensors"] != reference["adapter.safetensors"]
+    start = next(e for e in read_events(straight) if e["event"] == "run_start")
+    assert (start["precision"], start["deterministic"], start["train_device"]) == \
+        ("bf16", True, "cpu")
