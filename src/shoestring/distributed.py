@@ -12,7 +12,6 @@ ours.
 from __future__ import annotations
 
 import datetime
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -106,20 +105,6 @@ class ProcessGroups:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def device(self) -> torch.device:
-        if self.backend == "nccl":  # pragma: no cover - GPU only
-            return torch.device("cuda", self.env.local_rank)
-        return torch.device("cpu")
-
-
-def all_true(flag: bool) -> bool:
-    """Agree across ranks (call on every rank): True only if every rank says True."""
-    import torch.distributed as dist
-
-    t = torch.tensor([0 if flag else 1], dtype=torch.int64)
-    dist.all_reduce(t)
-    return int(t.item()) == 0
-
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     import torch.distributed as dist
@@ -134,7 +119,3 @@ def barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-
-
-def set_omp_default(env: dict[str, str]) -> None:  # pragma: no cover - convenience
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1))))
