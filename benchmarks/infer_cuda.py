@@ -122,15 +122,9 @@ def decode_rate(model_dir: Path, device: torch.device, batch: int, new_tokens: i
             if steps else 0.0, "tokens": [o.tokens for o in out]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--out", default="")
-    a = p.parse_args()
-    device = torch.device(a.device)
+def run(device: torch.device, small: bool, batch: int = 64,
+        new_tokens: int = 8) -> dict[str, Any]:
+    """All three checks in one temp dir; the dict ``main`` prints (also used by gpu_check.py)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(device)
                            if device.type == "cuda" else "cpu", "torch": torch.__version__}
@@ -140,16 +134,16 @@ def main() -> None:
         exact_dir = build_random_model(root / "exact", "llama", hidden=256, layers=4, ffn=512,
                                        heads=4, kv_heads=2, dtype=dtype, seed=1)
         res["exactness"] = exactness(exact_dir, device, dtype)
-        shape = dict(hidden=256, layers=4, ffn=512, heads=4, kv_heads=2) if a.small else \
+        shape = dict(hidden=256, layers=4, ffn=512, heads=4, kv_heads=2) if small else \
             dict(hidden=4096, layers=8, ffn=11008, heads=32, kv_heads=8)
         big = build_random_model(root / "big", "llama", dtype=dtype, shard="2GB",
                                  init_std=0.02, **shape)  # type: ignore[arg-type]
         res["model_bytes"] = sum(f.stat().st_size for f in big.glob("*.safetensors"))
         res["build_s"] = time.perf_counter() - t0
         res["h2d_bytes_per_s"] = h2d_rate(device)
-        res["fp"] = decode_rate(big, device, a.batch, a.new_tokens)
+        res["fp"] = decode_rate(big, device, batch, new_tokens)
         for scheme in ("int8", "nf4"):
-            res[scheme] = decode_rate(big, device, a.batch, a.new_tokens, scheme, root)
+            res[scheme] = decode_rate(big, device, batch, new_tokens, scheme, root)
             pairs = [(x, y) for s, t in zip(res["fp"]["tokens"], res[scheme]["tokens"])
                      for x, y in zip(s, t)]
             res[scheme]["token_agreement_vs_fp"] = sum(x == y for x, y in pairs) / len(pairs)
@@ -158,6 +152,18 @@ def main() -> None:
         if res["h2d_bytes_per_s"]:
             for k in ("fp", "int8", "nf4"):
                 res[k]["share_of_h2d"] = res[k]["stream_bytes_per_s"] / res["h2d_bytes_per_s"]
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    res = run(torch.device(a.device), a.small, a.batch, a.new_tokens)
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:

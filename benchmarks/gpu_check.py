@@ -1,0 +1,768 @@
+"""The one-call GPU device check: every claim that only a GPU can settle, in one short run.
+
+Checks (each isolated: a check that raises is recorded as ``fail`` with the error and the
+next one runs; every subprocess has a timeout; each check has a time budget and the whole
+run a global one, after which the remaining checks are ``not_run``):
+
+* ``lora_bf16``: LoRA in bf16 on ``builtin:tiny`` and (unless ``--small``) a ~1B random-init
+  Llama (GQA) built here: tokens/s (median of the ``step`` events after the first 2), the
+  peak ``cuda_peak_bytes`` of the step events vs ``shoestring plan --json`` on the same
+  config (the planner's peak less the CUDA context, as ``plan_vs_cuda.py`` compares).
+* ``qlora_nf4``: the same with ``--lora.quantize nf4 --train.optimizer paged_adamw8bit``.
+* ``sigkill_resume``: with ``train.deterministic``, N steps straight vs SIGKILL mid-run
+  (``SHOESTRING_FAULTS=step.end@K:kill``) and a rerun that resumes: the final adapters'
+  sha256 must be equal; records the ``resume`` event's ``steps_lost``.
+* ``checkpoint_blocking``: ``checkpoint`` events' ``blocking_ms`` vs the median ``step_ms``
+  of the same run, for every finetune run above.
+* ``distributed``: 2-process DDP and FSDP2 through ``shoestring run --nproc-per-node 2``
+  (needs 2 GPUs).
+* ``infer``: ``infer_cuda.py``'s checks (exactness vs transformers, streaming rate vs a
+  pinned host-to-device copy, int8/nf4), run by calling its ``run()`` in a child process.
+* ``nvml``: a finetune under ``shoestring run --metrics-interval 1``: a ``metrics`` event
+  must carry per-GPU fields (NVML).
+
+A status is ``pass`` (ran, and its functional assertions held: exit codes, equal hashes,
+identical greedy tokens), ``fail`` (with ``reason``), ``skipped`` (not applicable here,
+with ``reason``) or ``not_run`` (with ``reason``). Performance targets from
+benchmarks/README.md are reported as ``target`` / ``target_met`` next to the numbers,
+not as statuses. A number that was not measured is left out, never filled in.
+On CPU (``--device cpu``) bf16 runs become fp32 (the JSON says so) and there is no
+``max_memory_allocated``, so the memory comparisons are ``not_run``.
+
+Writes benchmarks/results/gpu-check-<date>.json (or ``--out FILE``) and prints it.
+Exit code 0 if no check failed, 1 otherwise.
+
+Usage (GPU box, one call, a few minutes):
+  .venv/bin/python benchmarks/gpu_check.py --out benchmarks/results/gpu-check-$(date +%F).json
+Smoke test (CPU, CI; well under 90 s on 2 cores):
+  .venv/bin/python benchmarks/gpu_check.py --device cpu --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PY = sys.executable
+#: Planner accuracy target (benchmarks/README.md, plan_vs_cuda row): within 5 %, never
+#: under the measurement by more than 3 %.
+PLAN_TARGET = (-3.0, 5.0)
+#: Checkpoint blocking target (benchmarks/README.md, ckpt_blocking row): < 5 % of a step.
+BLOCKING_TARGET = 0.05
+#: name -> per-check time budget in seconds (CUDA, CPU). The CPU ones are caps for a
+#: busy 2-core CI box; the smoke run itself takes well under a minute on a quiet one.
+BUDGETS: dict[str, tuple[float, float]] = {
+    "lora_bf16": (200, 90), "qlora_nf4": (150, 90), "sigkill_resume": (120, 120),
+    "checkpoint_blocking": (10, 10), "distributed": (180, 10), "infer": (200, 90),
+    "nvml": (90, 10)}
+
+
+class CheckError(Exception):
+    """A check could not measure what it is for (its message becomes the reason)."""
+
+
+@dataclass
+class Ctx:
+    """What every check needs: device, shapes, a scratch dir, the child environment."""
+
+    device: str
+    small: bool
+    work: Path
+    probe: dict[str, Any]
+    global_deadline: float
+    deadline: float = 0.0  # the running check's
+    runs: dict[str, Path] = field(default_factory=dict)  # finished finetune output dirs
+    big_model: Path | None = None
+    big_model_error: str = ""  # a failed build is not retried by the next check
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def remaining(self) -> float:
+        left = min(self.deadline, self.global_deadline) - time.monotonic()
+        if left <= 1:
+            raise CheckError("time budget spent")
+        return left
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
+        env.update(SHOESTRING_CACHE=str(self.work / "cache"), TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                            env.get("PYTHONPATH")])))
+        if not self.cuda:  # bitsandbytes' CPU ops would load inductor in every process
+            env.setdefault("TORCHDYNAMO_DISABLE", "1")
+        env.update(extra)
+        return env
+
+
+# --------------------------------------------------------------------------- processes
+
+
+#: Children still running: their process groups are killed if this script stops early.
+LIVE: set[subprocess.Popen[bytes]] = set()
+
+
+def start_proc(ctx: Ctx, cmd: list[str], log: Path,
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session (so a timeout can kill its children too)."""
+    with open(log, "ab") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                             env=env or ctx.env(), start_new_session=True)
+    LIVE.add(p)
+    return p
+
+
+def kill_group(p: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+    LIVE.discard(p)
+
+
+def wait_proc(ctx: Ctx, p: subprocess.Popen[bytes], log: Path, cap: float) -> int:
+    """Its exit code; past ``cap`` or the check's budget the whole group is killed."""
+    try:
+        timeout = min(cap, ctx.remaining())
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(p)
+        raise CheckError(f"timed out after {timeout:.0f} s: {str(p.args)[:300]}; "
+                         f"log tail: {tail(log)}") from None
+    except CheckError:  # no budget left to wait at all
+        kill_group(p)
+        raise
+    LIVE.discard(p)
+    return rc
+
+
+def run_proc(ctx: Ctx, cmd: list[str], log: Path, cap: float,
+             env: dict[str, str] | None = None) -> int:
+    return wait_proc(ctx, start_proc(ctx, cmd, log, env), log, cap)
+
+
+def tail(log: Path, n: int = 1500) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def run_python(ctx: Ctx, code: str, log: Path, cap: float) -> None:
+    """Run a snippet with benchmarks/ and src/ importable; raise if it fails."""
+    pre = f"import sys; sys.path[:0] = [{str(BENCH)!r}, {str(ROOT / 'src')!r}]\n"
+    rc = run_proc(ctx, [PY, "-c", pre + code], log, cap)
+    if rc != 0:
+        raise CheckError(f"python snippet exited {rc}: {tail(log)}")
+
+
+def probe(device: str) -> dict[str, Any]:
+    """torch / CUDA / NVML facts from a child process (this one never touches CUDA)."""
+    code = ("import json, torch\n"
+            "d = {'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+            "     'cuda_available': torch.cuda.is_available(),\n"
+            "     'device_count': torch.cuda.device_count() if torch.cuda.is_available() else 0}\n"
+            f"if {device == 'cuda'} and d['cuda_available']:\n"
+            "    d['device_name'] = torch.cuda.get_device_name(0)\n"
+            "try:\n    import pynvml; d['pynvml'] = True\n"
+            "except ImportError:\n    d['pynvml'] = False\n"
+            "print(json.dumps(d))\n")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SystemExit(f"gpu_check: cannot import torch: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def git_facts() -> dict[str, Any]:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"git_commit": None}
+    if head.returncode != 0:
+        return {"git_commit": None}
+    return {"git_commit": head.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
+
+
+# --------------------------------------------------------------------------- events
+
+
+def read_events(out: Path) -> list[dict[str, Any]]:
+    p = out / "events.jsonl"
+    recs: list[dict[str, Any]] = []
+    if p.exists():
+        for line in p.read_text(errors="replace").splitlines():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut by SIGKILL
+    return recs
+
+
+def of_kind(events: list[dict[str, Any]], kind: str, rank: int | None = 0) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == kind
+            and (rank is None or e.get("rank", 0) == rank)]
+
+
+def steady_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's ``step`` events less the first 2 of each attempt (warm-up, lazy init)."""
+    out: list[dict[str, Any]] = []
+    seen = 0
+    for e in events:
+        if e.get("event") == "run_start" and e.get("rank", 0) == 0:
+            seen = 0
+        elif e.get("event") == "step" and e.get("rank", 0) == 0:
+            seen += 1
+            if seen > 2:
+                out.append(e)
+    return out
+
+
+def step_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """tokens/s and step_ms medians over the steps after the first 2; CUDA peak if emitted."""
+    steps = of_kind(events, "step")
+    later = steady_steps(events)
+    if not later:
+        raise CheckError(f"only {len(steps)} step events: nothing to measure after the first 2")
+    res: dict[str, Any] = {
+        "steps": len(steps), "steps_measured": len(later),
+        "tokens_per_s": statistics.median(e["tokens_per_s"] for e in later),
+        "step_ms": statistics.median(e["step_ms"] for e in later)}
+    peaks = [e["cuda_peak_bytes"] for e in steps if e.get("cuda_peak_bytes") is not None]
+    if peaks:
+        res["cuda_peak_bytes"] = max(peaks)
+    return res
+
+
+def as_run(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the trainer says it ran with (first ``run_start``): device, precision, dtype."""
+    starts = of_kind(events, "run_start")
+    keys = ("device", "train_device", "precision", "dtype", "deterministic",
+            "attn_implementation", "world_size", "strategy")
+    return {k: starts[0][k] for k in keys if starts and k in starts[0]}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- finetune runs
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One finetune workload: model and batch geometry."""
+
+    model: str
+    steps: int
+    batch: int
+    seq: int
+    every: int
+    packing: bool = False
+
+
+def tiny_shape(ctx: Ctx) -> Shape:
+    if ctx.small:
+        return Shape("builtin:tiny", steps=8, batch=4, seq=32, every=3)
+    return Shape("builtin:tiny", steps=30, batch=16, seq=64, every=10)
+
+
+def big_shape(ctx: Ctx, model: Path) -> Shape:
+    if ctx.cuda:
+        return Shape(str(model), steps=20, batch=8, seq=1024, every=10, packing=True)
+    return Shape(str(model), steps=5, batch=2, seq=128, every=4, packing=True)
+
+
+def precision(ctx: Ctx) -> dict[str, str]:
+    if ctx.cuda:
+        return {"requested": "bf16", "used": "bf16", "model_dtype": "bfloat16"}
+    return {"requested": "bf16", "used": "fp32", "model_dtype": "float32",
+            "note": "no CUDA: bf16 runs become fp32 on CPU"}
+
+
+def finetune_config(ctx: Ctx, shape: Shape, quantize: str = "none", optimizer: str = "adamw",
+                    deterministic: bool = False) -> dict[str, Any]:
+    """The YAML both ``shoestring finetune`` and ``shoestring plan`` read."""
+    prec = precision(ctx)
+    train: dict[str, Any] = {
+        "max_steps": shape.steps, "batch_size": shape.batch, "warmup_steps": 2,
+        "optimizer": optimizer, "device": ctx.device,
+        "precision": "bf16" if prec["used"] == "bf16" else "fp32",
+        "deterministic": deterministic}
+    if not ctx.cuda:  # OpenMP collapses with 2 threads on 2 busy cores (benchmarks/README.md)
+        train["num_threads"] = 1
+    return {"model": {"path": shape.model, "dtype": prec["model_dtype"]},
+            "data": {"max_length": shape.seq, "eval": "", "packing": shape.packing},
+            "train": train, "eval": {"every_steps": 0},
+            "lora": {"quantize": quantize},
+            "checkpoint": {"every_steps": shape.every, "keep": 2},
+            "preempt": {"cloud": "none"}}
+
+
+def write_config(ctx: Ctx, name: str, cfg: dict[str, Any]) -> Path:
+    import yaml
+
+    path = ctx.work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def finetune_cmd(cfg_path: Path, out: Path) -> list[str]:
+    return [PY, "-m", "shoestring", "finetune", "--config", str(cfg_path),
+            "--output_dir", str(out)]
+
+
+def finetune(ctx: Ctx, name: str, cfg_path: Path, cap: float, out: Path | None = None,
+             env: dict[str, str] | None = None) -> tuple[int, Path]:
+    """``python -m shoestring finetune --config CFG --output_dir OUT``: (exit code, OUT)."""
+    out = out or ctx.work / name
+    return run_proc(ctx, finetune_cmd(cfg_path, out), ctx.work / f"{name}.log", cap, env), out
+
+
+Job = tuple[list[str], Path, dict[str, str]]
+
+
+def run_pair(ctx: Ctx, a: Job, b: Job, parallel: bool, cap: float = 120) -> tuple[int, int]:
+    """Two commands, side by side or one after the other: their exit codes."""
+    if not parallel:
+        return run_proc(ctx, *a[:2], cap, a[2]), run_proc(ctx, *b[:2], cap, b[2])
+    pa = start_proc(ctx, *a)
+    try:
+        pb = start_proc(ctx, *b)
+        rb = wait_proc(ctx, pb, b[1], cap)
+    finally:
+        ra = wait_proc(ctx, pa, a[1], cap)
+    return ra, rb
+
+
+def plan_peak(ctx: Ctx, name: str, cfg_path: Path) -> dict[str, Any]:
+    """``shoestring plan --config CFG --json``: its peak and breakdown (it exits 1 on no fit)."""
+    log = ctx.work / f"{name}-plan.json"
+    rc = run_proc(ctx, [PY, "-m", "shoestring", "plan", "--config", str(cfg_path), "--json",
+                        "--gpu", "H200"], log, 120)
+    if rc not in (0, 1):
+        raise CheckError(f"shoestring plan exited {rc}: {tail(log)}")
+    text = log.read_text()
+    plan = json.loads(text[text.index("{"):])
+    return {"peak_bytes": plan["peak_bytes"], "breakdown": plan["breakdown"],
+            "workload_device": plan["workload"].get("device")}
+
+
+def memory_vs_plan(ctx: Ctx, name: str, cfg_path: Path, figures: dict[str, Any]) -> dict[str, Any]:
+    """Measured ``cuda_peak_bytes`` vs the planner's peak without the CUDA context."""
+    if not ctx.cuda:
+        return {"status": "not_run", "reason": "no CUDA"}
+    if "cuda_peak_bytes" not in figures:
+        return {"status": "fail", "reason": "step events carry no cuda_peak_bytes "
+                "(the trainer must emit torch.cuda.max_memory_allocated on CUDA)"}
+    from plan_vs_cuda import peak_error
+
+    plan = plan_peak(ctx, name, cfg_path)
+    if plan["workload_device"] != "cuda":
+        return {"status": "fail", "reason": f"the planner planned for device "
+                f"{plan['workload_device']!r}, not cuda", "plan_peak_bytes": plan["peak_bytes"]}
+    res: dict[str, Any] = {"status": "pass", "measured_max_allocated": figures["cuda_peak_bytes"],
+                           "plan_peak_bytes": plan["peak_bytes"],
+                           "plan_breakdown": plan["breakdown"]}
+    res.update(peak_error(plan["peak_bytes"], figures["cuda_peak_bytes"]))
+    res["target"] = f"error in [{PLAN_TARGET[0]:+.0f} %, {PLAN_TARGET[1]:+.0f} %]"
+    res["target_met"] = PLAN_TARGET[0] <= res["peak_err_pct"] <= PLAN_TARGET[1]
+    return res
+
+
+def train_run(ctx: Ctx, name: str, shape: Shape, cap: float, **cfg_kw: Any) -> dict[str, Any]:
+    """One finetune run and its figures; ``status`` fail on a non-zero exit."""
+    cfg_path = write_config(ctx, name, finetune_config(ctx, shape, **cfg_kw))
+    rc, out = finetune(ctx, name, cfg_path, cap)
+    res: dict[str, Any] = {"model": shape.model if shape.model.startswith("builtin:")
+                           else "llama-1b-random", "exit_code": rc,
+                           "batch": shape.batch, "seq": shape.seq, "packing": shape.packing}
+    if rc != 0:
+        return {**res, "status": "fail", "reason": f"finetune exited {rc}: "
+                f"{tail(ctx.work / f'{name}.log')}"}
+    ctx.runs[name] = out
+    events = read_events(out)
+    res["as_run"] = as_run(events)
+    res.update(step_figures(events))
+    res["memory"] = memory_vs_plan(ctx, name, cfg_path, res)
+    want = precision(ctx)["used"]
+    if res["as_run"].get("precision", want) != want:
+        return {**res, "status": "fail", "reason": f"asked for {want}, the trainer ran "
+                f"{res['as_run']['precision']}"}
+    failed = res["memory"]["status"] == "fail"
+    return {**res, "status": "fail" if failed else "pass",
+            **({"reason": "memory: " + res["memory"]["reason"]} if failed else {})}
+
+
+# --------------------------------------------------------------------------- the ~1B model
+
+
+def build_llama(target: Path, device: str, dtype: str) -> None:
+    """A random-init ~0.86B Llama (GQA 16/4 heads, widths multiples of 64, vocab 32000) with
+    the built-in byte tokenizer, saved like a real checkpoint. Run in a child process."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shoestring.train.builtin import SPECIAL_TOKENS, _build_tokenizer
+
+    tok = _build_tokenizer()
+    pad, bos, eos = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                      head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, pad_token_id=pad, bos_token_id=bos,
+                      eos_token_id=eos)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(target, safe_serialization=True)
+    tok.save_pretrained(target)
+
+
+def ensure_big_model(ctx: Ctx) -> Path:
+    if ctx.big_model_error:
+        raise CheckError(f"~1B model build failed earlier: {ctx.big_model_error[:500]}")
+    if ctx.big_model is None:
+        target = ctx.work / "llama-1b"
+        dtype = precision(ctx)["model_dtype"]
+        try:
+            run_python(ctx, f"import gpu_check; from pathlib import Path\n"
+                       f"gpu_check.build_llama(Path({str(target)!r}), {ctx.device!r}, "
+                       f"{dtype!r})", ctx.work / "build-llama.log", 180)
+        except CheckError as e:
+            ctx.big_model_error = str(e)
+            raise
+        ctx.big_model = target
+    return ctx.big_model
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def train_check(ctx: Ctx, prefix: str, **cfg_kw: Any) -> dict[str, Any]:
+    """tiny (and ~1B unless --small) runs; pass iff every run passed."""
+    runs: dict[str, Any] = {}
+    shapes: list[tuple[str, Callable[[], Shape]]] = [("tiny", lambda: tiny_shape(ctx))]
+    if not ctx.small:
+        shapes.append(("1b", lambda: big_shape(ctx, ensure_big_model(ctx))))
+    for label, make in shapes:
+        try:
+            runs[label] = train_run(ctx, f"{prefix}-{label}", make(), ctx.remaining(), **cfg_kw)
+        except CheckError as e:
+            runs[label] = {"status": "fail", "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - one model failing leaves the other measured
+            runs[label] = {"status": "fail", "reason": f"{type(e).__name__}: {e}"}
+    bad = [k for k, r in runs.items() if r["status"] != "pass"]
+    res: dict[str, Any] = {"status": "fail" if bad else "pass", "precision": precision(ctx),
+                           "runs": runs}
+    if bad:
+        res["reason"] = "; ".join(f"{k}: {runs[k].get('reason', '')[:300]}" for k in bad)
+    return res
+
+
+def check_lora_bf16(ctx: Ctx) -> dict[str, Any]:
+    return train_check(ctx, "lora")
+
+
+def check_qlora_nf4(ctx: Ctx) -> dict[str, Any]:
+    return train_check(ctx, "qlora", quantize="nf4", optimizer="paged_adamw8bit")
+
+
+def resume_plan(ctx: Ctx) -> tuple[Shape, int]:
+    """The deterministic run and the step whose end is SIGKILLed."""
+    if ctx.small:
+        return Shape("builtin:tiny", steps=8, batch=4, seq=32, every=3), 6
+    return Shape("builtin:tiny", steps=20, batch=16, seq=64, every=5), 13
+
+
+def check_sigkill_resume(ctx: Ctx) -> dict[str, Any]:
+    shape, kill_at = resume_plan(ctx)
+    cfg = write_config(ctx, "resume", finetune_config(ctx, shape, deterministic=True))
+    det = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if ctx.cuda else {}
+    fault = f"step.end@{kill_at}:kill"
+    ref, out = ctx.work / "resume-ref", ctx.work / "resume-kill"
+    # On CPU the uninterrupted and the faulted run share the cores (1 thread each); on a
+    # GPU they run one after the other, so their checkpoint timings stay clean.
+    rc_ref, rc_kill = run_pair(
+        ctx, (finetune_cmd(cfg, ref), ctx.work / "resume-ref.log", ctx.env(**det)),
+        (finetune_cmd(cfg, out), ctx.work / "resume-kill.log",
+         ctx.env(SHOESTRING_FAULTS=fault, **det)), parallel=not ctx.cuda)
+    if rc_ref != 0:
+        raise CheckError(f"uninterrupted run exited {rc_ref}: {tail(ctx.work / 'resume-ref.log')}")
+    ctx.runs["resume-ref"] = ref
+    rc_resume, _ = finetune(ctx, "resume-kill", cfg, 120, out=out, env=ctx.env(**det))
+    ctx.runs["resume-kill"] = out
+    resumes = of_kind(read_events(out), "resume")
+    res: dict[str, Any] = {"steps": shape.steps, "checkpoint_every": shape.every,
+                           "fault": fault, "killed_exit_code": rc_kill,
+                           "resume_exit_code": rc_resume, "resumed": bool(resumes),
+                           "as_run": as_run(read_events(ref))}
+    if resumes:
+        res.update(from_step=resumes[-1].get("from_step"), steps_lost=resumes[-1].get("steps_lost"))
+    res.update(compare_adapters(ref, out))
+    try:  # the cost of train.deterministic: compare with lora_bf16's builtin run (same batch)
+        res["uninterrupted_figures"] = step_figures(read_events(ref))
+    except CheckError as e:
+        res["uninterrupted_figures"] = {"not_measured": str(e)}
+    return {**res, **verdict_resume(res, rc_kill, rc_resume)}
+
+
+def compare_adapters(ref: Path, out: Path) -> dict[str, Any]:
+    name = "final/adapter_model.safetensors"
+    if not (ref / name).is_file() or not (out / name).is_file():
+        return {"sha256_equal": False}
+    a, b = sha256(ref / name), sha256(out / name)
+    return {"sha256_uninterrupted": a, "sha256_resumed": b, "sha256_equal": a == b}
+
+
+def verdict_resume(res: dict[str, Any], rc_kill: int, rc_resume: int) -> dict[str, Any]:
+    problems = []
+    if rc_kill != -signal.SIGKILL:
+        problems.append(f"faulted run exited {rc_kill}, not by SIGKILL")
+    if rc_resume != 0:
+        problems.append(f"rerun exited {rc_resume}")
+    if not res["resumed"]:
+        problems.append("no resume event in events.jsonl")
+    if not res.get("sha256_equal"):
+        problems.append("final adapters differ (or are missing)")
+    return {"status": "fail", "reason": "; ".join(problems)} if problems else {"status": "pass"}
+
+
+def blocking_of(out: Path) -> dict[str, Any] | None:
+    """Periodic saves' ``blocking_ms`` vs the median steady ``step_ms`` (final save apart)."""
+    events = read_events(out)
+    ck = [e for e in of_kind(events, "checkpoint") if e.get("blocking_ms") is not None]
+    periodic = [float(e["blocking_ms"]) for e in ck
+                if e.get("reason") not in ("final", "emergency")]
+    steps = [e["step_ms"] for e in steady_steps(events) if e.get("step_ms") is not None]
+    if not periodic or not steps:
+        return None
+    step_ms = statistics.median(steps)
+    ratio = statistics.median(periodic) / step_ms
+    res: dict[str, Any] = {
+        "periodic_checkpoints": len(periodic), "blocking_ms_median": statistics.median(periodic),
+        "blocking_ms_max": max(periodic), "step_ms_median": step_ms, "ratio_median": ratio,
+        "ratio_max": max(periodic) / step_ms, "target_met": ratio < BLOCKING_TARGET}
+    final = [float(e["blocking_ms"]) for e in ck if e.get("reason") == "final"]
+    if final:
+        res["final_blocking_ms"] = final[-1]
+    return res
+
+
+def check_checkpoint_blocking(ctx: Ctx) -> dict[str, Any]:
+    if not ctx.runs:
+        return {"status": "not_run", "reason": "no finetune run finished before this check"}
+    runs = {name: b for name, out in ctx.runs.items() if (b := blocking_of(out)) is not None}
+    if not runs:
+        return {"status": "fail", "reason": f"no checkpoint event with blocking_ms in "
+                f"{', '.join(ctx.runs)}"}
+    return {"status": "pass", "target": f"median blocking_ms / median step_ms < {BLOCKING_TARGET}",
+            "runs": runs}
+
+
+def check_distributed(ctx: Ctx) -> dict[str, Any]:
+    if not ctx.cuda:
+        return {"status": "skipped", "reason": "no CUDA"}
+    if ctx.probe.get("device_count", 0) < 2:
+        return {"status": "skipped", "reason": "1 GPU"}
+    cfg = write_config(ctx, "dist", finetune_config(ctx, tiny_shape(ctx)))
+    res: dict[str, Any] = {}
+    for strategy in ("ddp", "fsdp"):
+        res[strategy] = distributed_run(ctx, strategy, cfg)
+    bad = [s for s in res if res[s]["exit_code"] != 0]
+    verdict = {"status": "fail", "reason": f"{', '.join(bad)} exited non-zero"} if bad \
+        else {"status": "pass"}
+    return {**verdict, "nproc": 2, **res}
+
+
+def distributed_run(ctx: Ctx, strategy: str, cfg: Path) -> dict[str, Any]:
+    out = ctx.work / f"dist-{strategy}"
+    log = ctx.work / f"dist-{strategy}.log"
+    rc = run_proc(ctx, [PY, "-m", "shoestring", "run", "--nproc-per-node", "2",
+                        "--max-restarts", "0", "--run-dir", str(out), "--",
+                        PY, "-m", "shoestring", "finetune", "--config", str(cfg),
+                        "--output_dir", str(out), "--distributed.strategy", strategy],
+                  log, 150)
+    res: dict[str, Any] = {"exit_code": rc}
+    if rc == 0:
+        ctx.runs[f"dist-{strategy}"] = out
+        events = read_events(out)
+        res["as_run"] = as_run(events)
+        res.update(step_figures(events))
+        res["tokens_per_s_note"] = "global batch tokens / step time, rank 0's step events"
+    else:
+        res["log_tail"] = tail(log, 800)
+    return res
+
+
+def check_infer(ctx: Ctx) -> dict[str, Any]:
+    out = ctx.work / "infer.json"
+    run_python(ctx, "import json, torch, infer_cuda\n"
+               f"r = infer_cuda.run(torch.device({ctx.device!r}), {ctx.small})\n"
+               f"open({str(out)!r}, 'w').write(json.dumps(r))", ctx.work / "infer.log", 200)
+    res: dict[str, Any] = json.loads(out.read_text())
+    if not res.get("h2d_bytes_per_s"):  # infer_cuda returns 0.0 off CUDA: not a measurement
+        res.pop("h2d_bytes_per_s", None)
+        res["note"] = "no CUDA: CPU smoke path, pinned host-to-device copy not measured"
+    ex = res["exactness"]
+    if ex["greedy_identical"] != ex["prompts"]:
+        return {**res, "status": "fail", "reason": f"streaming greedy tokens differ from "
+                f"transformers on {ex['prompts'] - ex['greedy_identical']} of {ex['prompts']} "
+                "prompts"}
+    return {**res, "status": "pass"}
+
+
+def check_nvml(ctx: Ctx) -> dict[str, Any]:
+    if not ctx.cuda:
+        return {"status": "skipped", "reason": "no CUDA/NVML"}
+    if not ctx.probe.get("pynvml"):
+        return {"status": "fail", "reason": "pynvml not importable (pip install nvidia-ml-py, "
+                "the 'watch' extra): shoestring run samples no GPU metrics"}
+    cfg = write_config(ctx, "nvml", finetune_config(ctx, tiny_shape(ctx)))
+    out, log = ctx.work / "nvml", ctx.work / "nvml.log"
+    rc = run_proc(ctx, [PY, "-m", "shoestring", "run", "--max-restarts", "0", "--run-dir",
+                        str(out), "--metrics-interval", "1", "--", PY, "-m", "shoestring",
+                        "finetune", "--config", str(cfg), "--output_dir", str(out)], log, 90)
+    metrics = of_kind(read_events(out), "metrics", rank=None)
+    gpus = [g for m in metrics for g in m.get("gpus") or []]
+    res: dict[str, Any] = {"exit_code": rc, "metrics_events": len(metrics),
+                           "gpu_records": len(gpus),
+                           "gpu_fields": sorted({k for g in gpus for k in g})}
+    for key in ("util_pct", "mem_used_bytes", "power_w", "sm_clock_mhz"):
+        vals = [g[key] for g in gpus if isinstance(g.get(key), (int, float))]
+        if vals:
+            res[f"max_{key}"] = max(vals)
+    if rc != 0 or not any("mem_used_bytes" in g or "util_pct" in g for g in gpus):
+        why = f"run exited {rc}" if rc != 0 else "no metrics event with GPU fields"
+        return {**res, "status": "fail", "reason": why}
+    return {**res, "status": "pass"}
+
+
+CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "lora_bf16": check_lora_bf16, "qlora_nf4": check_qlora_nf4,
+    "sigkill_resume": check_sigkill_resume, "checkpoint_blocking": check_checkpoint_blocking,
+    "distributed": check_distributed, "infer": check_infer, "nvml": check_nvml}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_check(ctx: Ctx, name: str, budget: float) -> dict[str, Any]:
+    """One check, isolated: an exception becomes ``fail`` with the error."""
+    if time.monotonic() >= ctx.global_deadline - 1:
+        return {"status": "not_run", "reason": "global time budget spent"}
+    t0 = time.monotonic()
+    ctx.deadline = t0 + budget
+    try:
+        res = CHECKS[name](ctx)
+    except CheckError as e:
+        res = {"status": "fail", "reason": str(e)}
+    except Exception as e:  # noqa: BLE001 - the next check still runs
+        res = {"status": "fail", "reason": f"{type(e).__name__}: {e}",
+               "traceback": traceback.format_exc()[-2000:]}
+    res["seconds"] = round(time.monotonic() - t0, 2)
+    res["budget_s"] = budget
+    return res
+
+
+def header(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
+    return {"date": datetime.date.today().isoformat(), **git_facts(),
+            "torch": info.get("torch"), "cuda": info.get("cuda"),
+            "device": info.get("device_name", "cpu") if args.device == "cuda" else "cpu",
+            "device_count": info.get("device_count", 0), "device_arg": args.device,
+            "small": args.small, "pynvml": info.get("pynvml"), "budget_s": args.budget_s,
+            "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+            "cpu_count": os.cpu_count()}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--small", action="store_true",
+                   help="tiny shapes only (no ~1B model): the CPU/CI smoke test")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/gpu-check-<date>.json)")
+    p.add_argument("--checks", default=",".join(CHECKS),
+                   help=f"comma list of checks to run (default all: {','.join(CHECKS)})")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="global time budget in seconds (default 420 on CUDA, 300 with --small "
+                        "on CPU); checks not started by then are not_run")
+    p.add_argument("--work", help="keep the scratch dir here (default: a temp dir, removed)")
+    args = p.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 420.0 if args.device == "cuda" else (300.0 if args.small else 900.0)
+    unknown = set(args.checks.split(",")) - set(CHECKS)
+    if unknown:
+        p.error(f"--checks: unknown {', '.join(sorted(unknown))}")
+    return args
+
+
+def run_all(args: argparse.Namespace, work: Path, t0: float) -> dict[str, Any]:
+    info = probe(args.device)
+    report = header(args, info)
+    ctx = Ctx(device=args.device, small=args.small, work=work, probe=info,
+              global_deadline=t0 + args.budget_s)
+    wanted = args.checks.split(",")
+    checks: dict[str, Any] = {}
+    for name in CHECKS:
+        if args.device == "cuda" and not info["cuda_available"]:
+            checks[name] = {"status": "fail", "reason": "--device cuda but torch sees no CUDA"}
+        elif name not in wanted:
+            checks[name] = {"status": "not_run", "reason": "not selected (--checks)"}
+        else:
+            scale = 1 if ctx.cuda or ctx.small else 5  # the ~1B model on CPU: slow, untuned
+            checks[name] = run_check(ctx, name, BUDGETS[name][0 if ctx.cuda else 1] * scale)
+        print(f"gpu_check: {name}: {checks[name]['status']} ({checks[name].get('seconds', 0)} s)",
+              file=sys.stderr, flush=True)
+    report["checks"] = checks
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the cleanup below runs
+    try:
+        report = run_all(args, work, t0)
+    finally:
+        for p in list(LIVE):
+            kill_group(p)
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    report["total_s"] = round(time.monotonic() - t0, 2)
+    out = Path(args.out) if args.out else \
+        BENCH / "results" / f"gpu-check-{report['date']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report, indent=1, default=str)
+    out.write_text(text + "\n")
+    print(text)
+    return 1 if any(c["status"] == "fail" for c in report["checks"].values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
