@@ -133,6 +133,10 @@ def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="inside a Slurm batch job stopped by its --signal warning (USR1/USR2): "
                         "'auto' runs scontrol requeue $SLURM_JOB_ID if the job allows requeues "
                         "and did not exit 2, so it comes back and resumes (default auto)")
+    p.add_argument("--nccl-dump-wait", type=float, default=5.0, metavar="S",
+                   help="on a hang, ask every NCCL rank of this host to dump its flight "
+                        "recorder and wait up to S seconds for the dumps before the kill "
+                        "(0: do not ask; default 5)")
     p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the job to run and its arguments")
     return p
@@ -162,6 +166,8 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
                     ("--throughput-drop", args.throughput_drop)):
         if v <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {v}")
+    if args.nccl_dump_wait < 0:
+        raise ConfigError(f"--nccl-dump-wait: must be >= 0, got {args.nccl_dump_wait}")
     if args.metrics_interval < 0:
         raise ConfigError(f"--metrics-interval: must be >= 0, got {args.metrics_interval}")
     if args.prometheus_port is not None and not 0 <= args.prometheus_port < 65536:
@@ -180,7 +186,8 @@ def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> 
                            metrics_interval_s=args.metrics_interval, job=job,
                            prometheus_port=args.prometheus_port,
                            prometheus_addr=args.prometheus_addr, webhook=args.alert_webhook,
-                           slurm_requeue=args.slurm_requeue)
+                           slurm_requeue=args.slurm_requeue,
+                           nccl_dump_wait_s=args.nccl_dump_wait)
     return Supervisor(argv, cfg, env).run()
 
 

@@ -27,6 +27,8 @@ from shoestring.supervise.slurm import requeue_after_signal
 from shoestring.watch.alerts import Alerts, AlertSink, CallbackSink, StderrSink, WebhookSink
 from shoestring.watch.degrade import DegradePolicy
 from shoestring.watch.exporter import JobState, PrometheusExporter
+from shoestring.watch.flight import (TracePaths, collect_traces, flight_recorder_env,
+                                     installed_torch_version)
 from shoestring.watch.hang import HangPolicy, Verdict
 from shoestring.watch.straggler import StragglerPolicy
 from shoestring.watch.watchdog import Watchdog
@@ -51,11 +53,17 @@ class SupervisorConfig:
     prometheus_addr: str = "127.0.0.1"
     webhook: str | None = None
     slurm_requeue: str = "auto"  # auto | never: see slurm.requeue_after_signal
+    # On a hang, at most this long for the ranks' NCCL flight-recorder dumps before the kill
+    # (0: do not ask; nothing is waited for either when no rank has a dump pipe, e.g. gloo).
+    nccl_dump_wait_s: float = 5.0
 
 
 class Supervisor:
     def __init__(self, argv: list[str], cfg: SupervisorConfig, env: Mapping[str, str]) -> None:
         self.argv, self.cfg, self.env = argv, cfg, dict(env)
+        # The ranks' environment: the flight recorder on, dumps and pipes under the run dir.
+        self.child_env = dict(env) if cfg.run_dir is None else \
+            flight_recorder_env(env, cfg.run_dir, installed_torch_version())
         self._child: subprocess.Popen[bytes] | None = None
         self._signalled: int | None = None
         self._hung: Verdict | None = None
@@ -110,7 +118,9 @@ class Supervisor:
         assert self.cfg.run_dir is not None
         vdir = self.cfg.run_dir / "verdicts"
         vdir.mkdir(parents=True, exist_ok=True)
-        path = vdir / f"hang-{int(time.time() * 1000)}.json"
+        stem = f"hang-{int(time.time() * 1000)}"
+        self._attach_nccl_traces(rec, f"{stem}.")
+        path = vdir / f"{stem}.json"
         path.write_text(json.dumps(rec, indent=1))
         ev = self._events()
         if ev is not None:
@@ -147,6 +157,24 @@ class Supervisor:
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def _attach_nccl_traces(self, rec: dict[str, Any], keep_prefix: str) -> None:
+        """The ranks' NCCL flight-recorder dumps into the verdict record (``nccl_traces``),
+        while the ranks still live; bounded by ``nccl_dump_wait_s``, never raises."""
+        t0 = time.monotonic()
+        try:
+            traces = collect_traces(TracePaths.from_env(self.child_env),
+                                    self.cfg.nccl_dump_wait_s, keep_prefix)
+        except Exception as e:  # noqa: BLE001 - the verdict and the kill come first
+            rec["nccl_trace_error"] = f"{type(e).__name__}: {e}"
+            return
+        if traces:
+            rec["nccl_traces"] = traces
+            log.info("NCCL flight recorder: %d of %d rank(s) dumped in %.1fs",
+                     sum(1 for t in traces.values() if t.get("path")), len(traces),
+                     time.monotonic() - t0)
+            for r, t in traces.items():
+                log.info("NCCL rank %s: %s", r, t.get("summary") or t.get("nccl_trace_error"))
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         """Pass the signal to the job once per process: its process group, plus ranks
@@ -230,7 +258,10 @@ class Supervisor:
             self._emit("attempt_start", attempt=attempt, argv=self.argv)
             self.state.new_attempt(attempt)
             self._hung = None
-            self._child = subprocess.Popen(self.argv, env=self.env, start_new_session=True,
+            if self.cfg.run_dir is not None:  # torch needs them for its FIFOs and dump files
+                for sub in ("ranks", "verdicts"):
+                    (self.cfg.run_dir / sub).mkdir(parents=True, exist_ok=True)
+            self._child = subprocess.Popen(self.argv, env=self.child_env, start_new_session=True,
                                            preexec_fn=_ignore_warning_signals)
             if self.cfg.watch and self.cfg.run_dir is not None:
                 with self._watchdog():
