@@ -41,7 +41,9 @@ def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
     if check is not None:
         meta["check"] = check
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: typing.cast(Any, type(d)(d)), metadata=meta)
+        def copy_of() -> Any:  # a fresh list/dict per instance
+            return type(default)(default)
+        return field(default_factory=copy_of, metadata=meta)
     return field(default=default, metadata=meta)
 
 

@@ -23,8 +23,8 @@ examples:
 """
 
 
-def plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
+def plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
         "plan", help="predict peak GPU memory, time and cost of a fine-tune before running it",
         description="Predict whether a fine-tune fits a GPU (memory breakdown by component), the "
                     "largest micro-batch and sequence that fit, what to change if it does not, "

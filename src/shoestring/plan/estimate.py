@@ -79,7 +79,8 @@ def peak_bytes(w: Workload) -> int:
 def _largest(w: Workload, gpu: GPU, field: str, lo: int, hi: int, step: int = 1) -> int | None:
     """Largest value of ``field`` (multiple of ``step``) in [lo, hi] whose peak fits."""
     def fits(v: int) -> bool:
-        return peak_bytes(replace(w, **{field: v})) <= gpu.memory_bytes
+        changes: dict[str, Any] = {field: v}
+        return peak_bytes(replace(w, **changes)) <= gpu.memory_bytes
     if not fits(lo):
         return None
     good, probe = lo, lo

@@ -120,11 +120,12 @@ def resolve_request(req: PlanRequest, gpu: GPU, cache_dir: Path | None = None
     if method == "lora" and quantize != "none":
         method = "qlora"
     changes: dict[str, Any] = {"method": method, "quantize": quantize}
-    for key, v in (("dtype", req.dtype), ("lora_r", req.r), ("lora_dropout", req.lora_dropout),
-                   ("seq_len", req.seq_len), ("micro_batch", req.micro_batch),
-                   ("grad_accum", req.grad_accum),
-                   ("gradient_checkpointing", req.gradient_checkpointing),
-                   ("optimizer", req.optimizer)):
+    asked: tuple[tuple[str, Any], ...] = (
+        ("dtype", req.dtype), ("lora_r", req.r), ("lora_dropout", req.lora_dropout),
+        ("seq_len", req.seq_len), ("micro_batch", req.micro_batch),
+        ("grad_accum", req.grad_accum), ("gradient_checkpointing", req.gradient_checkpointing),
+        ("optimizer", req.optimizer))
+    for key, v in asked:
         if v is not None:
             changes[key] = v
     if req.targets is not None:

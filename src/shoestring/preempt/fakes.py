@@ -76,7 +76,7 @@ class FakeMetadataServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> "FakeMetadataServer":
         self._started = time.time()

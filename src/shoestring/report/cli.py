@@ -11,8 +11,8 @@ from pathlib import Path
 from shoestring.config import ConfigError
 
 
-def report_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
+def report_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
         "report", help="write one self-contained HTML report of a run directory",
         description="Merge the event logs of every rank and attempt in RUN_DIR and write one "
                     "HTML file (inline SVG plots, no network needed to view it): summary, "
@@ -39,8 +39,8 @@ def run_report(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -
     return 0
 
 
-def top_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
+def top_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
         "top", help="live terminal view of a run: ranks, phases, step times, alarms",
         description="Follow RUN_DIR (events.jsonl and the ranks' live.json) and redraw every "
                     "INTERVAL seconds: per rank its status, phase, step, step time (last and "

@@ -170,7 +170,8 @@ def cost_ledger(ctx: Context) -> Section | None:
     if not ctx.tl.of("step"):
         return None
     led = compute(ctx.tl)
-    usd = (lambda v: "—" if v is None else f"${v:,.2f}")
+    def usd(v: float | None) -> str:
+        return "—" if v is None else f"${v:,.2f}"
     rows = [("device-hours", f"{led.device_hours:.4f} ({led.devices} × {led.device})"),
             (f"spent ({led.market.replace('_', '-')})", usd(led.usd)),
             ("same useful work on on-demand", usd(led.on_demand_usd)),

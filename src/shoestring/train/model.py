@@ -224,7 +224,8 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
     targets: Any = cfg.target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
-    lcfg = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    alpha: Any = cfg.alpha  # peft annotates lora_alpha as int; it computes with a float
+    lcfg = LoraConfig(r=cfg.r, lora_alpha=alpha, lora_dropout=cfg.dropout,
                       target_modules=targets, task_type="CAUSAL_LM", bias="none")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -78,5 +78,6 @@ def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     call on every rank; the others get an empty dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    state: dict[str, torch.Tensor] = get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))  # type: ignore[assignment]
+    return state

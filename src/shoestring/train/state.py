@@ -51,7 +51,7 @@ def _rng_capture() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"torch_cuda_{i}"] = s
     py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()  # type: ignore[misc]
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     tensors["numpy_keys"] = torch.from_numpy(np.asarray(np_keys, dtype=np.int64))
     doc = {"python": [py_version, list(py_state), py_gauss],
            "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)]}
@@ -198,14 +198,14 @@ def restore_sharded(path: Any, model: torch.nn.Module, optimizer: torch.optim.Op
     from pathlib import Path
 
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     path = Path(path)
     state = dcp_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path), process_group=group,
+    dcp_load(state, checkpoint_id=str(path), process_group=group,
              no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"], options=_dcp_options(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_dcp_options())
@@ -239,7 +239,8 @@ def restore_full(tensors: Mapping[str, Mapping[str, torch.Tensor]], docs: Mappin
               for g in doc["optimizer"]["param_groups"]]
     full = _dcp_options(full_state_dict=True, strict=False)
     set_model_state_dict(model, dict(tensors[ADAPTER]), options=full)
-    set_optimizer_state_dict(model, optimizer, {"state": ostate, "param_groups": groups},
+    osd: Any = {"state": ostate, "param_groups": groups}  # keyed by FQN, as DCP expects
+    set_optimizer_state_dict(model, optimizer, osd,
                              options=_dcp_options(full_state_dict=True))
     _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
     return Progress(**doc["progress"])
@@ -306,5 +307,5 @@ def state_digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
 
     full = _dcp_options(full_state_dict=True)  # (cpu_offload would leave ranks > 0 empty)
     msd = get_model_state_dict(model, options=full)
-    osd = get_optimizer_state_dict(model, optimizer, options=full)
+    osd: Any = get_optimizer_state_dict(model, optimizer, options=full)
     return {"adapter_sha": digest(msd), "optimizer_sha": digest(flat_optimizer_state(osd["state"]))}

@@ -47,7 +47,8 @@ def _forward_backward(t: Trainer, batch: dict[str, torch.Tensor], n_items: torch
         t.run.rec.work("forward", time.perf_counter() - t_fwd, batch["input_ids"].numel())
         # DDP/FSDP average gradients over ranks; each rank's share is a sum.
         learner.backward(loss * strategy.world_size if strategy.world_size > 1 else loss)
-    return loss.detach()
+    detached: torch.Tensor = loss.detach()
+    return detached
 
 
 class MisplacedTensorError(RuntimeError):
