@@ -28,6 +28,19 @@ FAST = ["--train.max_steps", "12", "--train.batch_size", "4", "--train.num_threa
         "--data.max_length", "32", "--data.eval", ""]
 
 
+#: Fixtures that start real processes or servers: a test using one is end-to-end.
+PROCESS_FIXTURES = frozenset({"cli", "reference", "ddp_ref", "s3_server", "slurm_cluster"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark end-to-end tests (``-m "not e2e"`` is the sub-minute loop): those that use a
+    process-starting fixture; modules that start processes themselves say so with
+    ``pytestmark = pytest.mark.e2e``."""
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
+
 def sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

@@ -48,6 +48,7 @@ def test_commit_writes_manifest_last_and_verifies(tmp_path: Path, mode: str) -> 
     assert ev[0]["step"] == 5 and ev[0]["bytes"] == m.total_bytes and ev[0]["background_ms"] > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("point", ["ckpt.partial_file", "ckpt.after_file", "ckpt.before_manifest",
                                    "ckpt.before_rename"])
 def test_kill_inside_write_leaves_only_previous_commit(tmp_path: Path, point: str) -> None:

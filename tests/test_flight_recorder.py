@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from shoestring.supervise.supervisor import Supervisor, SupervisorConfig
 from shoestring.watch.flight import (PIPE_NAME, TRACE_NAME, TracePaths, collect_traces,
                                      flight_recorder_env, load_dump, poke, records_by_default,
@@ -225,6 +227,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.e2e
 def test_a_dump_written_by_torch_itself_is_summarised(tmp_path: Path) -> None:
     """torch's own C++ pickler and entry format (gloo records into the same flight recorder
     on CPU): read without allowing any class reference."""

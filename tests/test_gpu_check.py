@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
+
+pytestmark = pytest.mark.e2e
 
 STATUSES = {"pass", "fail", "skipped", "not_run"}
 

@@ -6,6 +6,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -58,6 +59,7 @@ def _ddp_grads(ddp: DDPStrategy, rank: int) -> list[float]:
     return [local, float(model.weight.grad)]  # averaged over ranks
 
 
+@pytest.mark.e2e
 def test_strategies_agree_share_and_sync_across_two_gloo_ranks(tmp_path: Path) -> None:
     mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
