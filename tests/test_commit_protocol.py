@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoestring.checkpoint import (CheckpointSaveError, CheckpointWriter, CorruptCheckpoint,
+from shoestring.checkpoint import (CheckpointSaveError, CorruptCheckpoint, FileWriter, SaveRequest,
                                    FaultPlan, find_resume_point, make_snapshot, verify_dir)
 from shoestring.checkpoint.local import (apply_retention, clean_stale, commit_local,
                                          committed_steps, step_dirname)
@@ -26,8 +26,8 @@ def snap(step: int, n: int = 1000):
 
 
 def writer(root: Path, tmp: Path, mode: str = "off", faults: FaultPlan | None = None,
-           keep: int = 2) -> CheckpointWriter:
-    return CheckpointWriter(root, keep=keep, mode=mode,
+           keep: int = 2) -> FileWriter:
+    return FileWriter(root, keep=keep, mode=mode,
                             events=EventLog(tmp / "events.jsonl", run_id="t"),
                             faults=faults or FaultPlan())
 
@@ -36,7 +36,7 @@ def writer(root: Path, tmp: Path, mode: str = "off", faults: FaultPlan | None = 
 def test_commit_writes_manifest_last_and_verifies(tmp_path: Path, mode: str) -> None:
     w = writer(tmp_path / "ck", tmp_path, mode=mode)
     s5 = snap(5)
-    w.submit(s5, reason="test")
+    w.submit(SaveRequest.files(s5), reason="test")
     s5.tensors["w.safetensors"]["w"].add_(1.0)  # training goes on mutating the live tensor
     w.close()
     m = verify_dir(tmp_path / "ck" / step_dirname(5), deep=True)
@@ -57,12 +57,12 @@ def test_kill_inside_write_leaves_only_previous_commit(tmp_path: Path, point: st
 import sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_commit_protocol import snap, writer
-from shoestring.checkpoint import FaultPlan
+from shoestring.checkpoint import FaultPlan, SaveRequest
 from pathlib import Path
 w = writer(Path({str(tmp_path / 'ck')!r}), Path({str(tmp_path)!r}),
            faults=FaultPlan.parse("{point}@{3 if point in ('ckpt.after_file', 'ckpt.partial_file') else 2}"))
-w.submit(snap(1), reason="t")
-w.submit(snap(2), reason="t")
+w.submit(SaveRequest.files(snap(1)), reason="t")
+w.submit(SaveRequest.files(snap(2)), reason="t")
 print("survived")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -96,7 +96,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, how: str) -> None
     root = tmp_path / "ck"
     w = writer(root, tmp_path, keep=3)
     for s in (1, 2, 3):
-        w.submit(snap(s), reason="t")
+        w.submit(SaveRequest.files(snap(s)), reason="t")
     _corrupt(root / step_dirname(3), how)
     ev = EventLog(tmp_path / "ev.jsonl", run_id="t")
     p = find_resume_point("auto", root, None, verify=True, events=ev)
@@ -111,7 +111,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, how: str) -> None
 def test_explicit_resume_path_refuses_corrupt(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     w = writer(root, tmp_path)
-    w.submit(snap(1), reason="t")
+    w.submit(SaveRequest.files(snap(1)), reason="t")
     _corrupt(root / step_dirname(1), "flip")
     with pytest.raises(CorruptCheckpoint, match="sha256 mismatch"):
         find_resume_point(str(root / step_dirname(1)), root, None, verify=True,
@@ -136,8 +136,8 @@ def test_save_error_is_reported_and_previous_intact(tmp_path: Path, mode: str) -
     root = tmp_path / "ck"
     w = writer(root, tmp_path, mode=mode,
                faults=FaultPlan.parse("ckpt.after_file@3:enospc"))
-    w.submit(snap(1), reason="t")
-    w.submit(snap(2), reason="t")
+    w.submit(SaveRequest.files(snap(1)), reason="t")
+    w.submit(SaveRequest.files(snap(2)), reason="t")
     with pytest.raises(CheckpointSaveError, match=r"step 2 .*No space left on device.*step 1 is "
                                                   r"intact"):
         w.wait()
@@ -150,7 +150,7 @@ def test_save_error_is_reported_and_previous_intact(tmp_path: Path, mode: str) -
 def test_saves_never_overlap(tmp_path: Path) -> None:
     w = writer(tmp_path / "ck", tmp_path, mode="thread", keep=10)
     for s in range(1, 6):
-        w.submit(snap(s, n=200_000), reason="t")
+        w.submit(SaveRequest.files(snap(s, n=200_000)), reason="t")
         assert w._thread is not None  # the previous job was joined before this one started
     w.wait()
     assert committed_steps(tmp_path / "ck") == [5, 4, 3, 2, 1]
@@ -175,10 +175,10 @@ def test_real_disk_full_keeps_previous_checkpoint(tmp_path: Path) -> None:
     try:
         root = mnt / "ck"
         w = writer(root, tmp_path, mode="thread", keep=1)
-        w.submit(snap(1, n=250_000), reason="t")  # ~1 MB
+        w.submit(SaveRequest.files(snap(1, n=250_000)), reason="t")  # ~1 MB
         w.wait()
         before = (root / step_dirname(1) / "w.safetensors").read_bytes()
-        w.submit(snap(2, n=600_000), reason="t")  # ~2.4 MB: does not fit
+        w.submit(SaveRequest.files(snap(2, n=600_000)), reason="t")  # ~2.4 MB: does not fit
         with pytest.raises(CheckpointSaveError) as ei:
             w.wait()
         assert ei.value.__cause__ is not None

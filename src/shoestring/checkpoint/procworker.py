@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+from shoestring.checkpoint.commit import run_commit
+from shoestring.checkpoint.faults import FaultPlan
+from shoestring.checkpoint.remote import RemoteStore
 from shoestring.checkpoint.snapshot import Snapshot
 
 _ALIGN = 64
@@ -74,10 +77,6 @@ def worker_main(jobs: Any, results: Any, root: str, keep: int, remote_url: str,
     """Entry point of the writer process: one job at a time until ``None``."""
     _die_with_parent()
     torch.set_num_threads(1)
-    from shoestring.checkpoint.faults import FaultPlan
-    from shoestring.checkpoint.remote import RemoteStore
-    from shoestring.checkpoint.writer import run_commit
-
     # A fault "kill" in the worker must look like the machine dying: kill the parent too.
     faults = FaultPlan.parse(fault_spec, kill_pids=(os.getppid(),))
     remote = RemoteStore(remote_url) if remote_url else None

@@ -16,17 +16,16 @@ on one process without a process group.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from shoestring.checkpoint.commit import SaveRequest, ms_since, publish_and_prune
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
-from shoestring.checkpoint.local import (apply_retention, committed_steps, seal, step_dirname,
-                                         write_file_durably)
+from shoestring.checkpoint.local import seal, step_dirname, write_file_durably
 from shoestring.checkpoint.remote import RemoteStore
-from shoestring.checkpoint.writer import CheckpointSaveError, PublishError
+from shoestring.checkpoint.writer import Committed, Finish, Writer
 from shoestring.events import EventLog
 
 log = logging.getLogger("shoestring.checkpoint")
@@ -43,114 +42,60 @@ def is_sharded(files: Mapping[str, Any]) -> bool:
     return DCP_METADATA in files
 
 
-class ShardedWriter:
-    """One per rank. At most one save in flight; rank 0 seals, publishes and prunes."""
+class ShardedWriter(Writer):
+    """One per rank. At most one save in flight; rank 0 seals, publishes and prunes.
+
+    ``mode``: ``thread`` (``dcp.async_save``, sealed in the background) or ``off``.
+    """
+
+    thread_name = "dcp-writer"
 
     def __init__(self, root: Path, *, rank: int, group: Any, keep: int, mode: str,
                  events: EventLog, remote: RemoteStore | None = None,
                  faults: FaultPlan = NO_FAULTS) -> None:
-        self.root, self.rank, self.group, self.keep = root, rank, group, keep
-        self.mode, self.events, self.remote, self.faults = mode, events, remote, faults
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._failed_step: int | None = None
+        super().__init__(root, keep=keep, mode=mode, events=events, remote=remote, faults=faults)
+        self.rank, self.group = rank, group
+        self.reports = rank == 0
+        self.where = f" on rank {rank}"
 
-    def submit(self, step: int, state: dict[str, Any], own_files: Mapping[str, bytes],
-               meta: dict[str, Any], *, reason: str, sync: bool, capture_ms: float = 0.0) -> float:
-        """Save ``state`` (DCP state dict) plus this rank's ``own_files``; returns blocked ms."""
-        import torch.distributed.checkpoint as dcp
+    def _start(self, req: SaveRequest, background: bool) -> Finish:
+        """This rank's own files, then its DCP shard: started (async) or deferred (sync)."""
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import async_save, save as dcp_save
 
-        t0 = time.perf_counter()
-        self.wait()
-        tmp = sharded_tmp(self.root, step)
+        if req.state is None:
+            raise TypeError("ShardedWriter: the SaveRequest has no DCP state (a files save "
+                            "goes to FileWriter)")
+        state = req.state
+        tmp = sharded_tmp(self.root, req.step)
         tmp.mkdir(parents=True, exist_ok=True)
-        for name, data in own_files.items():
+        for name, data in req.rank_files.items():
             write_file_durably(tmp / name, data)
-        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
-        if sync or self.mode == "off":
-            try:
-                dcp.save(state, storage_writer=writer, process_group=self.group)
-            except BaseException as e:
-                self._error, self._failed_step = e, step
-                self.check()
-            blocked = (time.perf_counter() - t0) * 1e3 + capture_ms
-            self._finish(step, tmp, meta, reason, blocked, background=False)
-            self.check()
-            return blocked
-        fut = dcp.async_save(state, storage_writer=writer, process_group=self.group)
-        blocked = (time.perf_counter() - t0) * 1e3 + capture_ms
-        self._thread = threading.Thread(target=self._background, name=f"dcp-writer-{step}",
-                                        args=(fut, step, tmp, meta, reason, blocked), daemon=True)
-        self._thread.start()
-        return blocked
+        writer = FileSystemWriter(str(tmp), sync_files=True)
+        if background:
+            fut: Future[Any] = async_save(state, storage_writer=writer,  # type: ignore[assignment]
+                                          process_group=self.group)
+            return lambda: self._finish(req, tmp, fut.result, background=True)
 
-    def _background(self, fut: "Future[Any]", step: int, tmp: Path, meta: dict[str, Any],
-                    reason: str, blocked: float) -> None:
-        try:
-            fut.result()
-        except BaseException as e:  # noqa: BLE001 - reported to the training thread
-            self._fail(step, reason, e)
-            return
-        self._finish(step, tmp, meta, reason, blocked, background=True)
+        def save() -> Any:
+            return dcp_save(state, storage_writer=writer, process_group=self.group)
+        return lambda: self._finish(req, tmp, save, background=False)
 
-    def _fail(self, step: int, reason: str, e: BaseException) -> None:
-        self._error, self._failed_step = e, step
-        if self.rank == 0:
-            self.events.emit("checkpoint_failed", step=step, reason=reason,
-                             error=f"{type(e).__name__}: {e}")
-
-    def _finish(self, step: int, tmp: Path, meta: dict[str, Any], reason: str, blocked: float,
-                *, background: bool) -> None:
-        """Rank 0 only: seal → publish → retention → event. Other ranks are done."""
-        if self.rank != 0 or self._error is not None:
-            return
+    def _finish(self, req: SaveRequest, tmp: Path, save: Callable[[], Any], *,
+                background: bool) -> Committed:
+        """Wait for this rank's shard; rank 0 then seals → publishes → prunes."""
         t0 = time.perf_counter()
-        try:
-            path, manifest = seal(tmp, self.root, step, meta, self.faults)
-            upload_ms = 0.0
-            if self.remote is not None:
-                t1 = time.perf_counter()
-                try:
-                    self.remote.publish(path, manifest, self.faults)
-                except Exception as e:
-                    raise PublishError(f"publishing step {step} to {self.remote.url} failed "
-                                       f"({type(e).__name__}: {e}); the local copy {path} is "
-                                       "committed") from e
-                upload_ms = (time.perf_counter() - t1) * 1e3
-            deleted = apply_retention(self.root, self.keep, self.faults)
-            if self.remote is not None:
-                deleted = sorted(set(deleted) | set(self.remote.apply_retention(self.keep)))
-        except BaseException as e:  # noqa: BLE001
-            self._fail(step, reason, e)
-            return
-        seal_ms = (time.perf_counter() - t0) * 1e3
-        self.events.emit("checkpoint", step=step, path=str(path), bytes=manifest.total_bytes,
-                         reason=reason, mode=self.mode if background else "off",
-                         format="dcp", shards=sum(1 for f in manifest.files
-                                                  if f.endswith(".distcp")),
-                         blocking_ms=round(blocked + (0.0 if background else seal_ms), 3),
-                         seal_ms=round(seal_ms, 3), upload_ms=round(upload_ms, 3),
-                         storage=self.remote.url if self.remote else "", deleted=deleted)
-
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self.check()
-
-    def check(self) -> None:
-        if self._error is None or self.busy():
-            return
-        err, step = self._error, self._failed_step
-        self._error = None
-        intact = committed_steps(self.root)
-        keep = f"step {intact[0]} is intact" if intact else "no earlier checkpoint exists"
-        raise CheckpointSaveError(f"saving checkpoint step {step} under {self.root} failed "
-                                  f"on rank {self.rank}: {type(err).__name__}: {err}; "
-                                  f"{keep}") from err
-
-    def close(self) -> None:
-        self.wait()
+        save()  # rank 0: returns once every rank's shard is durable (.metadata written)
+        if self.rank != 0:
+            return Committed(None, ms_since(t0))
+        t1 = time.perf_counter()
+        path, manifest = seal(tmp, self.root, req.step, dict(req.meta), self.faults)
+        upload_ms, deleted = publish_and_prune(path, manifest, root=self.root, keep=self.keep,
+                                               remote=self.remote, faults=self.faults)
+        seal_ms = ms_since(t1)
+        fields = dict(step=req.step, path=str(path), bytes=manifest.total_bytes, reason=None,
+                      mode=self.mode if background else "off", format="dcp",
+                      shards=sum(1 for f in manifest.files if f.endswith(".distcp")),
+                      blocking_ms=None, seal_ms=seal_ms, upload_ms=upload_ms,
+                      storage=self.remote.url if self.remote else "", deleted=deleted)
+        return Committed(fields, ms_since(t0))

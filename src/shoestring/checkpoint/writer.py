@@ -1,13 +1,20 @@
-"""The checkpoint writer: serialize, commit locally, publish, prune — off the training thread.
+"""Checkpoint writers: one contract (:class:`Writer`), two back-ends.
 
-``submit`` takes a :class:`Snapshot` (already copied to host memory by the
-caller, which is the only blocking part) and runs the rest in a background
-thread. A new save first waits for the previous one, so saves never overlap.
-Emergency saves pass ``sync=True`` and return only once committed.
+``submit`` takes a :class:`SaveRequest`. The only blocking part of a save is
+copying the state out of the live tensors (and waiting for the previous save:
+saves never overlap); the rest — serialize, commit locally, publish, prune —
+runs in a background thread. Emergency saves pass ``sync=True`` and return
+only once committed.
 
 A background failure (disk full, permission, network) is stored and raised in
-the training thread at the next :meth:`check` as :class:`CheckpointSaveError`,
-whose message names the path and says which checkpoint is still intact.
+the training thread at the next :meth:`Writer.check` as
+:class:`CheckpointSaveError`, whose message names the path and says which
+checkpoint is still intact.
+
+Back-ends: :class:`FileWriter` (one process: safetensors + JSON files through
+the commit protocol; ``thread`` | ``process`` | ``off``) here, and
+:class:`~shoestring.checkpoint.sharded.ShardedWriter` (DCP shards from every
+rank, sealed by rank 0). Both finish through :mod:`shoestring.checkpoint.commit`.
 """
 
 from __future__ import annotations
@@ -15,67 +22,45 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
-from shoestring.checkpoint.local import apply_retention, commit_local, committed_steps
-from shoestring.checkpoint.remote import RemoteStore
 import torch
 
-from shoestring.checkpoint.snapshot import Snapshot, serialize
+from shoestring.checkpoint.commit import (CommitResult, PublishError, SaveRequest, ms_since,
+                                          run_commit)
+from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
+from shoestring.checkpoint.local import committed_steps
+from shoestring.checkpoint.procworker import ProcessBackend
+from shoestring.checkpoint.remote import RemoteStore
+from shoestring.checkpoint.snapshot import Snapshot
 from shoestring.events import EventLog
+
+__all__ = ["CheckpointSaveError", "Committed", "FileWriter", "HostBuffers",
+           "PublishError", "SaveRequest", "Writer", "run_commit"]
 
 
 class CheckpointSaveError(RuntimeError):
     """Saving a checkpoint failed; earlier committed checkpoints are untouched."""
 
 
-class PublishError(RuntimeError):
-    """The local commit succeeded but publishing to ``checkpoint.storage`` failed."""
-
-
 @dataclass
-class CommitResult:
-    step: int
-    path: str
-    bytes: int
-    serialize_ms: float
-    write_ms: float
-    upload_ms: float
-    background_ms: float
-    deleted: list[int]
+class Committed:
+    """What the background part of a save returns.
+
+    ``fields``: the ``checkpoint`` event's fields in their order, with ``reason``
+    and ``blocking_ms`` present as ``None`` for :class:`Writer` to fill; ``None``
+    when this writer logs no event (ranks other than 0). ``tail_ms``: the time of
+    the background part, which a synchronous save also blocks on.
+    """
+
+    fields: dict[str, Any] | None
+    tail_ms: float
 
 
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1e3, 3)
-
-
-def run_commit(snap: Snapshot, root: Path, keep: int, remote: RemoteStore | None,
-               faults: FaultPlan = NO_FAULTS) -> CommitResult:
-    """Serialize → local commit → remote publish → retention. Runs in the background."""
-    t0 = time.perf_counter()
-    files = serialize(snap)
-    serialize_ms = _ms(t0)
-    t1 = time.perf_counter()
-    path, manifest = commit_local(root, snap.step, files, snap.meta, faults)
-    write_ms = _ms(t1)
-    upload_ms = 0.0
-    if remote is not None:
-        t2 = time.perf_counter()
-        try:
-            remote.publish(path, manifest, faults)
-        except Exception as e:
-            raise PublishError(f"publishing step {snap.step} to {remote.url} failed "
-                               f"({type(e).__name__}: {e}); the local copy {path} is "
-                               "committed") from e
-        upload_ms = _ms(t2)
-    deleted = apply_retention(root, keep, faults)
-    if remote is not None:
-        deleted = sorted(set(deleted) | set(remote.apply_retention(keep)))
-    return CommitResult(snap.step, str(path), manifest.total_bytes, serialize_ms, write_ms,
-                        upload_ms, _ms(t0), deleted)
+Finish = Callable[[], Committed]
 
 
 class _Blocking:
@@ -93,6 +78,98 @@ class _Blocking:
     def wait(self) -> float:
         self._ready.wait()
         return self.ms
+
+
+class Writer(ABC):
+    """At most one save in flight; failures surface at :meth:`check` (BaseCheckpointManager
+    pattern: the template is here, a back-end only says how a save starts)."""
+
+    thread_name = "ckpt-writer"
+    reports = True  # whether this writer logs events (a sharded writer: rank 0 only)
+    where = ""  # said after "failed" in CheckpointSaveError (a sharded writer: " on rank N")
+
+    def __init__(self, root: Path, *, keep: int, mode: str, events: EventLog,
+                 remote: RemoteStore | None = None, faults: FaultPlan = NO_FAULTS) -> None:
+        self.root, self.keep, self.mode = root, keep, mode
+        self.events, self.remote, self.faults = events, remote, faults
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._failed_step: int | None = None
+
+    @abstractmethod
+    def _start(self, req: SaveRequest, background: bool) -> Finish:
+        """The blocking part of a save (copy out of the live state); returns the rest,
+        which runs in the background thread, or right away for a synchronous save."""
+
+    def _release(self) -> None:
+        """Free what the back-end holds (called by :meth:`close`)."""
+
+    def submit(self, req: SaveRequest, *, reason: str, sync: bool = False) -> float:
+        """Save ``req`` (which may reference live tensors); return the ms training was blocked.
+
+        Blocking = waiting for the previous save + copying out of the live state +
+        starting the background job (+ ``req.capture_ms``, the caller's time building
+        the request); for a synchronous save, also the whole commit.
+        """
+        t0 = time.perf_counter()
+        self.wait()  # also makes reused staging buffers free again
+        background = not (sync or self.mode == "off")
+        finish = self._start(req, background)
+        blocking = _Blocking(background)
+        if not background:
+            blocking.set(ms_since(t0) + req.capture_ms)
+            ms = self._job(req.step, finish, blocking, reason)
+            self.check()
+            return ms
+        self._thread = threading.Thread(target=self._job, args=(req.step, finish, blocking, reason),
+                                        name=f"{self.thread_name}-{req.step}", daemon=True)
+        self._thread.start()
+        blocking.set(ms_since(t0) + req.capture_ms)
+        return blocking.ms
+
+    def _job(self, step: int, finish: Finish, blocking: _Blocking, reason: str) -> float:
+        try:
+            done = finish()
+        except BaseException as e:  # noqa: BLE001 - reported to the training thread
+            self._fail(step, reason, e)
+            return blocking.ms
+        ms = blocking.wait() + (0.0 if blocking.background else done.tail_ms)
+        if done.fields is not None:
+            fields = dict(done.fields, reason=reason, blocking_ms=round(ms, 3))
+            self.events.emit("checkpoint", **fields)
+        return ms
+
+    def _fail(self, step: int, reason: str, e: BaseException) -> None:
+        self._error, self._failed_step = e, step
+        if self.reports:
+            self.events.emit("checkpoint_failed", step=step, reason=reason,
+                             error=f"{type(e).__name__}: {e}")
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    def check(self) -> None:
+        if self._error is None or self.busy():
+            return
+        err, step = self._error, self._failed_step
+        self._error = None
+        intact = committed_steps(self.root)
+        keep = f"step {intact[0]} is intact" if intact else "no earlier checkpoint exists"
+        raise CheckpointSaveError(f"saving checkpoint step {step} under {self.root} "
+                                  f"failed{self.where}: {type(err).__name__}: {err}; "
+                                  f"{keep}") from err
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._release()
 
 
 class HostBuffers:
@@ -139,8 +216,8 @@ class HostBuffers:
         return out
 
 
-class CheckpointWriter:
-    """Serializes, commits, publishes and prunes checkpoints; at most one save in flight.
+class FileWriter(Writer):
+    """One process: safetensors + JSON files through the commit protocol.
 
     ``mode``: ``thread`` (background thread), ``process`` (background process fed
     through shared memory, see :mod:`shoestring.checkpoint.procworker`) or ``off``.
@@ -150,41 +227,18 @@ class CheckpointWriter:
                  remote: RemoteStore | None = None, faults: FaultPlan = NO_FAULTS) -> None:
         if mode not in ("thread", "process", "off"):
             raise ValueError(f"checkpoint.async_mode: unknown mode {mode!r}")
-        self.root = root
-        self.keep = keep
-        self.mode = mode
-        self.events = events
-        self.remote = remote
-        self.faults = faults
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._failed_step: int | None = None
-        self._proc: Any = None
+        super().__init__(root, keep=keep, mode=mode, events=events, remote=remote, faults=faults)
         self._host = HostBuffers()
+        self._proc: ProcessBackend | None = None
         if mode == "process":
-            from shoestring.checkpoint.procworker import ProcessBackend
-
             self._proc = ProcessBackend(root, keep, remote.url if remote else "", faults.spec)
 
-    def _commit(self, staged: Snapshot) -> CommitResult:
-        if self._proc is not None:
-            return CommitResult(**self._proc.run(staged))
-        return run_commit(staged, self.root, self.keep, self.remote, self.faults)
-
-    def _job(self, staged: Snapshot, blocking: "_Blocking", reason: str) -> None:
-        try:
-            res = self._commit(staged)
-        except BaseException as e:  # noqa: BLE001 - reported to the training thread
-            self._error, self._failed_step = e, staged.step
-            self.events.emit("checkpoint_failed", step=staged.step, reason=reason,
-                             error=f"{type(e).__name__}: {e}")
-            return
-        fields: dict[str, Any] = asdict(res)
-        # Synchronous saves block training for the whole commit.
-        ms = blocking.wait() + (0.0 if blocking.background else res.background_ms)
-        fields.update(reason=reason, blocking_ms=round(ms, 3), mode=self.mode,
-                      storage=self.remote.url if self.remote else "")
-        self.events.emit("checkpoint", **fields)
+    def _start(self, req: SaveRequest, background: bool) -> Finish:
+        if req.snapshot is None:
+            raise TypeError("FileWriter: the SaveRequest has no snapshot (a sharded save "
+                            "goes to ShardedWriter)")
+        staged = self._stage(req.snapshot)
+        return lambda: self._commit(staged)
 
     def _stage(self, snap: Snapshot) -> Snapshot:
         """The blocking copy: reused host buffers (thread/off) or the shared buffer (process)."""
@@ -193,53 +247,19 @@ class CheckpointWriter:
         return Snapshot(step=snap.step, tensors=self._host.stage(snap.tensors),
                         documents=snap.documents, meta=snap.meta)
 
-    def submit(self, snap: Snapshot, *, capture_ms: float = 0.0, reason: str,
-               sync: bool = False) -> float:
-        """Save ``snap`` (which may reference live tensors); return the ms training was blocked.
+    def _commit(self, staged: Snapshot) -> Committed:
+        if self._proc is not None:
+            res = CommitResult(**self._proc.run(staged))
+        else:
+            res = run_commit(staged, self.root, self.keep, self.remote, self.faults)
+        fields: dict[str, Any] = asdict(res)
+        fields.update(reason=None, blocking_ms=None, mode=self.mode,
+                      storage=self.remote.url if self.remote else "")
+        return Committed(fields, res.background_ms)
 
-        Blocking = waiting for the previous save + copying tensors out of the live
-        state + starting the background job (+ ``capture_ms`` the caller spent
-        building ``snap``); for a synchronous save, also the whole commit.
-        """
-        t0 = time.perf_counter()
-        self.wait()  # also makes the reused staging buffers free again
-        staged = self._stage(snap)
-        background = not (sync or self.mode == "off")
-        blocking = _Blocking(background)
-        if not background:
-            blocking.set(_ms(t0) + capture_ms)
-            self._job(staged, blocking, reason)
-            self.check()
-            return blocking.ms
-        self._thread = threading.Thread(target=self._job, args=(staged, blocking, reason),
-                                        name=f"ckpt-writer-{snap.step}", daemon=True)
-        self._thread.start()
-        blocking.set(_ms(t0) + capture_ms)
-        return blocking.ms
+    def _release(self) -> None:
+        if self._proc is not None:
+            self._proc.close()
+            self._proc = None
 
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self.check()
-
-    def check(self) -> None:
-        if self._error is None or self.busy():
-            return
-        err, step = self._error, self._failed_step
-        self._error = None
-        intact = committed_steps(self.root)
-        keep = f"step {intact[0]} is intact" if intact else "no earlier checkpoint exists"
-        raise CheckpointSaveError(f"saving checkpoint step {step} under {self.root} failed: "
-                                  f"{type(err).__name__}: {err}; {keep}") from err
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            if self._proc is not None:
-                self._proc.close()
-                self._proc = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from shoestring.checkpoint import NO_FAULTS, FaultPlan, RemoteStore
+from shoestring.checkpoint import NO_FAULTS, FaultPlan, RemoteStore, Writer
 from shoestring.checkpoint.local import clean_stale
 from shoestring.config import ConfigError, FinetuneConfig, to_yaml
 from shoestring.distributed import DistEnv, ProcessGroups
@@ -28,7 +28,7 @@ from shoestring.train.builtin import BUILTIN_TASK, builtin_records
 from shoestring.train.device import Accelerator
 from shoestring.train.model import require_bitsandbytes
 from shoestring.train.parallel import BatchPlan
-from shoestring.train.strategy import Strategy, Writer, make_strategy
+from shoestring.train.strategy import Strategy, make_strategy
 from shoestring.watch.recorder import NullRecorder, Recorder, StartupBeacon
 
 

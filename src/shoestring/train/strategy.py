@@ -17,8 +17,8 @@ from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping, Pr
 
 import torch
 
-from shoestring.checkpoint import (NO_FAULTS, CheckpointWriter, FaultPlan, RemoteStore,
-                                   load_files)
+from shoestring.checkpoint import (NO_FAULTS, FaultPlan, FileWriter, RemoteStore, SaveRequest,
+                                   Writer, load_files)
 from shoestring.checkpoint.manifest import Manifest
 from shoestring.checkpoint.sharded import ShardedWriter, is_sharded
 from shoestring.config import CheckpointConfig, ConfigError, FinetuneConfig
@@ -31,7 +31,6 @@ from shoestring.train.export import export_adapter, export_merged, export_merged
 from shoestring.train.learner import Learner
 
 StrategyName = Literal["single", "ddp", "fsdp"]
-Writer = CheckpointWriter | ShardedWriter
 ConfigCheck = Callable[[Mapping[str, Any]], None]
 
 
@@ -88,15 +87,16 @@ class SingleDevice:
 
     def make_writer(self, root: Path, c: CheckpointConfig, events: EventLog,
                     remote: RemoteStore | None, faults: FaultPlan = NO_FAULTS) -> Writer:
-        return CheckpointWriter(root, keep=c.keep, mode=c.async_mode, events=events,
-                                remote=remote, faults=faults)
+        return FileWriter(root, keep=c.keep, mode=c.async_mode, events=events, remote=remote,
+                          faults=faults)
 
-    def save(self, writer: Any, learner: Learner, progress: S.Progress, *, reason: str,
+    def save(self, writer: Writer, learner: Learner, progress: S.Progress, *, reason: str,
              sync: bool, config: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         t0 = time.perf_counter()
         snap = S.capture(progress, learner.params, learner.optimizer, learner.scheduler,
                          learner.scaler, rank=0, config=config, meta=meta)
-        writer.submit(snap, reason=reason, sync=sync, capture_ms=_ms_since(t0))
+        req = SaveRequest.files(snap, capture_ms=_ms_since(t0))
+        writer.submit(req, reason=reason, sync=sync)
 
     def restore(self, path: Path, manifest: Manifest, learner: Learner,
                 check: ConfigCheck) -> tuple[S.Progress, bool]:
@@ -159,15 +159,15 @@ class _Distributed(SingleDevice):
                              mode="off" if c.async_mode == "off" else "thread", events=events,
                              remote=remote, faults=faults)
 
-    def save(self, writer: Any, learner: Learner, progress: S.Progress, *, reason: str,
+    def save(self, writer: Writer, learner: Learner, progress: S.Progress, *, reason: str,
              sync: bool, config: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         t0 = time.perf_counter()
         state = S.dcp_state(learner.wrapped, learner.optimizer)
         own = S.rank_files(progress, learner.scheduler, learner.scaler, rank=self.rank,
                            world_size=self.world_size, param_names=learner.param_names,
                            config=config)
-        writer.submit(progress.step, state, own, dict(meta), reason=reason, sync=sync,
-                      capture_ms=_ms_since(t0))
+        req = SaveRequest.sharded(progress.step, state, own, meta, capture_ms=_ms_since(t0))
+        writer.submit(req, reason=reason, sync=sync)
 
     def stop_requested(self, flag: PreemptionFlag) -> bool:
         """What every rank agreed on in this step's all-reduce, not the live flag: a
