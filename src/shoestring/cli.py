@@ -58,6 +58,8 @@ def _run_finetune(args: argparse.Namespace, rest: list[str], env: dict[str, str]
     from shoestring.checkpoint import FaultPlan
     from shoestring.checkpoint.local import committed_steps
     from shoestring.distributed import DistEnv
+    from shoestring.plan.check import preflight_event
+    from shoestring.report.ledger import run_ledger
     from shoestring.train.loop import RunOptions, finetune
 
     cfg = load(FinetuneConfig, args.config, rest)
@@ -74,7 +76,7 @@ def _run_finetune(args: argparse.Namespace, rest: list[str], env: dict[str, str]
         raise ConfigError(str(e)) from e
     cache = Path(env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
     return finetune(cfg, RunOptions(resume=args.resume, faults=faults, cache_dir=cache,
-                                    dist=dist))
+                                    dist=dist, preflight=preflight_event, ledger=run_ledger))
 
 
 def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

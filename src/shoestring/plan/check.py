@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from shoestring.config import ConfigError, FinetuneConfig
 from shoestring.plan.estimate import Plan, Schedule, make_plan
@@ -64,3 +65,13 @@ def preflight(cfg: FinetuneConfig, model_dir: Path, world_size: int = 1) -> Plan
         raise ConfigError(msg)
     log.warning("%s", msg)
     return plan
+
+
+def preflight_event(cfg: FinetuneConfig, model_dir: Path, world_size: int = 1
+                    ) -> dict[str, Any] | None:
+    """:func:`preflight` as the trainer's hook: the ``plan`` event's fields, or None."""
+    plan = preflight(cfg, model_dir, world_size)
+    if plan is None:
+        return None
+    return {"gpu": plan.gpu.name, "fits": plan.fits, "peak_bytes": plan.peak_bytes,
+            "gpu_memory_bytes": plan.gpu.memory_bytes, "breakdown": plan.breakdown}

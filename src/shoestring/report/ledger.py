@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-from shoestring.report.timeline import Timeline
+from shoestring.report.timeline import Timeline, load
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,10 @@ def compute(tl: Timeline, price: Price | None = None) -> Ledger:
                   device_hours=device_hours, recompute_hours=recompute_h, restart_hours=restart_h,
                   checkpoint_hours=ckpt_h, usd=usd, on_demand_usd=od,
                   price_source=price.source)
+
+
+def run_ledger(run_dir: Path) -> tuple[dict[str, Any], str]:
+    """The ledger of every attempt in ``run_dir`` so far: the ``cost`` event's fields and
+    its one-line summary (the trainer's end-of-run hook)."""
+    led = compute(load(run_dir))
+    return led.to_json(), led.one_line()

@@ -197,17 +197,16 @@ def _report_end(t: Trainer, progress: S.Progress, final: Any, merged: Any,
 
 def _ledger(t: Trainer) -> str | None:
     """The run's cost ledger (all attempts so far) as a ``cost`` event and one line."""
-    from shoestring.report import ledger as cost_ledger
-    from shoestring.report.timeline import load
-
+    if t.run.opts.ledger is None:
+        return None
     try:
         t.run.events.sync()
-        led = cost_ledger.compute(load(t.run.out))
+        fields, line = t.run.opts.ledger(t.run.out)
     except Exception as e:  # noqa: BLE001 - a report must never fail a finished run
         log.warning("cost ledger unavailable: %s", e)
         return None
-    t.run.events.emit("cost", **led.to_json())
-    return led.one_line()
+    t.run.events.emit("cost", **fields)
+    return line
 
 
 def preempted(t: Trainer, progress: S.Progress) -> int:

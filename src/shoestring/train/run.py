@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from shoestring.checkpoint import NO_FAULTS, FaultPlan, RemoteStore, Writer
 from shoestring.checkpoint.local import clean_stale
@@ -43,6 +43,11 @@ class RunOptions:
     flag: PreemptionFlag | None = None
     dist: DistEnv = field(default_factory=DistEnv)
     accelerator: Accelerator | None = None  # None: probe this machine
+    # Given by the CLI layer, so the trainer imports neither the planner nor the views:
+    # the memory plan's ``plan`` event fields (raises ConfigError when it will not fit) and,
+    # at a clean finish, the cost ledger's ``cost`` event fields and one summary line.
+    preflight: Callable[[FinetuneConfig, Path, int], dict[str, Any] | None] | None = None
+    ledger: Callable[[Path], tuple[dict[str, Any], str]] | None = None
 
 
 def _records(spec: str, split: str) -> list[D.Record]:

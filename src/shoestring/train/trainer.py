@@ -88,12 +88,11 @@ def _model_dir(cfg: FinetuneConfig, run: Run) -> Path:
 def _plan_check(cfg: FinetuneConfig, run: Run, model_dir: Path) -> None:
     """Refuse (plan.enforce) a config the planner says will not fit the GPU, before
     anything heavy is loaded. Every rank reaches the same verdict."""
-    from shoestring.plan.check import preflight
-
-    plan = preflight(cfg, model_dir, run.strategy.world_size)
-    if plan is not None:
-        run.events.emit("plan", gpu=plan.gpu.name, fits=plan.fits, peak_bytes=plan.peak_bytes,
-                        gpu_memory_bytes=plan.gpu.memory_bytes, breakdown=plan.breakdown)
+    if run.opts.preflight is None:
+        return
+    fields = run.opts.preflight(cfg, model_dir, run.strategy.world_size)
+    if fields is not None:
+        run.events.emit("plan", **fields)
 
 
 def _learner(cfg: FinetuneConfig, run: Run, model_dir: Path, precision: Precision) -> Learner:
