@@ -175,29 +175,9 @@ def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: s
                    f'y2="{lay.top + lay.h}" stroke="{GRID}"/>'
                    f'<text x="{px(t):.1f}" y="{lay.top + lay.h + 15}" text-anchor="middle" '
                    f'font-size="11" fill="{AXIS}">{escape(x_fmt(t))}</text>')
-    for r in rules:
-        dash = ' stroke-dasharray="5,4"' if r.dash else ""
-        out.append(f'<line class="rule" x1="{px(r.x):.1f}" x2="{px(r.x):.1f}" y1="{lay.top}" '
-                   f'y2="{lay.top + lay.h}" stroke="{escape(r.color)}" stroke-width="1.5"{dash}>'
-                   f'<title>{escape(r.label)}</title></line>')
+    out.extend(_rule_marks(rules, lay, px))
     for s in series:
-        attrs = "".join(f' {escape(k)}="{escape(v)}"' for k, v in s.attrs.items())
-        for seg in s.segments:
-            if not seg:
-                continue
-            seg = decimate(seg, lay.w)
-            if s.dots:
-                out.append(f'<g class="dots" fill="{escape(s.color)}"{attrs}>' + "".join(
-                    f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5"/>' for x, y in seg)
-                    + f'<title>{escape(s.name)}</title></g>')
-            else:
-                coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in seg)
-                out.append(f'<polyline class="series" fill="none" stroke="{escape(s.color)}" '
-                           f'stroke-width="2" stroke-linejoin="round" points="{coords}"{attrs}>'
-                           f'<title>{escape(s.name)}</title></polyline>')
-                if len(seg) == 1:  # a one-point line draws nothing: mark the point
-                    out.append(f'<circle class="lone" cx="{px(seg[0][0]):.1f}" '
-                               f'cy="{py(seg[0][1]):.1f}" r="2.5" fill="{escape(s.color)}"/>')
+        out.extend(_series_marks(s, lay, px, py))
     out.append(_legend(series, lay))
     out.append(f'<text x="{lay.left + lay.w / 2}" y="{lay.height - 4}" text-anchor="middle" '
                f'font-size="12" fill="{AXIS}">{escape(x_label)}</text>'
@@ -205,6 +185,40 @@ def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: s
                f'text-anchor="middle" font-size="12" fill="{AXIS}">{escape(y_label)}</text>')
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _rule_marks(rules: Sequence[Rule], lay: Layout, px: Callable[[float], float]) -> list[str]:
+    out = []
+    for r in rules:
+        dash = ' stroke-dasharray="5,4"' if r.dash else ""
+        out.append(f'<line class="rule" x1="{px(r.x):.1f}" x2="{px(r.x):.1f}" y1="{lay.top}" '
+                   f'y2="{lay.top + lay.h}" stroke="{escape(r.color)}" stroke-width="1.5"{dash}>'
+                   f'<title>{escape(r.label)}</title></line>')
+    return out
+
+
+def _series_marks(s: Series, lay: Layout, px: Callable[[float], float],
+                  py: Callable[[float], float]) -> list[str]:
+    """One series' dots or polylines (one per segment), decimated to the plot width."""
+    out = []
+    attrs = "".join(f' {escape(k)}="{escape(v)}"' for k, v in s.attrs.items())
+    for seg in s.segments:
+        if not seg:
+            continue
+        seg = decimate(seg, lay.w)
+        if s.dots:
+            out.append(f'<g class="dots" fill="{escape(s.color)}"{attrs}>' + "".join(
+                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5"/>' for x, y in seg)
+                + f'<title>{escape(s.name)}</title></g>')
+            continue
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in seg)
+        out.append(f'<polyline class="series" fill="none" stroke="{escape(s.color)}" '
+                   f'stroke-width="2" stroke-linejoin="round" points="{coords}"{attrs}>'
+                   f'<title>{escape(s.name)}</title></polyline>')
+        if len(seg) == 1:  # a one-point line draws nothing: mark the point
+            out.append(f'<circle class="lone" cx="{px(seg[0][0]):.1f}" '
+                       f'cy="{py(seg[0][1]):.1f}" r="2.5" fill="{escape(s.color)}"/>')
+    return out
 
 
 def _legend(series: Sequence[Series], lay: Layout) -> str:

@@ -68,24 +68,25 @@ class JobCollector:
         self.state, self._clock = state, clock
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         st = self.state.copy()
-        job, host = self.state.job, self.state.host
-        now = self._clock()
+        labels = (self.state.job, self.state.host)
+        yield from self._rank_families(st["snaps"], labels, self._clock())
+        yield from self._window_families(st["windows"], labels)
+        yield from self._process_families(st["metrics"].get("ranks") or {}, labels)
+        yield from self._gpu_families(st["metrics"].get("gpus") or (), labels)
+        yield from self._counter_families(st, labels)
 
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = RANK_LABELS) -> Any:
-            return GaugeMetricFamily(name, doc, labels=list(labels))
-
-        up = gauge("shoestring_rank_up", "1 while the rank publishes fresh live state")
-        step = gauge("shoestring_step", "Last finished optimizer step of the rank")
-        since = gauge("shoestring_seconds_in_phase", "Seconds the rank has been in its "
-                      "current phase", RANK_LABELS + ("phase",))
-        p50 = gauge("shoestring_step_seconds_p50", "Median train-step time of the rank")
-        p99 = gauge("shoestring_step_seconds_p99", "p99 train-step time of the rank")
-        open_c = gauge("shoestring_open_collectives", "Collectives the rank is waiting in")
-        for r, s in sorted(st["snaps"].items()):
-            lab = [job, host, str(r)]
+    @staticmethod
+    def _rank_families(snaps: dict[int, Any], labels: tuple[str, str], now: float) -> list[Any]:
+        up = _gauge("shoestring_rank_up", "1 while the rank publishes fresh live state")
+        step = _gauge("shoestring_step", "Last finished optimizer step of the rank")
+        since = _gauge("shoestring_seconds_in_phase", "Seconds the rank has been in its "
+                       "current phase", RANK_LABELS + ("phase",))
+        p50 = _gauge("shoestring_step_seconds_p50", "Median train-step time of the rank")
+        p99 = _gauge("shoestring_step_seconds_p99", "p99 train-step time of the rank")
+        open_c = _gauge("shoestring_open_collectives", "Collectives the rank is waiting in")
+        for r, s in sorted(snaps.items()):
+            lab = [*labels, str(r)]
             up.add_metric(lab, 1.0 if now - float(s.get("ts", 0)) < 15 else 0.0)
             step.add_metric(lab, float(s.get("step", 0)))
             since.add_metric(lab + [str(s.get("phase", ""))],
@@ -95,58 +96,75 @@ class JobCollector:
                 p50.add_metric(lab, float(stats["p50"]))
                 p99.add_metric(lab, float(stats["p99"]))
             open_c.add_metric(lab, float(len(s.get("open_collectives") or [])))
-        yield from (up, step, since, p50, p99, open_c)
+        return [up, step, since, p50, p99, open_c]
 
-        tps = gauge("shoestring_tokens_per_second", "Training throughput of the rank in the "
-                    "last window (tokens per second of train-step time)")
-        comm = gauge("shoestring_comm_seconds_per_step", "Time in collectives per step, last "
-                     "window")
-        share = gauge("shoestring_comm_share", "Share of train-step time spent in "
-                      "collectives, last window")
-        for r, w in sorted(st["windows"].items()):
-            lab = [job, host, str(r)]
+    @staticmethod
+    def _window_families(windows: dict[int, Any], labels: tuple[str, str]) -> list[Any]:
+        tps = _gauge("shoestring_tokens_per_second", "Training throughput of the rank in the "
+                     "last window (tokens per second of train-step time)")
+        comm = _gauge("shoestring_comm_seconds_per_step", "Time in collectives per step, last "
+                      "window")
+        share = _gauge("shoestring_comm_share", "Share of train-step time spent in "
+                       "collectives, last window")
+        for r, w in sorted(windows.items()):
+            lab = [*labels, str(r)]
             tps.add_metric(lab, float(w["tokens_per_s"]))
             comm.add_metric(lab, float(w["comm_s_per_step"]))
             share.add_metric(lab, float(w["comm_share"]))
-        yield from (tps, comm, share)
+        return [tps, comm, share]
 
-        m = st["metrics"]
-        cpu = gauge("shoestring_process_cpu_percent", "CPU use of the rank's process")
-        rss = gauge("shoestring_process_resident_bytes", "Resident memory of the rank's process")
-        rd = CounterMetricFamily("shoestring_process_read_bytes", "Bytes read by the rank's "
-                                 "process", labels=list(RANK_LABELS))
-        wr = CounterMetricFamily("shoestring_process_written_bytes", "Bytes written by the "
-                                 "rank's process", labels=list(RANK_LABELS))
-        for r, p in sorted((m.get("ranks") or {}).items()):
-            lab = [job, host, str(r)]
+    @staticmethod
+    def _process_families(ranks: dict[int, Any], labels: tuple[str, str]) -> list[Any]:
+        cpu = _gauge("shoestring_process_cpu_percent", "CPU use of the rank's process")
+        rss = _gauge("shoestring_process_resident_bytes", "Resident memory of the rank's process")
+        rd = _counter("shoestring_process_read_bytes", "Bytes read by the rank's process",
+                      RANK_LABELS)
+        wr = _counter("shoestring_process_written_bytes", "Bytes written by the rank's process",
+                      RANK_LABELS)
+        for r, p in sorted(ranks.items()):
+            lab = [*labels, str(r)]
             if "cpu_pct" in p:
                 cpu.add_metric(lab, float(p["cpu_pct"]))
             rss.add_metric(lab, float(p["rss_bytes"]))
             if "read_bytes" in p:
                 rd.add_metric(lab, float(p["read_bytes"]))
                 wr.add_metric(lab, float(p["write_bytes"]))
-        yield from (cpu, rss, rd, wr)
-        gl = ("job", "host", "gpu")
-        gpu_fams = {k: gauge(f"shoestring_gpu_{k}", doc, gl) for k, doc in (
+        return [cpu, rss, rd, wr]
+
+    @staticmethod
+    def _gpu_families(gpus: Any, labels: tuple[str, str]) -> list[Any]:
+        fams = {k: _gauge(f"shoestring_gpu_{k}", doc, ("job", "host", "gpu")) for k, doc in (
             ("util_pct", "GPU utilisation %"), ("mem_used_bytes", "GPU memory used"),
             ("mem_total_bytes", "GPU memory total"), ("sm_clock_mhz", "SM clock"),
             ("clock_event_reasons", "NVML clock event (throttle) reasons bitmask"),
             ("temp_c", "GPU temperature"), ("power_w", "GPU power draw"))}
-        for g in m.get("gpus") or ():
-            for k, fam in gpu_fams.items():
+        for g in gpus:
+            for k, fam in fams.items():
                 if k in g:
-                    fam.add_metric([job, host, str(g["gpu"])], float(g[k]))
-        yield from gpu_fams.values()
+                    fam.add_metric([*labels, str(g["gpu"])], float(g[k]))
+        return list(fams.values())
 
-        alarms = CounterMetricFamily("shoestring_alarms", "Alarms raised by the watchdog",
-                                     labels=["job", "host", "kind", "rank"])
+    @staticmethod
+    def _counter_families(st: dict[str, Any], labels: tuple[str, str]) -> list[Any]:
+        alarms = _counter("shoestring_alarms", "Alarms raised by the watchdog",
+                          ("job", "host", "kind", "rank"))
         for (kind, rank), n in sorted(st["alarms"].items()):
-            alarms.add_metric([job, host, kind, rank], float(n))
-        yield alarms
-        restarts = CounterMetricFamily("shoestring_restarts", "Restarts of the job",
-                                       labels=["job", "host"])
-        restarts.add_metric([job, host], float(st["restarts"]))
-        yield restarts
+            alarms.add_metric([*labels, kind, rank], float(n))
+        restarts = _counter("shoestring_restarts", "Restarts of the job", ("job", "host"))
+        restarts.add_metric(list(labels), float(st["restarts"]))
+        return [alarms, restarts]
+
+
+def _gauge(name: str, doc: str, labels: tuple[str, ...] = RANK_LABELS) -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def _counter(name: str, doc: str, labels: tuple[str, ...]) -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    return CounterMetricFamily(name, doc, labels=list(labels))
 
 
 class PrometheusExporter:
@@ -159,7 +177,7 @@ class PrometheusExporter:
             raise ImportError("--prometheus-port needs prometheus-client: "
                               "pip install 'shoestring[watch]'") from e
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(JobCollector(state))  # type: ignore[arg-type]
+        self.registry.register(JobCollector(state))
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         self.addr, self.port = addr, int(self._server.server_port)
 

@@ -36,7 +36,7 @@ class HangPolicy:
         st = snap.get("stats", {}).get(phase)
         if not st or st["n"] < self.min_samples:
             return self.first_timeout_s
-        return max(self.multiple * st["p99"], self.floor_s)
+        return max(self.multiple * float(st["p99"]), self.floor_s)
 
 
 @dataclass
@@ -119,7 +119,7 @@ def analyze(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPoli
                        f"{policy.stale_s:.0f}s (process frozen or gone)", None, views,
                        max(now - running[r]["ts"] for r in stale))
 
-    blocked = {r: _open(s) for r, s in running.items() if _open(s) is not None}
+    blocked = {r: c for r, s in running.items() if (c := _open(s)) is not None}
     free = [r for r in running if r not in blocked]
     overdue = [r for r in free
                if now - running[r]["outer_start"] > policy.budget(running[r],
@@ -141,7 +141,14 @@ def analyze(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPoli
 
     if free or not blocked:
         return None
-    # Everyone waits in a collective. Same sequence number, same op and shapes?
+    return _all_blocked(blocked, running, views, now, policy)
+
+
+def _all_blocked(blocked: Mapping[int, dict[str, Any]],
+                 running: Mapping[int, Mapping[str, Any]], views: Any, now: float,
+                 policy: HangPolicy) -> Verdict | None:
+    """Everyone waits in a collective: hung past the budget? Same sequence number, same op
+    and shapes (a hang in the collective), or not (a mismatch; the minority is the culprit)?"""
     last_entry = max(c["start"] for c in blocked.values())
     budget = max(policy.budget(running[r], "train_step") for r in running)
     if now - last_entry <= budget:
@@ -152,7 +159,6 @@ def analyze(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPoli
     sigs = {(c["op"], str(c.get("shapes")), c.get("dtype")) for c in blocked.values()}
     if len(by_seq) > 1 or len(sigs) > 1:
         detail = "; ".join(f"rank {r}: {_desc(c)}" for r, c in sorted(blocked.items()))
-        # The minority signature is the odd one out.
         groups: dict[tuple[Any, ...], list[int]] = {}
         for r, c in blocked.items():
             groups.setdefault((c["seq"], c["op"], str(c.get("shapes"))), []).append(r)
