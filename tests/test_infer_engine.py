@@ -251,7 +251,7 @@ def test_reader_returns_exact_tensors_from_header_offsets(tmp_path: Path, direct
 
 @pytest.mark.parametrize("scheme", ["int8", "nf4"])
 def test_fast_dequantize_is_bitwise_the_plain_formula(scheme: str) -> None:
-    from shoestring.infer.quant import GROUP, NF4_CODE, dequantize, quantize
+    from shoestring.infer.codecs import GROUP, NF4_CODE, dequantize, quantize
 
     torch.manual_seed(3)
     w = torch.randn(700, 192) * 0.02  # 700 rows: the last row block is partial

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from shoestring.infer.engine import MicroBatch, PassStopped, StreamingCausalLM
+from shoestring.infer.kvcache import Int8KVLayer, merge_left_padded
 
 
 @dataclass
@@ -134,10 +136,6 @@ def _cache_marks(mbs: list[MicroBatch]) -> list[list[int]] | None:
     """Per micro-batch and cache layer, the stored length before a pass; None when some
     layer could not be cut back to it (a layer kind that drops or rewrites old tokens,
     such as a sliding window)."""
-    from transformers.cache_utils import DynamicLayer
-
-    from shoestring.infer.kvcache import Int8KVLayer
-
     marks = []
     for mb in mbs:
         if mb.cache is None or any(type(layer) not in (DynamicLayer, Int8KVLayer)
@@ -159,16 +157,15 @@ def _merge_for_decode(engine: StreamingCausalLM, groups: list[list[int]],
 
     Micro-batches bound prefill activations; a decode pass feeds one token per
     sequence, so its activations are small, and one GEMM over all rows reads each
-    weight from RAM once instead of once per group (on one CPU thread, 4 groups of
-    16 rows take 1.7x the time of one of 64). The merged cache is left-padded to
+    weight from RAM once instead of once per group (on one CPU thread, several
+    small GEMMs cost clearly more than one of all their rows; measured:
+    docs/inference.md, benchmarks/README.md). The merged cache is left-padded to
     the longest group, which the plan already budgets (every sequence at the
     longest prompt). Sliding-window caches, and CUDA's offloaded cache (not yet
     measured), keep their groups.
     """
     if len(mbs) < 2 or engine.device.type != "cpu":
         return groups, mbs
-    from shoestring.infer.kvcache import merge_left_padded
-
     cache = merge_left_padded([mb.cache for mb in mbs], engine.new_cache())
     if cache is None:
         return groups, mbs

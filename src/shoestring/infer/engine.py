@@ -13,25 +13,22 @@ is acquired, so a decode step reads each layer once for all sequences.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
-from shoestring.infer.shards import ReadPlan, ShardError, TensorRef, index_model, plan_reads
-from shoestring.infer.stream import LayerStreamer, Slot
-
-_LAYER_RE = re.compile(r"\.layers\.\d+\.")
-
-
-def generic_key(key: str) -> str:
-    """``key`` without its decoder-layer index: a ring slot holds different layers over
-    time, and reuses one scratch buffer per generic name."""
-    return _LAYER_RE.sub(".layers.*.", key)
+from shoestring.infer.kvcache import int8_cache
+from shoestring.infer.shards import (ReadPlan, ShardError, TensorRef, generic_key, index_model,
+                                     plan_reads)
+from shoestring.infer.stream import LayerStreamer, Prepare, Slot
 
 
 @dataclass
@@ -159,9 +156,7 @@ class StreamingCausalLM:
         self.passes = 0
 
     def start(self, resident: int | set[int] = 0, depth: int = 2,
-              prepare: Callable[[int, dict[str, torch.Tensor], Slot],
-                                dict[str, torch.Tensor]] | None = None,
-              direct_io: bool = True) -> "StreamingCausalLM":
+              prepare: Prepare | None = None, direct_io: bool = True) -> "StreamingCausalLM":
         """Read the resident units and start the read-ahead thread."""
         chosen = resident if isinstance(resident, set) else self.pick_resident(resident)
         user = prepare or (lambda i, t, s: t)
@@ -296,12 +291,8 @@ class StreamingCausalLM:
         """A KV cache for one micro-batch. On CPU it is host RAM already; on CUDA it is
         transformers' offloaded cache: K/V live in host RAM and each layer's are
         prefetched to the GPU just before that layer runs (not yet measured on a GPU)."""
-        from transformers import DynamicCache
-
         offloading = self.device.type == "cuda"
         if self.kv_bits == 8:
-            from shoestring.infer.kvcache import int8_cache
-
             return int8_cache(self.config, offloading=offloading)
         return DynamicCache(config=self.config, offloading=offloading)
 
@@ -310,29 +301,26 @@ class StreamingCausalLM:
             self.streamer.close()
 
 
-_LIBC: Any = None
-
-
 def trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
 
     Every decode pass frees each layer's KV cache and allocates one a token longer;
-    glibc keeps the holes, so RSS crept ~85 MB past the plan over 32 passes of the
-    benchmark job (peak 1.555 GB on a 1.54 GB budget). Trimming after each pass held
-    it to 1.474 GB for 3.5 ms a pass."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
+    glibc keeps the holes, so without a trim RSS creeps past the plan pass after pass
+    (measured: benchmarks/README.md). Trimming after each pass costs a few ms."""
+    libc = _libc_with_malloc_trim()
+    if libc is not None:
+        libc.malloc_trim(0)
 
-        name = ctypes.util.find_library("c")
-        try:
-            lib = ctypes.CDLL(name) if name else None
-            _LIBC = lib if lib is not None and hasattr(lib, "malloc_trim") else False
-        except OSError:
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+
+@functools.cache
+def _libc_with_malloc_trim() -> Any:
+    """The C library, if it is glibc (has ``malloc_trim``); None elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype, bits: int = 16) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from shoestring.infer.quant import dequantize, int8_rows
+from shoestring.infer.codecs import dequantize, int8_rows
 
 
 class Int8KVLayer(DynamicLayer):

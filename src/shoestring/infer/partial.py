@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.local import seal, write_file_durably
@@ -36,6 +37,7 @@ from shoestring.checkpoint.manifest import (CorruptCheckpoint, FileEntry, read_m
                                             sha256_bytes, sha256_file)
 from shoestring.infer.decode import GenState, Generated
 from shoestring.infer.engine import MicroBatch, StreamingCausalLM
+from shoestring.infer.kvcache import Int8KVLayer
 
 STATE = "state.json"
 BATCH = "batch.safetensors"
@@ -46,10 +48,6 @@ class Unsupported(Exception):
 
 
 def _layer_tensors(layer: Any) -> tuple[str, dict[str, torch.Tensor], dict[str, int]]:
-    from transformers.cache_utils import DynamicLayer
-
-    from shoestring.infer.kvcache import Int8KVLayer
-
     if not getattr(layer, "is_initialized", False):
         raise Unsupported("a cache layer was never filled")
     if isinstance(layer, Int8KVLayer):

@@ -40,7 +40,22 @@ def activation_per_token(config: Any, seq_len: int, itemsize: int) -> int:
     attention scores per head (the math SDPA path materializes them)."""
     d = config.hidden_size
     ffn = getattr(config, "intermediate_size", 4 * d)
-    return (4 * d + 3 * ffn) * itemsize + config.num_attention_heads * seq_len * 4
+    return int((4 * d + 3 * ffn) * itemsize + config.num_attention_heads * seq_len * 4)
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """Peak activation bytes of one forward call over ``tokens`` tokens of ``batch``
+    sequences: a layer's temporaries, plus the logits (fp32 and a log_softmax copy) of
+    every scored position, or of one row a sequence when generating."""
+
+    per_token: int
+    logit_row: int
+    new_tokens: int
+
+    def bytes(self, tokens: int, batch: int) -> int:
+        return tokens * self.per_token + (tokens if self.new_tokens == 0 else batch) \
+            * self.logit_row
 
 
 def make_plan(*, budget: int, reserve: int, unit_bytes: list[int], unit_extra: list[int],
@@ -64,54 +79,70 @@ def make_plan(*, budget: int, reserve: int, unit_bytes: list[int], unit_extra: l
     keep = raw_kept if raw_kept is not None else [True] * n_units
     held = [c if k else e for c, k, e in zip(cost, keep, unit_extra)]  # as a resident unit
     ring = (min(depth, n_units) + 1) * max(cost)
-    per_tok = activation_per_token(config, seq, itemsize)
-    # Logits are fp32 plus a log_softmax copy: every scored position, or one row a sequence.
-    logit_row = config.vocab_size * 8
-
-    def act(tokens: int, batch: int) -> int:
-        return tokens * per_tok + (tokens if new_tokens == 0 else batch) * logit_row
-
+    act = _Activations(activation_per_token(config, seq, itemsize), config.vocab_size * 8,
+                       new_tokens)
     per_seq = seq * kv_per_token + seq * config.hidden_size * itemsize
     room = budget - reserve - ring
-    if room < per_seq + act(longest, 1):
-        need = reserve + ring + per_seq + act(longest, 1)
-        raise ConfigError(f"memory.budget: {budget / 1e9:.2f} GB is too small for this model "
-                          f"and input: one sequence needs {need / 1e9:.2f} GB (runtime "
-                          f"{reserve / 1e9:.2f} + read-ahead {ring / 1e9:.2f} + activations "
-                          f"{act(longest, 1) / 1e9:.3f} + KV {per_seq / 1e9:.3f}); lower "
-                          "memory.prefetch_depth or raise the budget")
-    fits = int((room - act(longest, 1)) // per_seq)
-    batch = min(want_batch, max(len(prompt_lens), 1), fits)
-    if pinned_batch is not None:
-        if pinned_batch > fits:
-            raise ConfigError(f"memory.budget: this job was started with a batch of "
-                              f"{pinned_batch} sequences (see run.json) and the new budget "
-                              f"fits only {fits}; resume with the original budget")
-        batch = pinned_batch
+    one = act.bytes(longest, 1)
+    if room < per_seq + one:
+        raise _too_small(budget, reserve, ring, one, per_seq)
+    batch = _batch_size(int((room - one) // per_seq), want_batch, len(prompt_lens),
+                        pinned_batch)
     left = room - batch * per_seq
-    if pinned_micro:
-        micro = pinned_micro
-    else:
-        micro = min(micro_tokens, batch * longest)
-        while micro > longest and act(micro, batch) > left:
-            micro = max(longest, micro * 3 // 4)
-        micro = max(micro, longest)
-    left -= act(micro, batch)
+    micro = pinned_micro or _micro_tokens(act, micro_tokens, batch, longest, left)
+    left -= act.bytes(micro, batch)
     # What the arithmetic above does not see (allocator fragmentation, per-thread
-    # buffers, the stacking of KV caches after the prefill) measured 10-35 MB over a
-    # 1.54 GB plan; only the resident set pays for the margin, so batch and micro
-    # sizes (the numerics) do not depend on it.
+    # buffers, the stacking of KV caches after the prefill) measured tens of MB over a
+    # 1.54 GB plan (docs/inference.md); only the resident set pays for the margin, so
+    # batch and micro sizes (the numerics) do not depend on it.
     slack = budget // 32
-    left -= slack
-    resident: list[int] = []
-    if want_resident != 0:
-        for i in sorted(range(n_units), key=lambda i: (-unit_bytes[i], -i)):
-            if want_resident > 0 and len(resident) >= want_resident:
-                break
-            if held[i] <= left:
-                left -= held[i]
-                resident.append(i)
-    parts = {"runtime": reserve, "read_ahead": ring, "activations": act(micro, batch),
+    resident = _resident_set(unit_bytes, held, left - slack, want_resident)
+    parts = {"runtime": reserve, "read_ahead": ring, "activations": act.bytes(micro, batch),
              "kv_and_hidden": batch * per_seq,
              "resident": sum(held[i] for i in resident), "slack": slack}
     return Plan(batch, micro, tuple(sorted(resident)), depth, budget, parts)
+
+
+def _too_small(budget: int, reserve: int, ring: int, act: int, per_seq: int) -> ConfigError:
+    need = reserve + ring + per_seq + act
+    return ConfigError(f"memory.budget: {budget / 1e9:.2f} GB is too small for this model "
+                       f"and input: one sequence needs {need / 1e9:.2f} GB (runtime "
+                       f"{reserve / 1e9:.2f} + read-ahead {ring / 1e9:.2f} + activations "
+                       f"{act / 1e9:.3f} + KV {per_seq / 1e9:.3f}); lower "
+                       "memory.prefetch_depth or raise the budget")
+
+
+def _batch_size(fits: int, want: int, n_seqs: int, pinned: int | None) -> int:
+    """The job batch: what is wanted, capped by the input and by what ``fits``; or the
+    pinned one, if it still fits."""
+    if pinned is None:
+        return min(want, max(n_seqs, 1), fits)
+    if pinned > fits:
+        raise ConfigError(f"memory.budget: this job was started with a batch of "
+                          f"{pinned} sequences (see run.json) and the new budget "
+                          f"fits only {fits}; resume with the original budget")
+    return pinned
+
+
+def _micro_tokens(act: _Activations, want: int, batch: int, longest: int, left: int) -> int:
+    """Prefill tokens per forward call: ``want``, cut by quarters until its activations
+    fit in ``left``, but never below the longest prompt."""
+    micro = min(want, batch * longest)
+    while micro > longest and act.bytes(micro, batch) > left:
+        micro = max(longest, micro * 3 // 4)
+    return max(micro, longest)
+
+
+def _resident_set(unit_bytes: list[int], held: list[int], left: int, want: int) -> list[int]:
+    """Units kept resident, largest first (ties: later first), while they fit in ``left``
+    (``want`` -1: as many as fit; 0: none)."""
+    resident: list[int] = []
+    if want == 0:
+        return resident
+    for i in sorted(range(len(unit_bytes)), key=lambda i: (-unit_bytes[i], -i)):
+        if want > 0 and len(resident) >= want:
+            break
+        if held[i] <= left:
+            left -= held[i]
+            resident.append(i)
+    return resident

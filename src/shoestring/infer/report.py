@@ -61,6 +61,8 @@ class Progress:
 
 @dataclass
 class Stats:
+    """What the passes of this process did, for the summary."""
+
     passes: int = 0
     pass_s: float = 0.0
     prefill_s: float = 0.0  # first pass of each chunk (the whole prompt)
@@ -69,6 +71,17 @@ class Stats:
     chunk_pass: int = 0
     tokens: int = 0  # generated (or scored) tokens
     prompts: int = 0
+
+    def count_pass(self, seconds: float) -> None:
+        """A pass of the running chunk took ``seconds``: its first is the prefill."""
+        self.passes += 1
+        self.pass_s += seconds
+        if self.chunk_pass == 0:
+            self.prefill_s += seconds
+        else:
+            self.decode_passes += 1
+            self.decode_s += seconds
+        self.chunk_pass += 1
 
 
 def summary(engine: StreamingCausalLM, stats: Stats, plan: Plan, streamed: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import struct
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ DTYPES: dict[str, torch.dtype] = {
 ALIGN = 4096
 #: Ranges closer than this in a file are read as one (a few wasted bytes beat a syscall).
 MERGE_GAP = 4096
+_LAYER_RE = re.compile(r"\.layers\.\d+\.")
 
 
 class ShardError(ValueError):
@@ -44,6 +46,12 @@ class TensorRef:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+
+def generic_key(key: str) -> str:
+    """``key`` without its decoder-layer index: a ring slot holds different layers over
+    time, and reuses one scratch buffer per generic name."""
+    return _LAYER_RE.sub(".layers.*.", key)
 
 
 def read_header(path: Path) -> dict[str, TensorRef]:
