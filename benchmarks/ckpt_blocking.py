@@ -52,7 +52,8 @@ from _common import DEFAULT_CACHE, load_note, median, model_dir, pct
 import numpy as np
 import torch
 
-from shoestring.config import FinetuneConfig, load
+from shoestring.config import load
+from shoestring.train.config import FinetuneConfig
 from shoestring.train import state as S
 from shoestring.train.device import Accelerator, resolve
 from shoestring.train.loop import save

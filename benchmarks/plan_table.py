@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from shoestring.config import FinetuneConfig, load  # noqa: E402
+from shoestring.config import load  # noqa: E402
+from shoestring.train.config import FinetuneConfig  # noqa: E402
 from shoestring.plan.arch import PRESETS  # noqa: E402
 from shoestring.plan.estimate import Schedule, make_plan  # noqa: E402
 from shoestring.plan.gpus import GiB, find_gpu  # noqa: E402

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from shoestring.config import LoraSection, ModelConfig  # noqa: E402
+from shoestring.train.config import LoraSection, ModelConfig  # noqa: E402
 from shoestring.plan.arch import LINEARS, PRESETS, Arch  # noqa: E402
 from shoestring.plan.estimate import CUDA_CONTEXT_BYTES, breakdown  # noqa: E402
 from shoestring.plan.measure import saved_activation_bytes  # noqa: E402

@@ -56,7 +56,8 @@ IGNORE_INDEX = -100
 def run_ours(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
     import torch
 
-    from shoestring.config import FinetuneConfig, load
+    from shoestring.config import load
+    from shoestring.train.config import FinetuneConfig
     from shoestring.events import read_events
     from shoestring.train.loop import RunOptions, finetune
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from shoestring.cli import main
-from shoestring.config import ConfigError, FinetuneConfig, config_hash, help_table, iter_fields, load
+from shoestring.config import ConfigError, help_table, iter_fields, load
+from shoestring.train.config import FinetuneConfig, config_hash
 
 
 def test_defaults_and_required_keys_exist() -> None:

@@ -279,4 +279,4 @@ def test_cli_rejects_a_negative_dump_wait(capsys: Any) -> None:
     from shoestring.cli import main
 
     assert main(["run", "--nccl-dump-wait", "-1", "--", "true"]) == 2
-    assert "--nccl-dump-wait: must be >= 0" in capsys.readouterr().err
+    assert "--nccl-dump-wait: 'nccl_dump_wait' must be >= 0" in capsys.readouterr().err

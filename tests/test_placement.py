@@ -9,7 +9,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from shoestring.config import ConfigError, FinetuneConfig, load
+from shoestring.config import ConfigError, load
+from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import Accelerator, Precision, resolve
 from shoestring.train.placement import misplaced
 from shoestring.train.resume import resume

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, CLI
-from shoestring.config import ConfigError, FinetuneConfig, load
+from shoestring.config import ConfigError, load
+from shoestring.train.config import FinetuneConfig
 from shoestring.plan import CATALOG, PRESETS, Workload, find_gpu, make_plan
 from shoestring.plan.estimate import peak_bytes
 

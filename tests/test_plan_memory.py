@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from shoestring.config import LoraSection, ModelConfig
+from shoestring.train.config import LoraSection, ModelConfig
 from shoestring.plan.arch import LINEARS, from_hf_config
 from shoestring.plan.measure import grad_bytes, model_bytes, optimizer_bytes, saved_activation_bytes
 from shoestring.plan import memory as M

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from shoestring.config import ConfigError, PreemptConfig
+from shoestring.config import ConfigError
+from shoestring.train.config import PreemptConfig
 from shoestring.preempt import NoticeWatcher, PreemptionFlag, cloud_watcher, detect_cloud
 from shoestring.preempt.aws import AwsSpotSource
 from shoestring.preempt.azure import AzureScheduledEventsSource

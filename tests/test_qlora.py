@@ -25,7 +25,8 @@ def test_qlora_sigkill_resume_is_bit_exact_and_merge_reports_drift(cli: CLI, cac
                                                                     tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from shoestring.config import FinetuneConfig, load
+    from shoestring.config import load
+    from shoestring.train.config import FinetuneConfig
     from shoestring.train.loop import RunOptions, finetune
 
     ref_out, out = tmp_path / "ref", tmp_path / "run"
@@ -61,7 +62,7 @@ def test_qlora_sigkill_resume_is_bit_exact_and_merge_reports_drift(cli: CLI, cac
 
 
 def _tiny_qlora(cache_dir: Path, dtype: str = "float32") -> tuple[object, object]:
-    from shoestring.config import ModelConfig
+    from shoestring.train.config import ModelConfig
     from shoestring.train.builtin import materialize_tiny_model
     from shoestring.train.model import load_base_model
 
@@ -85,7 +86,7 @@ def test_no_fp32_upcast_unlike_peft_prepare(cache_dir: Path) -> None:
 
 
 def test_first_step_check_catches_adapters_without_gradient(cache_dir: Path) -> None:
-    from shoestring.config import LoraSection
+    from shoestring.train.config import LoraSection
     from shoestring.train.model import (NoGradientError, apply_lora, check_lora_gradients,
                                         trainable_parameters)
 
@@ -125,7 +126,8 @@ def test_quantize_needs_bitsandbytes_hint(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_quantize_and_optimizer_are_not_resume_safe() -> None:
-    from shoestring.config import FinetuneConfig, config_hash, load
+    from shoestring.config import load
+    from shoestring.train.config import FinetuneConfig, config_hash
 
     base = config_hash(load(FinetuneConfig, None, []))
     assert config_hash(load(FinetuneConfig, None, ["--lora.quantize", "nf4"])) != base
@@ -140,7 +142,7 @@ def test_an_eval_does_not_change_the_4bit_base_training_uses(cache_dir: Path) ->
     later forwards through a kernel autograd cannot see through. A mid-run eval would
     then change the model being trained (and a resumed run, loading fresh weights,
     would diverge from an uninterrupted one). The loaded base must keep one format."""
-    from shoestring.config import LoraSection
+    from shoestring.train.config import LoraSection
     from shoestring.train.model import apply_lora, trainable_parameters
 
     torch.set_num_threads(1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shoestring.checkpoint.interval import daly_interval
-from shoestring.config import CheckpointConfig
+from shoestring.train.config import CheckpointConfig
 from shoestring.train.saves import SavePolicy
 
 

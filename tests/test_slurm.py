@@ -115,7 +115,7 @@ def test_signal_follows_preempt_config(tmp_path: Path, capsys: pytest.CaptureFix
 @pytest.mark.parametrize("flags, error", [
     (["--time", "00:01:30"], "warning would come before the job starts"),
     (["--time", "4h"], "not a Slurm time limit"),
-    (["--nodes", "0"], "--nodes: must be >= 1"),
+    (["--nodes", "0"], "--nodes: 'nodes' must be >= 1"),
     (["--train.lr", "fast"], "train.lr"),
 ])
 def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -1,25 +1,63 @@
-"""The ``shoestring`` command: one console script, verb subcommands.
+"""The ``shoestring`` command: a table of verbs, and the environment edge.
+
+Each verb is a config class (its keys: help text, checks, ``Literal`` choices) and a
+runner ``(config, Invocation) -> exit code`` whose module is imported only when the
+verb runs, so ``--help`` stays fast. Every verb reads its keys the same way: the
+dataclass defaults, then a YAML file (``--config``), then flags (``--KEY VALUE``);
+errors name the file and line or the flag.
 
 This is the only place that reads the process environment and argv; everything
-below receives config objects.
+below receives config objects and an :class:`~shoestring.config.Invocation`.
 """
 
 from __future__ import annotations
 
-import argparse
+import difflib
+import importlib
 import logging
 import os
 import sys
+import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from shoestring import __version__, exitcodes
-from shoestring.config import ConfigError, FinetuneConfig, help_table, load
+from shoestring.config import (ArgSpec, ConfigError, Invocation, build, help_table, iter_fields,
+                               parse_command_line, read_yaml)
+from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
+from shoestring.report.cli import ReportConfig, TopConfig
+from shoestring.supervise.config import SLURM_EPILOG, RunConfig, SlurmConfig
+from shoestring.train.config import FinetuneConfig, FinetuneOptions
+
+Runner = Callable[[Any, Invocation], int]
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One ``shoestring VERB``: its config class and runner ("module:function")."""
+
+    config: type
+    runner: str | Runner
+    help: str
+    description: str = ""
+    epilog: str = ""
+    options: type | None = None  # flag-only knobs, not part of the config (finetune --resume)
+    args: ArgSpec = field(default_factory=ArgSpec)
+
+
+@dataclass(frozen=True)
+class ArgparseVerb:
+    """A verb that still parses its own argv (``infer``: its module adds an argparse
+    sub-parser and runs ``(args, rest, env)``)."""
+
+    module: str
+    parser: str
+    runner: str
+    help: str
+
 
 FINETUNE_EPILOG = """\
-config keys (set in --config YAML as nested sections, or as --section.key VALUE):
-{table}
-
 resume:
   --resume auto   continue from the newest valid checkpoint in output_dir or
                   checkpoint.storage, or start fresh if there is none (default)
@@ -40,21 +78,15 @@ environment (read here only):
   SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_JOB_NODELIST   the same under srun
 """
 
-
-def _finetune_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "finetune", help="LoRA fine-tuning that survives preemption and resumes exactly",
-        description="LoRA fine-tuning of a local Hugging Face causal LM. With no arguments, "
-                    "trains the built-in tiny model on the bundled task and prints before/after.",
-        epilog=FINETUNE_EPILOG.format(table=help_table(FinetuneConfig)),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE.yaml", help="YAML config; flags override it")
-    p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
-                   help="where to continue from (default: auto)")
-    return p
+RUN_EPILOG = """\
+example:
+  shoestring run --nproc-per-node 2 --max-restarts 3 --run-dir runs/x \\
+      -- shoestring finetune --output_dir runs/x
+"""
 
 
-def _run_finetune(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+def _finetune(cfg: FinetuneConfig, call: Invocation) -> int:
+    """The environment edge of ``finetune``: faults, cache, rank; hooks for the trainer."""
     from shoestring.checkpoint import FaultPlan
     from shoestring.checkpoint.local import committed_steps
     from shoestring.distributed import DistEnv
@@ -62,12 +94,13 @@ def _run_finetune(args: argparse.Namespace, rest: list[str], env: dict[str, str]
     from shoestring.report.ledger import run_ledger
     from shoestring.train.loop import RunOptions, finetune
 
-    cfg = load(FinetuneConfig, args.config, rest)
-    if args.resume == "never" and committed_steps(Path(cfg.output_dir) / "checkpoints"):
+    resume = _finetune_options(call).resume
+    if resume == "never" and committed_steps(Path(cfg.output_dir) / "checkpoints"):
         raise ConfigError(f"--resume never: {cfg.output_dir} already has checkpoints; "
                           "choose another output_dir or delete them yourself")
-    if args.resume not in ("auto", "never") and not Path(args.resume).is_dir():
-        raise ConfigError(f"--resume: {args.resume} is not a checkpoint directory")
+    if resume not in ("auto", "never") and not Path(resume).is_dir():
+        raise ConfigError(f"--resume: {resume} is not a checkpoint directory")
+    env = call.env
     dist = DistEnv.from_environ(env)
     try:
         faults = FaultPlan.parse(env.get("SHOESTRING_FAULTS", ""), rank=dist.rank,
@@ -75,157 +108,179 @@ def _run_finetune(args: argparse.Namespace, rest: list[str], env: dict[str, str]
     except ValueError as e:
         raise ConfigError(str(e)) from e
     cache = Path(env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
-    return finetune(cfg, RunOptions(resume=args.resume, faults=faults, cache_dir=cache,
+    return finetune(cfg, RunOptions(resume=resume, faults=faults, cache_dir=cache,
                                     dist=dist, preflight=preflight_event, ledger=run_ledger))
 
 
-def _run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "run", help="launch a job (torchrun for several processes) and restart it on failure",
+def _finetune_options(call: Invocation) -> FinetuneOptions:
+    assert isinstance(call.options, FinetuneOptions)
+    return call.options
+
+
+VERBS: dict[str, Verb | ArgparseVerb] = {
+    "finetune": Verb(
+        FinetuneConfig, _finetune, options=FinetuneOptions,
+        help="LoRA fine-tuning that survives preemption and resumes exactly",
+        description="LoRA fine-tuning of a local Hugging Face causal LM. With no arguments, "
+                    "trains the built-in tiny model on the bundled task and prints "
+                    "before/after.", epilog=FINETUNE_EPILOG),
+    "run": Verb(
+        RunConfig, "shoestring.supervise.supervisor:supervise",
+        help="launch a job (torchrun for several processes) and restart it on failure",
         description="Run COMMAND, through torchrun when --nproc-per-node > 1 (or under a "
-                    "multi-node Slurm allocation), and restart the whole job after a crash, "
-                    "a killed rank or a preemption exit, so it continues from its last "
+                    "multi-node Slurm allocation), and restart the whole job after a crash, a "
+                    "killed rank or a preemption exit, so it continues from its last "
                     "checkpoint. A signal to this process is forwarded to the job and ends "
                     "the run without a restart.",
-        epilog="example: shoestring run --nproc-per-node 2 --max-restarts 3 --run-dir runs/x "
-               "-- shoestring finetune --output_dir runs/x")
-    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
-                   help="processes (ranks) on this node (default 1)")
-    p.add_argument("--max-restarts", type=int, default=3, metavar="R",
-                   help="restarts after failures before giving up (default 3)")
-    p.add_argument("--run-dir", metavar="DIR",
-                   help="the job's output_dir: attempts and restarts are logged to its "
-                        "events.jsonl")
-    p.add_argument("--no-watch", action="store_true",
-                   help="do not watch the ranks for hangs (default: watch when --run-dir is set)")
-    p.add_argument("--hang-multiple", type=float, default=3.0, metavar="K",
-                   help="a phase hangs after K x its p99 duration so far (default 3)")
-    p.add_argument("--hang-floor", type=float, default=10.0, metavar="S",
-                   help="... but never before S seconds (default 10)")
-    p.add_argument("--first-phase-timeout", type=float, default=300.0, metavar="S",
-                   help="budget of a phase seen fewer than 3 times: first step, first eval, "
-                        "first checkpoint (default 300)")
-    p.add_argument("--straggler-threshold", type=float, default=0.10, metavar="F",
-                   help="report a rank whose collective-free work per step, at the same "
-                        "batch size (lower quartile of its last 30 steps), is more than F "
-                        "above its peers' for 10 steps (default 0.10)")
-    p.add_argument("--window", type=float, default=60.0, metavar="S",
-                   help="degradation window: per S seconds and rank, communication time per "
-                        "step and throughput are compared with the run's baseline (default 60)")
-    p.add_argument("--comm-rise", type=float, default=0.10, metavar="F",
-                   help="alarm when communication time per step is more than F above the "
-                        "baseline for 3 windows in a row (default 0.10)")
-    p.add_argument("--throughput-drop", type=float, default=0.05, metavar="F",
-                   help="alarm when throughput is more than F below the baseline for 3 "
-                        "windows in a row (default 0.05)")
-    p.add_argument("--metrics-interval", type=float, default=10.0, metavar="S",
-                   help="sample CPU, memory, I/O and (with NVML) GPU metrics of every rank "
-                        "into events.jsonl every S seconds (0: off; default 10)")
-    p.add_argument("--prometheus-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics of the job on this port (0: any free port; "
-                        "default: no endpoint)")
-    p.add_argument("--prometheus-addr", default="127.0.0.1", metavar="ADDR",
-                   help="address the Prometheus endpoint binds to (default 127.0.0.1)")
-    p.add_argument("--alert-webhook", metavar="URL",
-                   help="POST every alarm as JSON (Slack-compatible 'text' field) to URL")
-    p.add_argument("--job-id", metavar="ID",
-                   help="job label of alerts and metrics (default: $SLURM_JOB_ID, else the "
-                        "run directory's name)")
-    p.add_argument("--slurm-requeue", choices=("auto", "never"), default="auto",
-                   help="inside a Slurm batch job stopped by its --signal warning (USR1/USR2): "
-                        "'auto' runs scontrol requeue $SLURM_JOB_ID if the job allows requeues "
-                        "and did not exit 2, so it comes back and resumes (default auto)")
-    p.add_argument("--nccl-dump-wait", type=float, default=5.0, metavar="S",
-                   help="on a hang, ask every NCCL rank of this host to dump its flight "
-                        "recorder and wait up to S seconds for the dumps before the kill "
-                        "(0: do not ask; default 5)")
-    p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                   help="the job to run and its arguments")
-    return p
-
-
-def _run_run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
-    from shoestring.supervise.launch import LaunchSpec, launch_argv
-    from shoestring.supervise.supervisor import Supervisor, SupervisorConfig
-    from shoestring.watch.degrade import DegradePolicy
-    from shoestring.watch.hang import HangPolicy
-    from shoestring.watch.straggler import StragglerPolicy
-
-    command = list(args.job or []) + list(rest)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise ConfigError("run: no COMMAND given (usage: shoestring run [options] -- COMMAND ...)")
-    if args.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node: must be >= 1, got {args.nproc_per_node}")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
-    argv = launch_argv(LaunchSpec(tuple(command), args.nproc_per_node), env)
-    for flag, v in (("--hang-multiple", args.hang_multiple), ("--hang-floor", args.hang_floor),
-                    ("--first-phase-timeout", args.first_phase_timeout),
-                    ("--straggler-threshold", args.straggler_threshold),
-                    ("--window", args.window), ("--comm-rise", args.comm_rise),
-                    ("--throughput-drop", args.throughput_drop)):
-        if v <= 0:
-            raise ConfigError(f"{flag}: must be > 0, got {v}")
-    if args.nccl_dump_wait < 0:
-        raise ConfigError(f"--nccl-dump-wait: must be >= 0, got {args.nccl_dump_wait}")
-    if args.metrics_interval < 0:
-        raise ConfigError(f"--metrics-interval: must be >= 0, got {args.metrics_interval}")
-    if args.prometheus_port is not None and not 0 <= args.prometheus_port < 65536:
-        raise ConfigError(f"--prometheus-port: must be in 0..65535, got {args.prometheus_port}")
-    if args.alert_webhook and not args.alert_webhook.startswith(("http://", "https://")):
-        raise ConfigError(f"--alert-webhook: expected an http(s) URL, got {args.alert_webhook!r}")
-    policy = HangPolicy(multiple=args.hang_multiple, floor_s=args.hang_floor,
-                        first_timeout_s=args.first_phase_timeout)
-    run_dir = Path(args.run_dir) if args.run_dir else None
-    job = args.job_id or env.get("SLURM_JOB_ID") or (run_dir.resolve().name if run_dir else "job")
-    cfg = SupervisorConfig(max_restarts=args.max_restarts, run_dir=run_dir,
-                           watch=not args.no_watch, hang=policy,
-                           stragglers=StragglerPolicy(threshold=args.straggler_threshold),
-                           degrade=DegradePolicy(window_s=args.window, comm_rise=args.comm_rise,
-                                                 throughput_drop=args.throughput_drop),
-                           metrics_interval_s=args.metrics_interval, job=job,
-                           prometheus_port=args.prometheus_port,
-                           prometheus_addr=args.prometheus_addr, webhook=args.alert_webhook,
-                           slurm_requeue=args.slurm_requeue,
-                           nccl_dump_wait_s=args.nccl_dump_wait)
-    return Supervisor(argv, cfg, env).run()
-
-
-Parser = Callable[[argparse._SubParsersAction], argparse.ArgumentParser]
-Runner = Callable[[argparse.Namespace, list[str], dict[str, str]], int]
-
-
-def _lazy(module: str, parser: str, runner: str) -> tuple[Parser, Runner]:
-    """A verb whose module is imported only when it is used (keeps `--help` fast)."""
-    import importlib
-
-    def get(name: str) -> Callable[..., Any]:
-        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
-
-    return (lambda sub: get(parser)(sub)), (lambda *a: get(runner)(*a))
-
-
-COMMANDS: dict[str, tuple[Parser, Runner]] = {
-    "finetune": (_finetune_parser, _run_finetune),
-    "run": (_run_parser, _run_run),
-    "plan": _lazy("shoestring.plan.cli", "plan_parser", "run_plan"),
-    "infer": _lazy("shoestring.infer.cli", "add_parser", "run"),
-    "report": _lazy("shoestring.report.cli", "report_parser", "run_report"),
-    "top": _lazy("shoestring.report.cli", "top_parser", "run_top"),
-    "slurm": _lazy("shoestring.supervise.slurm", "slurm_parser", "run_slurm"),
+        epilog=RUN_EPILOG, args=ArgSpec(command="command")),
+    "plan": Verb(
+        PlanConfig, "shoestring.plan.cli:run_plan",
+        help="predict peak GPU memory, time and cost of a fine-tune before running it",
+        description="Predict whether a fine-tune fits a GPU (memory breakdown by component), "
+                    "the largest micro-batch and sequence that fit, what to change if it does "
+                    "not, and time and cost on demand and on spot. Nothing is loaded or "
+                    "downloaded.",
+        epilog=PLAN_EPILOG, args=ArgSpec(config_flag="--plan-config")),
+    "infer": ArgparseVerb(
+        "shoestring.infer.cli", "add_parser", "run",
+        help="batch inference of models larger than memory, streamed layer by layer"),
+    "report": Verb(
+        ReportConfig, "shoestring.report.cli:run_report",
+        help="write one self-contained HTML report of a run directory",
+        description="Merge the event logs of every rank and attempt in RUN_DIR and write one "
+                    "HTML file (inline SVG plots, no network needed to view it): summary, "
+                    "timeline of attempts, restarts, preemptions, checkpoints and alarms, step "
+                    "time per rank, communication share, loss, alarms and hang verdicts, "
+                    "checkpoints, host/GPU metrics when sampled.",
+        args=ArgSpec(positional="run_dir", aliases={"-o": "output"})),
+    "top": Verb(
+        TopConfig, "shoestring.report.cli:run_top",
+        help="live terminal view of a run: ranks, phases, step times, alarms",
+        description="Follow RUN_DIR (events.jsonl and the ranks' live.json) and redraw every "
+                    "INTERVAL seconds: per rank its status, phase, step, step time (last and "
+                    "median), time since its last step, the collective it waits in and its "
+                    "alarms; the job's attempt, restarts and last checkpoint. Reads files "
+                    "only; never touches the training processes. Ctrl-C to leave.",
+        args=ArgSpec(positional="run_dir")),
+    "slurm": Verb(
+        SlurmConfig, "shoestring.supervise.slurm:run_slurm",
+        help="write (and submit) an sbatch script that checkpoints and requeues itself "
+             "before the time limit",
+        description="Write an sbatch script for a fine-tune: nodes, GPUs per node, time "
+                    "limit, --requeue, a warning signal before the time limit, and shoestring "
+                    "run (through srun and torchrun across nodes). Printed on stdout, written "
+                    "with --output, submitted with --submit.",
+        epilog=SLURM_EPILOG,
+        args=ArgSpec(passthrough=FinetuneConfig, config_flag="--slurm-config")),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shoestring",
-                                     description="Fine-tune and run LLMs on cheap, unreliable GPUs.")
-    parser.add_argument("--version", action="version", version=f"shoestring {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for make, _ in COMMANDS.values():
-        make(sub)
-    return parser
+# --------------------------------------------------------------------------- help
+
+
+def _usage(name: str, verb: Verb) -> str:
+    a = verb.args
+    parts = [f"usage: shoestring {name}"]
+    if a.positional:
+        parts.append(a.positional.upper())
+    if a.config_flag:
+        parts.append(f"[{a.config_flag} FILE.yaml]")
+    if verb.options is not None:
+        parts += [f"[--{k} VALUE]" for k, _f, _tp in iter_fields(verb.options)]
+    parts.append("[--KEY VALUE ...]")
+    if a.passthrough is not None:
+        parts.append("[--section.key VALUE ...]")
+    if a.command:
+        parts.append("[--] COMMAND ...")
+    return " ".join(parts)
+
+
+def verb_help(name: str, verb: Verb) -> str:
+    """``shoestring VERB --help``: usage, description, every key with its help, epilog."""
+    a, flat = verb.args, all("." not in k for k, _f, _tp in iter_fields(verb.config))
+    out = [_usage(name, verb), "", textwrap.fill(verb.description, 88, break_on_hyphens=False),
+           "", "options:",
+           "  -h, --help  show this help and exit"]
+    if a.config_flag:
+        out.append(f"  {a.config_flag} FILE.yaml  the keys below in YAML "
+                   f"({'key: value' if flat else 'nested sections'}); flags override it")
+    if verb.options is not None:
+        out.append(help_table(verb.options, width=88))
+    how = "--key VALUE or --key=VALUE" + (", dashes or underscores" if flat else "")
+    out += ["", textwrap.fill(f"keys (in {a.config_flag or 'flags'}; as flags {how}; a boolean "
+                              "alone means true, --no-KEY false):", 88),
+            help_table(verb.config, dashes=flat, width=88)]
+    if verb.epilog:
+        out += ["", verb.epilog.rstrip()]
+    return "\n".join(out)
+
+
+def main_help() -> str:
+    rows = "\n".join(f"  {name:<9} {v.help}" for name, v in VERBS.items())
+    return (f"usage: shoestring [-h] [--version] COMMAND ...\n\n"
+            f"Fine-tune and run LLMs on cheap, unreliable GPUs.\n\ncommands:\n{rows}\n\n"
+            "`shoestring COMMAND --help` lists the command's keys.")
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
+    if not isinstance(target, str):
+        return target
+    module, _, name = target.partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
+
+
+def run_verb(name: str, verb: Verb, args: list[str], env: dict[str, str]) -> int:
+    """Read the verb's keys (defaults, YAML, flags), then run it."""
+    parsed = parse_command_line(args, verb.config, verb.args, also=verb.options)
+    if parsed.help:
+        print(verb_help(name, verb))
+        raise SystemExit(exitcodes.OK)
+    layers = read_yaml(parsed.config_file, verb.args.config_flag or "--config") \
+        if parsed.config_file else []
+    option_keys = {k for k, _f, _tp in iter_fields(verb.options)} if verb.options else set()
+    layers += [layer for layer in parsed.layers if layer[0] not in option_keys]
+    cfg: Any = build(verb.config, layers)
+    options = build(verb.options, [layer for layer in parsed.layers
+                                   if layer[0] in option_keys]) if verb.options else None
+    call = Invocation(env=env, rest=tuple(parsed.rest), options=options)
+    code: int = _resolve(verb.runner)(cfg, call)
+    return code
+
+
+def _run_argparse_verb(name: str, verb: ArgparseVerb, args: list[str],
+                       env: dict[str, str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="shoestring")
+    sub = parser.add_subparsers(dest="command")
+    _resolve(f"{verb.module}:{verb.parser}")(sub)
+    ns, rest = parser.parse_known_args([name, *args])
+    code: int = _resolve(f"{verb.module}:{verb.runner}")(ns, rest, env)
+    return code
+
+
+def dispatch(argv: list[str], env: dict[str, str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main_help())
+        return exitcodes.USAGE if not argv else exitcodes.OK
+    if argv[0] == "--version":
+        print(f"shoestring {__version__}")
+        return exitcodes.OK
+    name, args = argv[0], argv[1:]
+    verb = VERBS.get(name)
+    if verb is None:
+        hint = difflib.get_close_matches(name, VERBS, n=1)
+        print(f"shoestring: error: unknown command {name!r}"
+              + (f" (did you mean {hint[0]!r}?)" if hint else "")
+              + f"; commands: {', '.join(VERBS)}", file=sys.stderr)
+        return exitcodes.USAGE
+    if isinstance(verb, ArgparseVerb):
+        return _run_argparse_verb(name, verb, args, env)
+    return run_verb(name, verb, args, env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,26 +288,22 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     for noisy in ("transformers", "peft", "botocore", "s3fs", "aiobotocore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return exitcodes.USAGE
-    _, run = COMMANDS[args.command]
+    args = sys.argv[1:] if argv is None else list(argv)
+    command = args[0] if args else ""
     try:
-        return run(args, rest, dict(os.environ))
+        return dispatch(args, dict(os.environ))
     except ConfigError as e:
-        print(f"shoestring {args.command}: error: {e}", file=sys.stderr)
+        print(f"shoestring {command}: error: {e}", file=sys.stderr)
         return exitcodes.USAGE
     except Exception as e:  # noqa: BLE001 - a clear one-line error, traceback on request
         from shoestring.checkpoint import CheckpointSaveError
         from shoestring.train.data import DataError
 
         if isinstance(e, DataError):
-            print(f"shoestring {args.command}: error: {e}", file=sys.stderr)
+            print(f"shoestring {command}: error: {e}", file=sys.stderr)
             return exitcodes.USAGE
         if isinstance(e, CheckpointSaveError):
-            print(f"shoestring {args.command}: error: {e}", file=sys.stderr)
+            print(f"shoestring {command}: error: {e}", file=sys.stderr)
             return exitcodes.FAILED
         raise
 

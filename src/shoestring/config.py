@@ -1,28 +1,35 @@
-"""One config system for every verb.
+"""One config system for every verb: the machinery.
 
-A config is a tree of dataclasses. Each field carries its help text in
-``metadata["help"]``; that text feeds ``--help`` and the docs. Values come from
-three layers, later ones winning: the dataclass defaults, a YAML file
-(``--config``), and dotted command-line overrides (``--train.lr 1e-4``).
+A config is a tree of dataclasses whose fields are :func:`knob` s: a default, help
+text (it feeds ``--help`` and the docs) and an optional ``check``. A field typed
+with a ``Literal[...]`` alias takes exactly those values; the alias is the one
+place the choices are written. Values come from three layers, later ones winning:
+the dataclass defaults, a YAML file (``--config``), and command-line flags
+(``--train.lr 1e-4``; ``--hang-floor 5``: dashes in a flag are underscores in the key).
 
 Every value is checked before any expensive work. A bad key or value raises
 :class:`ConfigError` whose message names the key and where it came from: the
 YAML file and line, or the command-line flag.
+
+This module knows no verb and imports no pillar: each config tree lives with its
+owner (``shoestring.train.config``, ``shoestring.supervise.config``, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
-import re
+import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Literal, Mapping, TypeVar, Union
 
 import yaml
+
+T = TypeVar("T")
+Check = Callable[[Any], "str | None"]
 
 
 class ConfigError(ValueError):
@@ -30,21 +37,29 @@ class ConfigError(ValueError):
 
 
 def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
-         check: Callable[[Any], str | None] | None = None) -> Any:
-    """A config field: default value, help text, optional choices and check.
+         check: Check | None = None, repeat: bool = False) -> Any:
+    """A config field: default value, help text, optional check.
 
-    ``check`` returns an error string (without the key) or ``None``.
+    ``check`` returns an error string (without the key) or ``None``; it is not
+    called for ``None``. Choices come from a ``Literal`` field type; ``choices``
+    is for fields still typed ``str``. ``repeat``: a list whose flag may be given
+    several times, each adding one item verbatim (no splitting at commas).
     """
     meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = choices
     if check is not None:
         meta["check"] = check
+    if repeat:
+        meta["repeat"] = True
     if isinstance(default, (list, dict)):
         def copy_of() -> Any:  # a fresh list/dict per instance
             return type(default)(default)
         return field(default_factory=copy_of, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- checks
 
 
 def positive(v: Any) -> str | None:
@@ -59,222 +74,17 @@ def unit_interval(v: Any) -> str | None:
     return None if 0.0 <= v < 1.0 else "must be in [0, 1)"
 
 
-# --------------------------------------------------------------------------- finetune
+def at_least(low: int) -> Check:
+    """A check: ``v >= low``."""
+    return lambda v: None if v >= low else f"must be >= {low}"
 
 
-@dataclass
-class ModelConfig:
-    path: str = knob("builtin:tiny", "Local directory of a Hugging Face causal LM (config.json, "
-                     "weights, tokenizer). 'builtin:tiny' builds the embedded tiny model.")
-    dtype: str = knob("auto", "Dtype of the frozen base weights. 'auto': float32 on CPU; on "
-                      "CUDA bfloat16 where the GPU supports it, else float16 (T4, V100). "
-                      "Resolved once at start and recorded in config.yaml.",
-                      choices=("auto", "float32", "bfloat16", "float16"))
-    gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save memory.")
-    attn_implementation: str = knob("sdpa", "Attention kernel: 'sdpa' (torch's fused "
-                                    "scaled-dot-product attention), 'eager' (plain matmuls), "
-                                    "'flash_attention_2' (needs the flash-attn package and a "
-                                    "CUDA GPU).",
-                                    choices=("sdpa", "eager", "flash_attention_2"))
+def in_range(low: int, high: int) -> Check:
+    """A check: ``low <= v <= high``."""
+    return lambda v: None if low <= v <= high else f"must be in {low}..{high}"
 
 
-@dataclass
-class DataConfig:
-    train: str = knob("builtin:reverse", "Training JSONL: one {\"text\": ...} or "
-                      "{\"prompt\": ..., \"completion\": ...} object per line. "
-                      "'builtin:reverse' uses the bundled word-reversal task.")
-    eval: str = knob("auto", "Held-out JSONL in the same format. 'auto': the bundled task's "
-                     "held-out split when data.train is built in, else none. Empty: no eval.")
-    max_length: int = knob(64, "Maximum tokens per sample (packing block size when packing).",
-                           check=positive)
-    packing: bool = knob(False, "Pack samples into max_length blocks instead of padding each batch.")
-
-
-@dataclass
-class TrainConfig:
-    max_steps: int = knob(1000, "Optimizer steps to train for.", check=positive)
-    seed: int = knob(0, "Seed for LoRA init, dropout and data order.")
-    batch_size: int = knob(16, "Global batch: samples per optimizer step, summed over ranks and "
-                           "accumulated micro-batches. The same at any world size.",
-                           check=positive)
-    micro_batch_size: int = knob(0, "Samples per forward pass on one rank (0: batch_size / world "
-                                 "size, no accumulation). Accumulation steps = batch_size / "
-                                 "(micro_batch_size x world size). Dropout masks are drawn per "
-                                 "micro-batch: keep it fixed to resume exactly at another world "
-                                 "size.", check=non_negative)
-    lr: float = knob(2e-3, "Peak learning rate of AdamW.", check=positive)
-    weight_decay: float = knob(0.0, "AdamW weight decay.", check=non_negative)
-    warmup_steps: int = knob(30, "Linear warm-up steps before the cosine decay.", check=non_negative)
-    min_lr_ratio: float = knob(0.1, "Final learning rate as a fraction of train.lr.",
-                               check=unit_interval)
-    max_grad_norm: float = knob(1.0, "Clip the gradient norm to this (0: no clipping).",
-                                check=non_negative)
-    log_every_steps: int = knob(10, "Plain-log interval in steps when stderr is not a terminal.",
-                                check=positive)
-    num_threads: int = knob(0, "torch intra-op threads (0: leave torch's default).",
-                            check=non_negative)
-    device: str = knob("auto", "Where training runs: 'auto' (cuda:LOCAL_RANK when CUDA is "
-                       "available, else cpu), 'cpu', 'cuda' (cuda:LOCAL_RANK) or 'cuda:N'. "
-                       "Base model, adapters, batches and optimizer state all live there.",
-                       check=lambda v: None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)
-                       else "must be auto, cpu, cuda or cuda:N")
-    precision: str = knob("auto", "Compute precision of forward and backward: 'bf16' (autocast "
-                          "to bfloat16), 'fp16' (autocast to float16 with a gradient scaler, "
-                          "checkpointed; CUDA only), 'fp32'. 'auto': bf16 on GPUs that support "
-                          "it, fp16 on older ones (T4, V100), fp32 on CPU. Adapters and "
-                          "optimizer state stay float32.",
-                          choices=("auto", "bf16", "fp16", "fp32"))
-    deterministic: bool = knob(False, "Reproducible CUDA kernels: torch.use_deterministic_algorithms, "
-                               "CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN benchmark and TF32 off. "
-                               "With it a resumed GPU run is byte-identical to an uninterrupted "
-                               "one (CPU runs are already). Costs speed: see docs/planner.md.")
-    optimizer: str = knob("adamw", "adamw: torch AdamW (fp32 moments). adamw8bit: bitsandbytes "
-                          "8-bit AdamW (moments in uint8 blocks, 4x smaller). paged_adamw8bit: "
-                          "the same in CUDA unified memory, paged to host RAM under pressure "
-                          "(absorbs spikes; on CPU it equals adamw8bit).",
-                          choices=("adamw", "adamw8bit", "paged_adamw8bit"))
-
-
-@dataclass
-class EvalConfig:
-    every_steps: int = knob(0, "Evaluate every N steps (0: only before and after training).",
-                            check=non_negative)
-    batch_size: int = knob(32, "Samples per eval batch.", check=positive)
-    max_samples: int = knob(0, "Evaluate on at most this many samples (0: all).",
-                            check=non_negative)
-    exact_match: bool = knob(True, "For prompt/completion data, also greedy-decode each prompt "
-                             "and report exact-match accuracy.")
-    max_new_tokens: int = knob(32, "Generation cap for exact-match eval.", check=positive)
-
-
-@dataclass
-class LoraSection:
-    r: int = knob(16, "LoRA rank.", check=positive)
-    alpha: float = knob(32.0, "LoRA scaling numerator (scale = alpha / r).", check=positive)
-    dropout: float = knob(0.05, "Dropout on the LoRA input.", check=unit_interval)
-    target_modules: list[str] = knob(["all-linear"], "Module names to adapt, or ['all-linear'].")
-    quantize: str = knob("none", "Load the frozen base quantized by bitsandbytes (QLoRA): 'nf4' "
-                         "is 4-bit NormalFloat with double quantization, 'int8' is LLM.int8. "
-                         "Needs the qlora extra (pip install 'shoestring[qlora]'). On CPU, "
-                         "4-bit layer widths must be multiples of 64.",
-                         choices=("none", "nf4", "int8"))
-
-
-@dataclass
-class CheckpointConfig:
-    every_steps: int = knob(100, "Save every N optimizer steps (0: off). With interval "
-                            "'auto', the interval until the first save is timed.",
-                            check=non_negative)
-    interval: str = knob("fixed", "'fixed': every_steps / every_seconds. 'auto': choose the "
-                         "interval from the measured blocking cost of a save and the mean "
-                         "time between failures that lose work (Young/Daly), re-tuned "
-                         "after every save.", choices=("fixed", "auto"))
-    mtbf_hours: float = knob(20.0, "interval 'auto': prior mean time between failures that "
-                             "lose work (kills without notice), updated by the failures this "
-                             "run has seen.", check=positive)
-    every_seconds: float = knob(0.0, "Also save when this many seconds passed since the last "
-                                "save (0: off).", check=non_negative)
-    keep: int = knob(2, "Committed checkpoints to keep; older ones are deleted only after a "
-                     "newer one is committed.", check=positive)
-    storage: str = knob("", "Where checkpoints are published: a local path or an fsspec URL "
-                        "(s3://bucket/prefix, gs://...). Empty: OUTPUT/checkpoints only. "
-                        "OUTPUT/checkpoints is always the local cache.")
-    async_mode: str = knob("thread", "Serialize and upload in a background thread, a "
-                           "background process, or 'off' (synchronous).",
-                           choices=("thread", "process", "off"))
-    verify: bool = knob(True, "Verify sha256 of every file against the manifest on load.")
-
-
-@dataclass
-class PreemptConfig:
-    signal: str = knob("SIGUSR1", "Extra signal that means 'checkpoint and exit' besides "
-                       "SIGTERM and SIGINT (NCCL may use SIGUSR1; SIGUSR2 is the alternative).",
-                       choices=("SIGUSR1", "SIGUSR2", "none"))
-    cloud: str = knob("auto", "Cloud preemption notices to watch: 'aws' (Spot interruption, "
-                      "~2 min), 'gcp' (Spot/preemptible, ~30 s), 'azure' (Spot Preempt event, "
-                      ">= 30 s), 'none', or 'auto': detect the provider from the firmware's "
-                      "DMI strings (no network probe; none found: no watcher).",
-                      choices=("auto", "none", "aws", "gcp", "azure"))
-    metadata_url: str = knob("", "Base URL of the metadata service for preempt.cloud (empty: "
-                             "http://169.254.169.254). Point it at a fake server to rehearse a "
-                             "preemption: python -m shoestring.preempt.fakes aws. Needs an "
-                             "explicit preempt.cloud.")
-    poll_s: float = knob(1.0, "Seconds between metadata polls for aws and azure (AWS advises "
-                         "<= 5; gcp long-polls and ignores this).", check=positive)
-
-
-@dataclass
-class CostConfig:
-    market: str = knob("spot", "Price the cost ledger charges: spot or on-demand.",
-                       choices=("spot", "on_demand"))
-    usd_per_hour: float = knob(0.0, "Price per device-hour on that market (0: the GPU "
-                               "catalog of shoestring plan, by the detected GPU).",
-                               check=non_negative)
-
-
-@dataclass
-class ExportConfig:
-    merged: bool = knob(False, "Also write OUTPUT/merged/: the base model with the adapter merged in.")
-
-
-@dataclass
-class DistributedConfig:
-    strategy: str = knob("ddp", "With several processes (torchrun, shoestring run "
-                         "--nproc-per-node, srun): 'ddp' replicates the model on each rank; "
-                         "'fsdp' shards weights, gradients and optimizer state (FSDP2) for "
-                         "models that do not fit one device. Ignored in a single process.",
-                         choices=("ddp", "fsdp"))
-    backend: str = knob("auto", "torch.distributed backend ('auto': nccl on GPUs, gloo on CPU).",
-                        choices=("auto", "gloo", "nccl"))
-    timeout_s: float = knob(1800.0, "Collective timeout in seconds (the last resort; "
-                            "shoestring run detects hangs sooner).", check=positive)
-
-
-@dataclass
-class WatchConfig:
-    enabled: bool = knob(True, "Publish this rank's live state (phase, step, collectives) to "
-                         "OUTPUT/ranks/rank<R>/live.json for the shoestring run watchdog.")
-    interval_s: float = knob(1.0, "How often the live state is written, in seconds.",
-                             check=positive)
-
-
-@dataclass
-class PlanSection:
-    gpu: str = knob("auto", "GPU to plan memory for before loading the model: a catalog name "
-                    "(shoestring plan --list-gpus), 'auto' (the detected CUDA device; no check "
-                    "on CPU) or 'none' (no check).")
-    enforce: bool = knob(True, "Refuse to start when the plan says the config will not fit "
-                         "the GPU (false: warn and start anyway).")
-
-
-@dataclass
-class FinetuneConfig:
-    output_dir: str = knob("runs/finetune", "Run directory: events.jsonl, checkpoints/, final/.")
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    lora: LoraSection = field(default_factory=LoraSection)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    preempt: PreemptConfig = field(default_factory=PreemptConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    watch: WatchConfig = field(default_factory=WatchConfig)
-    cost: CostConfig = field(default_factory=CostConfig)
-    plan: PlanSection = field(default_factory=PlanSection)
-
-
-#: Keys that may change between a checkpoint and its resume without breaking
-#: the continuation. Anything else changed makes ``--resume`` refuse.
-RESUME_SAFE_PREFIXES: tuple[str, ...] = (
-    "output_dir", "train.max_steps", "train.log_every_steps", "train.num_threads",
-    "train.device", "train.deterministic",
-    "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.", "watch.", "cost.",
-    "plan.",
-)
-
-
-# --------------------------------------------------------------------------- machinery
+# --------------------------------------------------------------------------- types
 
 
 @dataclass(frozen=True)
@@ -288,7 +98,10 @@ class Source:
         return self.where
 
 
-def iter_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], type]]:
+Layer = tuple[str, Any, Source]
+
+
+def iter_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any], Any]]:
     """Yield (dotted key, field, resolved type) for every leaf of a config class."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -300,11 +113,28 @@ def iter_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.
             yield key, f, tp
 
 
-def _coerce(key: str, value: Any, tp: Any, src: Source) -> Any:
+def _optional_of(tp: Any) -> Any:
+    """``X`` for ``X | None`` (``Optional[X]``), else ``None``."""
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 else None
+
+
+def choices_of(f: dataclasses.Field[Any], tp: Any) -> tuple[Any, ...] | None:
+    """The values a field allows: its ``Literal`` type's, else a ``choices=``, else None."""
+    inner = _optional_of(tp)
+    tp = inner if inner is not None else tp
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    choices: tuple[Any, ...] | None = f.metadata.get("choices")
+    return choices
+
+
+def _coerce_scalar(key: str, value: Any, tp: Any, src: Source) -> Any:
     def bad(expected: str) -> ConfigError:
         return ConfigError(f"{src}: '{key}' expects {expected}, got {value!r}")
 
-    origin = typing.get_origin(tp)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -333,18 +163,32 @@ def _coerce(key: str, value: Any, tp: Any, src: Source) -> Any:
         if isinstance(value, (dict, list)):
             raise bad("a string")
         return str(value)
+    raise ConfigError(f"{src}: '{key}' has unsupported type {tp}")  # pragma: no cover
+
+
+def _coerce(key: str, value: Any, tp: Any, src: Source) -> Any:
+    inner = _optional_of(tp)
+    if inner is not None:
+        return None if value is None else _coerce(key, value, inner, src)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        return _coerce_scalar(key, value, type(allowed[0]), src)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
-            raise bad("a list")
+            raise ConfigError(f"{src}: '{key}' expects a list, got {value!r}")
         item_src = Source(src.where)
         return [_coerce(key, v, item_tp, item_src) for v in value]
-    raise ConfigError(f"{src}: '{key}' has unsupported type {tp}")  # pragma: no cover
+    return _coerce_scalar(key, value, tp, src)
 
 
-def _yaml_leaves(node: yaml.Node, path: str, prefix: str = "") -> Iterator[tuple[str, Any, Source]]:
+# --------------------------------------------------------------------------- YAML
+
+
+def _yaml_leaves(node: yaml.Node, path: str, prefix: str = "") -> Iterator[Layer]:
     if not isinstance(node, yaml.MappingNode):
         where = f"{path}:{node.start_mark.line + 1}"
         raise ConfigError(f"{where}: expected a mapping of config keys")
@@ -363,13 +207,13 @@ def _yaml_leaves(node: yaml.Node, path: str, prefix: str = "") -> Iterator[tuple
             yield key, value, src
 
 
-def read_yaml(path: str | Path) -> list[tuple[str, Any, Source]]:
+def read_yaml(path: str | Path, flag: str = "--config") -> list[Layer]:
     """Read a YAML config into (dotted key, value, source) triples with line numbers."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
-        raise ConfigError(f"--config: cannot read {p}: {e.strerror}") from e
+        raise ConfigError(f"{flag}: cannot read {p}: {e.strerror}") from e
     try:
         node = yaml.compose(text)
     except yaml.YAMLError as e:
@@ -381,33 +225,173 @@ def read_yaml(path: str | Path) -> list[tuple[str, Any, Source]]:
     return list(_yaml_leaves(node, str(p)))
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, Any, Source]]:
-    """Parse ``--a.b VALUE`` / ``--a.b=VALUE`` pairs; values are read as YAML scalars."""
-    out: list[tuple[str, Any, Source]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or len(arg) <= 2:
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
-        if "=" in arg:
-            flag, raw = arg.split("=", 1)
-            i += 1
+# --------------------------------------------------------------------------- command line
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """How a verb's command line maps onto its config keys, besides ``--KEY VALUE``."""
+
+    aliases: Mapping[str, str] = field(default_factory=dict)  # flag as typed -> key ("-o")
+    positional: str | None = None  # key a bare argument sets (report RUN_DIR)
+    command: str | None = None  # list key that "-- COMMAND ..." sets (run)
+    # Flags of keys the verb does not have are handed on, not errors (slurm passes the
+    # finetune overrides on): the class they are for (its booleans may stand alone).
+    passthrough: type | None = None
+    config_flag: str | None = "--config"  # the flag naming this verb's YAML file
+
+
+@dataclass
+class Parsed:
+    """A command line, read: the YAML file named, the flag layers, what is handed on."""
+
+    config_file: str | None = None
+    layers: list[Layer] = field(default_factory=list)
+    rest: list[str] = field(default_factory=list)
+    help: bool = False  # -h or --help among the flags (not in COMMAND)
+
+
+def _yaml_scalar(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _is_bool(text: str) -> bool:
+    return not text.startswith("-") and isinstance(_yaml_scalar(text), bool)
+
+
+class _Reader:
+    """One pass over argv: flags, switches, a positional, ``-- COMMAND``, passthrough."""
+
+    def __init__(self, args: list[str], switches: Collection[str],
+                 known: Collection[str] | None, spec: ArgSpec) -> None:
+        self.args, self.switches, self.known, self.spec = args, switches, known, spec
+        self.passed = switches_of(spec.passthrough) if spec.passthrough else set()
+        self.out = Parsed()
+        self.i = 0
+        self.positional_seen = False
+
+    def read(self) -> Parsed:
+        while self.i < len(self.args):
+            arg = self.args[self.i]
+            if arg == "--" and self.spec.command:
+                self._command(self.i + 1, "-- COMMAND")
+            elif arg in ("-h", "--help"):
+                self.out.help = True
+                self.i += 1
+            elif arg in self.spec.aliases or (arg.startswith("--") and len(arg) > 2):
+                self.i += 1
+                self._flag(arg)
+            elif arg == "--":
+                raise ConfigError("unexpected argument '--': this command runs no COMMAND")
+            elif arg.startswith("-") and len(arg) > 1:
+                raise ConfigError(f"{arg}: unknown flag (flags look like --key VALUE)")
+            elif self.spec.positional and not self.positional_seen:
+                name = self.spec.positional
+                self.out.layers.append((name, arg, Source(name.upper(), arg)))
+                self.positional_seen = True
+                self.i += 1
+            elif self.spec.command:
+                self._command(self.i, "COMMAND")
+            else:
+                raise ConfigError(f"unexpected argument {arg!r}: flags look like --key VALUE")
+        return self.out
+
+    def _command(self, start: int, where: str) -> None:
+        assert self.spec.command is not None
+        self.out.layers.append((self.spec.command, list(self.args[start:]), Source(where)))
+        self.i = len(self.args)
+
+    def _next(self, flag: str) -> str:
+        if self.i >= len(self.args):
+            raise ConfigError(f"{flag}: missing value")
+        self.i += 1
+        return self.args[self.i - 1]
+
+    def _pass_on(self, arg: str, flag: str, key: str, eq: str) -> None:
+        self.out.rest.append(arg)
+        if eq or (key.startswith("no_") and key[3:] in self.passed):
+            return
+        if key not in self.passed:
+            self.out.rest.append(self._next(flag))
+        elif self.i < len(self.args) and _is_bool(self.args[self.i]):
+            self.out.rest.append(self._next(flag))
+
+    def _flag(self, arg: str) -> None:
+        flag, eq, raw = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        key = self.spec.aliases.get(flag) or flag[2:].replace("-", "_")
+        if flag == self.spec.config_flag:
+            self.out.config_file = raw if eq else self._next(flag)
+            return
+        negated = key not in self.switches and key.startswith("no_") and key[3:] in self.switches
+        if self.known is not None and key not in self.known and not negated:
+            self._pass_on(arg, flag, key, eq)
+            return
+        if negated:
+            if eq:
+                raise ConfigError(f"{flag}: takes no value (it means --{key[3:]} false)")
+            self.out.layers.append((key[3:], False, Source(flag)))
+        elif key in self.switches and not eq:
+            value, text = True, None
+            if self.i < len(self.args) and _is_bool(self.args[self.i]):
+                text = self._next(flag)
+                value = _yaml_scalar(text)
+            self.out.layers.append((key, value, Source(flag, text)))
         else:
-            flag = arg
-            if i + 1 >= len(args):
-                raise ConfigError(f"{flag}: missing value")
-            raw = args[i + 1]
-            i += 2
-        key = flag[2:].replace("-", "_")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        out.append((key, value, Source(flag, raw)))
-    return out
+            if not eq:
+                raw = self._next(flag)
+            self.out.layers.append((key, _yaml_scalar(raw), Source(flag, raw)))
 
 
-def build(cls: type, layers: list[tuple[str, Any, Source]]) -> Any:
+def switches_of(cls: type) -> set[str]:
+    """The boolean keys of a config class: a flag alone means true, ``--no-KEY`` false."""
+    return {key for key, _f, tp in iter_fields(cls) if (_optional_of(tp) or tp) is bool}
+
+
+def parse_command_line(args: list[str], cls: type, spec: ArgSpec = ArgSpec(),
+                       also: type | None = None) -> Parsed:
+    """Read a verb's argv against its config class (and ``also``, a flag-only options
+    class). Errors name the flag as typed."""
+    classes = [cls] + ([also] if also is not None else [])
+    known = {key for c in classes for key, _f, _tp in iter_fields(c)}
+    switches = {key for c in classes for key in switches_of(c)}
+    return _Reader(list(args), switches, known if spec.passthrough else None, spec).read()
+
+
+def parse_overrides(args: list[str], switches: Collection[str] = ()) -> list[Layer]:
+    """Parse ``--a.b VALUE`` / ``--a.b=VALUE`` pairs; values are read as YAML scalars.
+    A key in ``switches`` (a boolean) may stand alone, or as ``--no-KEY``."""
+    return _Reader(list(args), switches, None, ArgSpec(config_flag=None)).read().layers
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """What a verb's runner gets besides its config. Made by :mod:`shoestring.cli`, the
+    one module that reads the process environment and argv."""
+
+    env: Mapping[str, str]
+    rest: tuple[str, ...] = ()  # flags handed on unparsed (slurm: the finetune overrides)
+    options: Any = None  # the verb's flag-only options (finetune: FinetuneOptions)
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _check(key: str, f: dataclasses.Field[Any], tp: Any, v: Any, src: Source) -> None:
+    choices = choices_of(f, tp)
+    if choices is not None and v is not None and v not in choices:
+        raise ConfigError(f"{src}: '{key}' must be one of {', '.join(map(str, choices))}; "
+                          f"got {v!r}")
+    check = f.metadata.get("check")
+    if check is not None and v is not None:
+        problem = check(v)
+        if problem:
+            raise ConfigError(f"{src}: '{key}' {problem}; got {v!r}")
+
+
+def build(cls: type[T], layers: list[Layer]) -> T:
     """Build and validate a config object from (key, value, source) triples."""
     leaves = {key: (f, tp) for key, f, tp in iter_fields(cls)}
     values: dict[str, Any] = {}
@@ -417,17 +401,18 @@ def build(cls: type, layers: list[tuple[str, Any, Source]]) -> Any:
             extra = f" (did you mean '{hint[0]}'?)" if hint else ""
             raise ConfigError(f"{src}: unknown key '{key}'{extra}")
         f, tp = leaves[key]
+        repeat = f.metadata.get("repeat", False)
+        if repeat and isinstance(value, str):
+            value = [src.raw if src.raw is not None else value]
         v = _coerce(key, value, tp, src)
-        choices = f.metadata.get("choices")
-        if choices is not None and v not in choices:
-            raise ConfigError(f"{src}: '{key}' must be one of {', '.join(choices)}; got {v!r}")
-        check = f.metadata.get("check")
-        if check is not None:
-            problem = check(v)
-            if problem:
-                raise ConfigError(f"{src}: '{key}' {problem}; got {v!r}")
+        if repeat:
+            for item in v:
+                _check(key, f, tp, item, src)
+            v = values.get(key, []) + v
+        else:
+            _check(key, f, tp, v, src)
         values[key] = v
-    return _instantiate(cls, values, "")
+    return typing.cast(T, _instantiate(cls, values, ""))
 
 
 def _instantiate(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
@@ -443,13 +428,16 @@ def _instantiate(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def load(cls: type, config_file: str | None, overrides: list[str]) -> Any:
+def load(cls: type[T], config_file: str | None, overrides: list[str]) -> T:
     """Defaults, then the YAML file, then command-line overrides."""
-    layers: list[tuple[str, Any, Source]] = []
+    layers: list[Layer] = []
     if config_file:
         layers += read_yaml(config_file)
-    layers += parse_overrides(overrides)
+    layers += parse_overrides(overrides, switches_of(cls))
     return build(cls, layers)
+
+
+# --------------------------------------------------------------------------- output
 
 
 def to_flat(cfg: Any) -> dict[str, Any]:
@@ -467,26 +455,26 @@ def to_yaml(cfg: Any) -> str:
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
-def resume_relevant(flat: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in flat.items() if not k.startswith(RESUME_SAFE_PREFIXES)}
+def _type_name(f: dataclasses.Field[Any], tp: Any) -> str:
+    choices = choices_of(f, tp)
+    if choices:
+        return "|".join(map(str, choices))
+    tp = _optional_of(tp) or tp
+    if typing.get_origin(tp) is list:
+        return "LIST"
+    return str(getattr(tp, "__name__", tp)).replace("typing.", "").upper()
 
 
-def config_hash(cfg: Any) -> str:
-    """Hash of the keys that must not change across a resume."""
-    blob = json.dumps(resume_relevant(to_flat(cfg)), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def help_table(cls: type) -> str:
-    """Every key with its type, default and help, for ``--help``."""
+def help_table(cls: type, *, dashes: bool = False, width: int | None = None) -> str:
+    """Every key with its type, default and help, for ``--help``. ``dashes``: show the
+    flag spelling of a flat verb (``--hang-floor``) instead of the key (``--hang_floor``).
+    ``width``: wrap the help text (default: one line per key)."""
     lines = []
     defaults = to_flat(cls())
     for key, f, tp in iter_fields(cls):
-        tname = getattr(tp, "__name__", str(tp)).replace("typing.", "")
-        if typing.get_origin(tp) is list:
-            tname = "list"
-        choices = f.metadata.get("choices")
-        tdesc = "|".join(choices) if choices else tname
-        lines.append(f"  --{key} {tdesc.upper() if not choices else tdesc}  (default: {defaults[key]!r})")
-        lines.append(f"      {f.metadata.get('help', '')}")
+        flag = key.replace("_", "-") if dashes else key
+        lines.append(f"  --{flag} {_type_name(f, tp)}  (default: {defaults[key]!r})")
+        text = f.metadata.get("help", "")
+        lines += textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6) \
+            if width else [f"      {text}"]
     return "\n".join(lines)

@@ -7,7 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from shoestring.config import ConfigError, FinetuneConfig
+from shoestring.config import ConfigError
+from shoestring.train.config import FinetuneConfig
 from shoestring.plan.estimate import Plan, Schedule, make_plan
 from shoestring.plan.gpus import GPU, GiB, detect_gpu_name, find_gpu
 from shoestring.plan.workload import arch_for, workload_from_config

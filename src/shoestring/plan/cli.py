@@ -2,61 +2,89 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shoestring import exitcodes
-from shoestring.config import ConfigError
+from shoestring.config import Invocation, knob, positive, unit_interval
 from shoestring.plan.arch import LINEARS, PRESETS
-from shoestring.plan.gpus import CATALOG, GiB
+from shoestring.plan.gpus import CATALOG, GiB, find_gpu
+from shoestring.plan.memory import Method
+from shoestring.train.config import ComputeDtype, Optimizer, Quantize
 
-EPILOG = """\
+if TYPE_CHECKING:
+    from shoestring.plan.workload import PlanRequest
+
+PLAN_EPILOG = """\
 --model takes a preset ({presets}), a local model directory or a config.json.
 With --config, the finetune YAML supplies the defaults (model.path, lora.*, data.max_length,
 train.micro_batch_size / batch_size, train.max_steps, train.optimizer,
-model.gradient_checkpointing); flags override it.
+model.gradient_checkpointing); flags override it. The keys above can also come from a
+YAML of their own: --plan-config FILE.yaml (gpu: T4, seq_len: 2048, ...).
 
 exit codes: 0 fits; 1 does not fit; 2 bad arguments.
 examples:
   shoestring plan --model llama-3-8b --method qlora --seq-len 2048 --gpu T4
   shoestring plan --config configs/llama-7b-lora-spot.yaml --gpu L4 --json
-"""
+""".format(presets=", ".join(sorted(PRESETS)))
 
 
-def plan_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "plan", help="predict peak GPU memory, time and cost of a fine-tune before running it",
-        description="Predict whether a fine-tune fits a GPU (memory breakdown by component), the "
-                    "largest micro-batch and sequence that fit, what to change if it does not, "
-                    "and time and cost on demand and on spot. Nothing is loaded or downloaded.",
-        epilog=EPILOG.format(presets=", ".join(sorted(PRESETS))),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE.yaml", help="a shoestring finetune config")
-    p.add_argument("--model", help="preset name, model directory or config.json")
-    p.add_argument("--method", choices=("full", "lora", "qlora"), help="default: lora, or "
-                   "qlora when the config sets lora.quantize")
-    p.add_argument("--quantize", choices=("none", "nf4", "int8"), help="base quantization "
-                   "(qlora defaults to nf4)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
-                   help="compute dtype (default bfloat16; float16 on GPUs without bf16)")
-    p.add_argument("--r", type=int, help="LoRA rank (default 16)")
-    p.add_argument("--targets", help=f"comma-separated LoRA targets (default all: {','.join(LINEARS)})")
-    p.add_argument("--lora-dropout", type=float, help="LoRA dropout (default 0.05)")
-    p.add_argument("--seq-len", type=int, help="tokens per sample (default 2048)")
-    p.add_argument("--micro-batch", type=int, help="samples per forward pass (default 1)")
-    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
-                   default=None, help="recompute activations in backward (default on)")
-    p.add_argument("--optimizer", choices=("adamw", "adamw8bit", "paged_adamw8bit"))
-    p.add_argument("--packed", action="store_true", default=None,
-                   help="samples are packed (no attention mask per batch)")
-    p.add_argument("--gpu", default=None, help=f"one of {', '.join(CATALOG)} (default L4)")
-    p.add_argument("--steps", type=int, help="optimizer steps, for time and cost (default 1000)")
-    p.add_argument("--checkpoint-minutes", type=float, default=10.0,
-                   help="checkpoint interval, for the spot-preemption overhead (default 10)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--list-gpus", action="store_true", help="print the GPU catalog and exit")
-    return p
+def _known_gpu(name: str) -> str | None:
+    try:
+        find_gpu(name)
+    except KeyError:
+        return f"must be a GPU of the catalog ({', '.join(CATALOG)}; --list-gpus)"
+    return None
+
+
+@dataclass
+class PlanConfig:
+    """``shoestring plan``: what to plan. Unset keys come from ``config`` (a finetune
+    YAML), else the defaults named in their help."""
+
+    config: str = knob("", "A shoestring finetune config (YAML) that supplies the defaults "
+                       "of the keys below.")
+    model: str = knob("", "Preset name, model directory or config.json.")
+    method: Method | None = knob(None, "Default: lora, or qlora when the config sets "
+                                 "lora.quantize.")
+    quantize: Quantize | None = knob(None, "Base quantization (qlora defaults to nf4).")
+    dtype: ComputeDtype | None = knob(None, "Compute dtype (default bfloat16; float16 on GPUs "
+                                      "without bf16).")
+    r: int | None = knob(None, "LoRA rank (default 16).", check=positive)
+    targets: list[str] | None = knob(None, "Comma-separated LoRA targets (default all: "
+                                     f"{','.join(LINEARS)}).")
+    lora_dropout: float | None = knob(None, "LoRA dropout (default 0.05).",
+                                      check=unit_interval)
+    seq_len: int | None = knob(None, "Tokens per sample (default 2048).", check=positive)
+    micro_batch: int | None = knob(None, "Samples per forward pass (default 1).",
+                                   check=positive)
+    grad_accum: int | None = knob(None, "Micro-batches per optimizer step (default 1).",
+                                  check=positive)
+    gradient_checkpointing: bool | None = knob(None, "Recompute activations in backward "
+                                               "(default on; --no-gradient-checkpointing: off).")
+    optimizer: Optimizer | None = knob(None, "Optimizer (default adamw).")
+    packed: bool = knob(False, "Samples are packed (no attention mask per batch).")
+    gpu: str = knob("L4", f"One of {', '.join(CATALOG)}.", check=_known_gpu)
+    steps: int | None = knob(None, "Optimizer steps, for time and cost (default 1000).",
+                             check=positive)
+    checkpoint_minutes: float = knob(10.0, "Checkpoint interval, for the spot-preemption "
+                                     "overhead.", check=positive)
+    json: bool = knob(False, "Print the plan as JSON.")
+    list_gpus: bool = knob(False, "Print the GPU catalog and exit.")
+
+    def request(self) -> PlanRequest:
+        """The planner's view: unset stays ``None`` (from --config, else the default)."""
+        from shoestring.plan.workload import PlanRequest
+
+        return PlanRequest(
+            config=Path(self.config) if self.config else None, model=self.model or None,
+            method=self.method, quantize=self.quantize, dtype=self.dtype, r=self.r,
+            targets=tuple(self.targets) if self.targets is not None else None,
+            lora_dropout=self.lora_dropout, seq_len=self.seq_len,
+            micro_batch=self.micro_batch, grad_accum=self.grad_accum,
+            gradient_checkpointing=self.gradient_checkpointing, optimizer=self.optimizer,
+            packed=self.packed or None, steps=self.steps)
 
 
 def _list_gpus() -> str:
@@ -70,34 +98,18 @@ def _list_gpus() -> str:
     return "\n".join(rows)
 
 
-def run_plan(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+def run_plan(cfg: PlanConfig, call: Invocation) -> int:
     from shoestring.plan.estimate import Schedule, make_plan
-    from shoestring.plan.gpus import find_gpu
     from shoestring.plan.report import to_json, to_text
-    from shoestring.plan.workload import PlanRequest, resolve_request
+    from shoestring.plan.workload import resolve_request
 
-    if args.list_gpus:
+    if cfg.list_gpus:
         print(_list_gpus())
         return exitcodes.OK
-    if rest:
-        raise ConfigError(f"plan: unexpected arguments {' '.join(rest)}")
-    try:
-        gpu = find_gpu(args.gpu or "L4")
-    except KeyError as e:
-        raise ConfigError(f"--gpu: {e.args[0]}") from None
-    req = PlanRequest(
-        config=Path(args.config) if args.config else None, model=args.model,
-        method=args.method, quantize=args.quantize, dtype=args.dtype, r=args.r,
-        targets=tuple(t.strip() for t in args.targets.split(",") if t.strip())
-        if args.targets else None, lora_dropout=args.lora_dropout, seq_len=args.seq_len,
-        micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-        gradient_checkpointing=args.gradient_checkpointing, optimizer=args.optimizer,
-        packed=args.packed, steps=args.steps)
-    workload, steps = resolve_request(req, gpu, cache_dir=Path(env.get("SHOESTRING_CACHE") or
-                                                              Path.home() / ".cache" / "shoestring"))
-    if args.checkpoint_minutes <= 0:
-        raise ConfigError(f"--checkpoint-minutes: must be > 0, got {args.checkpoint_minutes}")
+    gpu = find_gpu(cfg.gpu)  # checked by the knob
+    cache = Path(call.env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
+    workload, steps = resolve_request(cfg.request(), gpu, cache_dir=cache)
     plan = make_plan(workload, gpu, Schedule(steps=steps,
-                                             checkpoint_minutes=args.checkpoint_minutes))
-    print(to_json(plan) if args.json else to_text(plan))
+                                             checkpoint_minutes=cfg.checkpoint_minutes))
+    print(to_json(plan) if cfg.json else to_text(plan))
     return exitcodes.OK if plan.fits else exitcodes.FAILED

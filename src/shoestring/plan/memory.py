@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import ceil
+from typing import Literal
 
 from shoestring.plan.arch import LINEARS, Arch
+from shoestring.train.config import ComputeDtype, Optimizer, Quantize
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-METHODS = ("full", "lora", "qlora")
-QUANTIZE = ("none", "nf4", "int8")
-OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit")
+Method = Literal["full", "lora", "qlora"]
+DTYPE_BYTES: dict[ComputeDtype, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: bitsandbytes 4-bit: values per absmax block, blocks per second-level absmax.
 NF4_BLOCK = 64
@@ -46,9 +46,9 @@ class Workload:
     """What is trained, and how. Shapes only: nothing is loaded."""
 
     arch: Arch
-    method: str = "lora"  # full | lora | qlora
-    quantize: str = "none"  # none | nf4 | int8 (qlora implies nf4 unless int8)
-    dtype: str = "bfloat16"  # compute / base-weight dtype
+    method: Method = "lora"
+    quantize: Quantize = "none"  # qlora implies nf4 unless int8
+    dtype: ComputeDtype = "bfloat16"  # compute / base-weight dtype
     lora_r: int = 16
     lora_targets: tuple[str, ...] = LINEARS
     lora_dropout: float = 0.05
@@ -56,13 +56,13 @@ class Workload:
     micro_batch: int = 1
     grad_accum: int = 1
     gradient_checkpointing: bool = True
-    optimizer: str = "adamw"
+    optimizer: Optimizer = "adamw"
     padded: bool = True  # batches carry an attention mask (no packing)
     device: str = "cuda"  # cuda | cpu: dropout masks are 1-byte bools on CUDA only
     double_quant: bool = True
 
     @property
-    def quant(self) -> str:
+    def quant(self) -> Quantize:
         if self.method == "qlora":
             return self.quantize if self.quantize != "none" else "nf4"
         return self.quantize if self.method == "lora" else "none"

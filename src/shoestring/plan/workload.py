@@ -6,10 +6,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shoestring.config import ConfigError, FinetuneConfig, load
+from shoestring.config import ConfigError, load
+from shoestring.train.config import FinetuneConfig
 from shoestring.plan.arch import LINEARS, Arch, from_hf_config, load_arch
 from shoestring.plan.gpus import GPU
-from shoestring.plan.memory import Workload
+from shoestring.plan.memory import Method, Workload
 
 
 def builtin_arch() -> Arch:
@@ -52,7 +53,7 @@ def workload_from_config(cfg: FinetuneConfig, arch: Arch, world_size: int = 1,
         dtype = "bfloat16" if gpu is None or gpu.bf16_flops else "float16"
     mb = t.micro_batch_size or max(t.batch_size // world_size, 1)
     accum = max(t.batch_size // (mb * world_size), 1)
-    method = "qlora" if cfg.lora.quantize != "none" else "lora"
+    method: Method = "qlora" if cfg.lora.quantize != "none" else "lora"
     w = Workload(arch=arch, method=method, quantize=cfg.lora.quantize, dtype=dtype,
                  lora_r=cfg.lora.r, lora_targets=_targets(cfg.lora.target_modules,
                                                           "lora.target_modules"),

@@ -32,11 +32,17 @@ DMI_DIR = Path("/sys/class/dmi/id")
 
 
 class PreemptSettings(Protocol):
-    """The ``preempt.*`` config keys this module reads."""
+    """The ``preempt.*`` config keys this module reads (read-only: a ``Literal`` field
+    of the config satisfies ``str``)."""
 
-    cloud: str
-    metadata_url: str
-    poll_s: float
+    @property
+    def cloud(self) -> str: ...
+
+    @property
+    def metadata_url(self) -> str: ...
+
+    @property
+    def poll_s(self) -> float: ...
 
 
 def _read(path: Path) -> str:

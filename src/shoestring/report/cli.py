@@ -1,79 +1,66 @@
-"""The ``report`` and ``top`` verbs of the ``shoestring`` command (parsers and runners
-registered in :data:`shoestring.cli.COMMANDS`)."""
+"""The ``report`` and ``top`` verbs of the ``shoestring`` command: their configs and
+runners (registered in :data:`shoestring.cli.VERBS`)."""
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from shoestring.config import ConfigError
+from shoestring.config import ConfigError, Invocation, knob, positive
 
-
-def report_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "report", help="write one self-contained HTML report of a run directory",
-        description="Merge the event logs of every rank and attempt in RUN_DIR and write one "
-                    "HTML file (inline SVG plots, no network needed to view it): summary, "
-                    "timeline of attempts, restarts, preemptions, checkpoints and alarms, "
-                    "step time per rank, communication share, loss, alarms and hang "
-                    "verdicts, checkpoints, host/GPU metrics when sampled.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
-    p.add_argument("--output", "-o", metavar="PATH",
-                   help="where to write the HTML (default: RUN_DIR/report.html)")
-    return p
+Color = Literal["auto", "always", "never"]
 
 
-def run_report(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+@dataclass
+class ReportConfig:
+    """``shoestring report RUN_DIR``."""
+
+    run_dir: str = knob("", "The run's output_dir (the positional RUN_DIR).")
+    output: str = knob("", "Where to write the HTML (-o; empty: RUN_DIR/report.html).")
+
+
+@dataclass
+class TopConfig:
+    """``shoestring top RUN_DIR``."""
+
+    run_dir: str = knob("", "The run's output_dir (the positional RUN_DIR).")
+    once: bool = knob(False, "Print one frame and exit (for scripts and pipes).")
+    interval: float = knob(1.0, "Seconds between refreshes.", check=positive)
+    color: Color = knob("auto", "ANSI colours ('auto': when writing to a terminal).")
+
+
+def run_report(cfg: ReportConfig, call: Invocation) -> int:
     from shoestring.report.html import write_report
     from shoestring.report.timeline import event_files, load
 
-    run_dir = _run_dir(args.run_dir, rest)
+    run_dir = _run_dir(cfg.run_dir, "report")
     if not event_files(run_dir):
         raise ConfigError(f"{run_dir}: no events.jsonl here (is it a run's output_dir?)")
     tl = load(run_dir)
-    out = write_report(run_dir, args.output, timeline=tl)
+    out = write_report(run_dir, cfg.output or None, timeline=tl)
     skipped = f"; {tl.skipped_lines} unreadable line(s) skipped" if tl.skipped_lines else ""
     print(f"report: {out} ({len(tl.events)} events from {len(tl.sources)} file(s){skipped})")
     return 0
 
 
-def top_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "top", help="live terminal view of a run: ranks, phases, step times, alarms",
-        description="Follow RUN_DIR (events.jsonl and the ranks' live.json) and redraw every "
-                    "INTERVAL seconds: per rank its status, phase, step, step time (last and "
-                    "median), time since its last step, the collective it waits in and its "
-                    "alarms; the job's attempt, restarts and last checkpoint. Reads files "
-                    "only; never touches the training processes. Ctrl-C to leave.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
-    p.add_argument("--once", action="store_true",
-                   help="print one frame and exit (for scripts and pipes)")
-    p.add_argument("--interval", type=float, default=1.0, metavar="S",
-                   help="seconds between refreshes (default 1)")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                   help="ANSI colours (default: when writing to a terminal)")
-    return p
-
-
-def run_top(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+def run_top(cfg: TopConfig, call: Invocation) -> int:
     from shoestring.report.top import run_top as loop
 
-    run_dir = _run_dir(args.run_dir, rest)
-    if args.interval <= 0:
-        raise ConfigError(f"--interval: must be > 0, got {args.interval}")
+    run_dir = _run_dir(cfg.run_dir, "top")
     tty = sys.stdout.isatty()
-    color = args.color == "always" or (args.color == "auto" and tty and env.get("NO_COLOR") is None
-                                       and env.get("TERM") != "dumb")
-    return loop(run_dir, once=args.once,
-                interval_s=args.interval, color=color,
+    env = call.env
+    color = cfg.color == "always" or (cfg.color == "auto" and tty and env.get("NO_COLOR") is None
+                                      and env.get("TERM") != "dumb")
+    return loop(run_dir, once=cfg.once, interval_s=cfg.interval, color=color,
                 width=lambda: shutil.get_terminal_size((120, 40)).columns)
 
 
-def _run_dir(arg: str, rest: list[str]) -> Path:
-    if rest:
-        raise ConfigError(f"unexpected arguments: {' '.join(rest)}")
+def _run_dir(arg: str, verb: str) -> Path:
+    if not arg:
+        raise ConfigError(f"RUN_DIR: missing (usage: shoestring {verb} RUN_DIR [options])")
     d = Path(arg)
     if not d.is_dir():
         raise ConfigError(f"{d}: not a directory")

@@ -19,20 +19,26 @@ and under ``PreemptMode=REQUEUE`` Slurm requeues the job itself.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import re
 import shlex
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from shoestring import exitcodes
+from shoestring.supervise.config import time_limit_s
+
+if TYPE_CHECKING:
+    from shoestring.config import Invocation
+    from shoestring.supervise.config import SlurmConfig
+
+__all__ = ["SbatchOptions", "grace_from_events", "render", "requeue_after_signal",
+           "run_slurm", "time_limit_s"]
 
 log = logging.getLogger("shoestring.run")
 
@@ -205,28 +211,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-
-
-def time_limit_s(text: str) -> int | None:
-    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; None: no limit."""
-    if text.strip().upper() in ("0", "INFINITE", "UNLIMITED"):
-        return None
-    m = _TIME.match(text.strip())
-    if not m:
-        raise ValueError(f"not a Slurm time limit: {text!r} (e.g. 90, 04:00:00, 1-12:00)")
-    days, a, b, c = m.groups()
-    nums = [int(x) for x in (a, b, c) if x is not None]
-    if days is not None:
-        h, mi, s = (nums + [0, 0])[:3]
-        return int(days) * 86400 + h * 3600 + mi * 60 + s
-    if len(nums) == 1:
-        return nums[0] * 60
-    if len(nums) == 2:
-        return nums[0] * 60 + nums[1]
-    return nums[0] * 3600 + nums[1] * 60 + nums[2]
-
-
 # --------------------------------------------------------------------------- requeue
 
 
@@ -286,123 +270,67 @@ def requeue_after_signal(policy: str, env: Mapping[str, str], signum: int, rc: i
     return True
 
 
-# --------------------------------------------------------------------------- CLI
-
-EPILOG = """\
-Unknown --section.key VALUE flags are finetune overrides: they are checked here and
-passed on to `shoestring finetune` in the script.
-
-The warning comes --grace seconds before the time limit (default: from the run
-directory's events.jsonl if a previous run measured its saves, else 120 s).
-The job then checkpoints, exits 75 and requeues itself (same job id); the next
-start resumes from that checkpoint. Simulate it on a running job with
-  scancel --signal=USR1 --batch JOBID
-and let a requeued job start at once with
-  scontrol update JobId=JOBID StartTime=now
-
-examples:
-  shoestring slurm --config run.yaml --nodes 2 --gpus-per-node 8 --time 04:00:00 --submit
-  shoestring slurm --config run.yaml --partition gpu --output job.sbatch
-"""
+# --------------------------------------------------------------------------- the verb
 
 
-def slurm_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "slurm", help="write (and submit) an sbatch script that checkpoints and requeues "
-                      "itself before the time limit",
-        description="Write an sbatch script for a fine-tune: nodes, GPUs per node, time limit,\n"
-                    "--requeue, a warning signal before the time limit, and shoestring run\n"
-                    "(through srun and torchrun across nodes). Printed on stdout, written\n"
-                    "with --output, submitted with --submit.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--config", metavar="FILE.yaml", help="the finetune config")
-    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=1, metavar="G",
-                   help="GPUs and ranks per node (default 1; 0: CPU only, one rank)")
-    p.add_argument("--cpus-per-task", type=int, metavar="C",
-                   help="CPUs per node for all its ranks (default: the partition's)")
-    p.add_argument("--time", metavar="LIMIT", help="time limit, e.g. 04:00:00 or 1-00:00:00 "
-                   "(default: the partition's)")
-    p.add_argument("--partition", metavar="P")
-    p.add_argument("--account", metavar="A")
-    p.add_argument("--job-name", metavar="NAME", help="default: shoestring-<run dir name>")
-    p.add_argument("--grace", type=int, metavar="S",
-                   help="seconds of warning before the time limit (default: measured, else 120)")
-    p.add_argument("--max-restarts", type=int, default=3, metavar="R",
-                   help="restarts within one allocation after crashes (default 3)")
-    p.add_argument("--sbatch-arg", action="append", default=[], metavar="OPT",
-                   help="another #SBATCH option, verbatim (repeatable), e.g. "
-                        "--sbatch-arg=--mem=64G")
-    p.add_argument("--output", metavar="SCRIPT", help="write the script here (default: print "
-                   "it; with --submit: RUN_DIR/job.sbatch)")
-    p.add_argument("--submit", action="store_true", help="submit with sbatch; print the job id")
-    return p
+def options_from_config(cfg: SlurmConfig, rest: list[str] | tuple[str, ...], cwd: Path,
+                        shoestring: tuple[str, ...]) -> SbatchOptions:
+    """Check the finetune config and its overrides (``rest``); everything the script needs."""
+    from shoestring.config import ConfigError, load
+    from shoestring.train.config import FinetuneConfig
 
-
-def options_from_args(args: argparse.Namespace, rest: list[str], cwd: Path,
-                      shoestring: tuple[str, ...]) -> SbatchOptions:
-    """Check the flags and the finetune config; everything the script needs."""
-    from shoestring.config import ConfigError, FinetuneConfig, load
-
-    cfg = load(FinetuneConfig, args.config, rest)
-    sig = SIGNAL_NAMES.get(cfg.preempt.signal)
+    ft = load(FinetuneConfig, cfg.config or None, list(rest))
+    sig = SIGNAL_NAMES.get(ft.preempt.signal)
     if sig is None:
         raise ConfigError("preempt.signal is 'none': the job would ignore Slurm's warning; "
                           "set it to SIGUSR1 or SIGUSR2")
-    for flag, v, lo in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 0),
-                        ("--max-restarts", args.max_restarts, 0),
-                        ("--cpus-per-task", args.cpus_per_task, 1), ("--grace", args.grace, 1)):
-        if v is not None and v < lo:
-            raise ConfigError(f"{flag}: must be >= {lo}, got {v}")
-    run_dir = (cwd / cfg.output_dir).resolve()
-    for what, v in (("output_dir", str(run_dir)), ("the working directory", str(cwd)),
-                    ("--job-name", args.job_name or "")):
+    run_dir = (cwd / ft.output_dir).resolve()
+    for what, v in (("output_dir", str(run_dir)), ("the working directory", str(cwd))):
         if any(c.isspace() for c in v):  # #SBATCH lines are split on whitespace
             raise ConfigError(f"{what} {v!r} contains whitespace, which #SBATCH lines "
                               "cannot carry; choose a path without it")
     grace, why = grace_from_events(read_records(run_dir / "events.jsonl"))
-    if args.grace is not None:
-        grace, why = args.grace, "set by --grace"
-    if args.time is not None:
-        try:
-            limit = time_limit_s(args.time)
-        except ValueError as e:
-            raise ConfigError(f"--time: {e}") from e
-        if limit is not None and grace >= limit:
-            raise ConfigError(f"--time {args.time}: the {grace} s warning would come before "
-                              "the job starts; give more time or a smaller --grace")
-    if grace > 65535:
-        raise ConfigError(f"--grace: sbatch allows at most 65535 s, got {grace}")
-    ft = (["--config", str((cwd / args.config).resolve())] if args.config else []) + rest
+    if cfg.grace is not None:
+        grace, why = cfg.grace, "set by grace"
+    limit = time_limit_s(cfg.time) if cfg.time else None
+    if limit is not None and grace >= limit:
+        raise ConfigError(f"time {cfg.time}: the {grace} s warning would come before the job "
+                          "starts; give more time or a smaller grace")
+    args = (["--config", str((cwd / cfg.config).resolve())] if cfg.config else []) + list(rest)
     return SbatchOptions(run_dir=run_dir, workdir=cwd, shoestring=shoestring,
-                         finetune_args=tuple(ft),
-                         job_name=args.job_name or f"shoestring-{run_dir.name}",
-                         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                         cpus_per_task=args.cpus_per_task, time=args.time,
-                         partition=args.partition, account=args.account, warn_signal=sig,
-                         grace_s=grace, grace_why=why, max_restarts=args.max_restarts,
-                         extra=tuple(args.sbatch_arg))
+                         finetune_args=tuple(args),
+                         job_name=cfg.job_name or f"shoestring-{run_dir.name}",
+                         nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node,
+                         cpus_per_task=cfg.cpus_per_task, time=cfg.time or None,
+                         partition=cfg.partition or None, account=cfg.account or None,
+                         warn_signal=sig, grace_s=grace, grace_why=why,
+                         max_restarts=cfg.max_restarts, extra=tuple(cfg.sbatch_arg))
 
 
-def run_slurm(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+def run_slurm(cfg: SlurmConfig, call: Invocation) -> int:
+    """``shoestring slurm``: print, write or submit the script."""
     # The interpreter that renders the script runs it: a venv on a shared filesystem
     # works on the compute nodes without activation or `shoestring` on PATH.
-    opts = options_from_args(args, rest, Path.cwd(), (sys.executable, "-m", "shoestring"))
+    opts = options_from_config(cfg, call.rest, Path.cwd(), (sys.executable, "-m", "shoestring"))
     script = render(opts)
-    path = Path(args.output) if args.output else (opts.run_dir / "job.sbatch"
-                                                   if args.submit else None)
+    path = Path(cfg.output) if cfg.output else (opts.run_dir / "job.sbatch"
+                                                 if cfg.submit else None)
     if path is None:
         sys.stdout.write(script)
         return exitcodes.OK
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
     print(f"wrote {path}", file=sys.stderr)
-    if not args.submit:
+    if not cfg.submit:
         return exitcodes.OK
     opts.run_dir.mkdir(parents=True, exist_ok=True)  # sbatch opens the log files there
+    return _submit(path, opts.run_dir, call.env)
+
+
+def _submit(path: Path, run_dir: Path, env: Mapping[str, str]) -> int:
     try:
-        r = subprocess.run(["sbatch", "--parsable", str(path)], env=env, capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run(["sbatch", "--parsable", str(path)], env=dict(env),
+                           capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"shoestring slurm: error: sbatch: {e}", file=sys.stderr)
         return exitcodes.FAILED
@@ -412,5 +340,5 @@ def run_slurm(args: argparse.Namespace, rest: list[str], env: dict[str, str]) ->
         return exitcodes.FAILED
     job_id = r.stdout.strip().split(";")[0]
     print(job_id)
-    print(f"submitted job {job_id}; log: {opts.run_dir}/slurm-{job_id}.out", file=sys.stderr)
+    print(f"submitted job {job_id}; log: {run_dir}/slurm-{job_id}.out", file=sys.stderr)
     return exitcodes.OK

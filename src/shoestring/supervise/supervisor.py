@@ -22,7 +22,10 @@ from types import FrameType
 from typing import Any, Mapping
 
 from shoestring import exitcodes
+from shoestring.config import ConfigError, Invocation
 from shoestring.events import EventLog
+from shoestring.supervise.config import RunConfig, SlurmRequeue
+from shoestring.supervise.launch import LaunchSpec, launch_argv
 from shoestring.supervise.slurm import requeue_after_signal
 from shoestring.watch.alerts import Alerts, AlertSink, CallbackSink, StderrSink, WebhookSink
 from shoestring.watch.degrade import DegradePolicy
@@ -52,10 +55,27 @@ class SupervisorConfig:
     prometheus_port: int | None = None  # None: no endpoint; 0: any free port
     prometheus_addr: str = "127.0.0.1"
     webhook: str | None = None
-    slurm_requeue: str = "auto"  # auto | never: see slurm.requeue_after_signal
+    slurm_requeue: SlurmRequeue = "auto"  # see slurm.requeue_after_signal
     # On a hang, at most this long for the ranks' NCCL flight-recorder dumps before the kill
     # (0: do not ask; nothing is waited for either when no rank has a dump pipe, e.g. gloo).
     nccl_dump_wait_s: float = 5.0
+
+    @classmethod
+    def from_run(cls, cfg: RunConfig, env: Mapping[str, str]) -> SupervisorConfig:
+        """The supervisor's settings from ``shoestring run``'s config (the one place)."""
+        run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+        job = cfg.job_id or env.get("SLURM_JOB_ID") or (run_dir.resolve().name if run_dir
+                                                         else "job")
+        return cls(max_restarts=cfg.max_restarts, run_dir=run_dir, watch=cfg.watch,
+                   hang=HangPolicy(multiple=cfg.hang_multiple, floor_s=cfg.hang_floor,
+                                   first_timeout_s=cfg.first_phase_timeout),
+                   stragglers=StragglerPolicy(threshold=cfg.straggler_threshold),
+                   degrade=DegradePolicy(window_s=cfg.window, comm_rise=cfg.comm_rise,
+                                         throughput_drop=cfg.throughput_drop),
+                   metrics_interval_s=cfg.metrics_interval, job=job,
+                   prometheus_port=cfg.prometheus_port, prometheus_addr=cfg.prometheus_addr,
+                   webhook=cfg.alert_webhook or None, slurm_requeue=cfg.slurm_requeue,
+                   nccl_dump_wait_s=cfg.nccl_dump_wait)
 
 
 class Supervisor:
@@ -318,3 +338,13 @@ def _ignore_warning_signals() -> None:
     """
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def supervise(cfg: RunConfig, call: Invocation) -> int:
+    """``shoestring run``: launch ``cfg.command`` (through torchrun for several ranks) and
+    restart it on failure."""
+    if not cfg.command:
+        raise ConfigError("run: no COMMAND given (usage: shoestring run [options] -- COMMAND ...)")
+    argv = launch_argv(LaunchSpec(tuple(cfg.command), cfg.nproc_per_node), call.env)
+    return Supervisor(argv, SupervisorConfig.from_run(cfg, call.env), call.env).run()
+

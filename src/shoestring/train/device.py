@@ -16,7 +16,8 @@ from typing import Any, ContextManager, Literal
 
 import torch
 
-from shoestring.config import ConfigError, FinetuneConfig
+from shoestring.config import ConfigError
+from shoestring.train.config import FinetuneConfig, PrecisionMode
 
 PrecisionName = Literal["bf16", "fp16", "fp32"]
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,7 +60,7 @@ def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> FinetuneC
     """``cfg`` with every ``auto`` of device, precision and base dtype made concrete."""
     device = resolve_device(cfg.train.device, local_rank, acc)
     on_gpu = device.startswith("cuda")
-    gpu_half = "bf16" if acc.bf16 else "fp16"
+    gpu_half: PrecisionMode = "bf16" if acc.bf16 else "fp16"
     precision = cfg.train.precision
     if precision == "auto":
         precision = gpu_half if on_gpu else "fp32"
@@ -68,7 +69,7 @@ def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> FinetuneC
                           "CUDA-only); on CPU use bf16 or fp32")
     dtype = cfg.model.dtype
     if dtype == "auto":
-        dtype = {"bf16": "bfloat16", "fp16": "float16"}[gpu_half] if on_gpu else "float32"
+        dtype = ("bfloat16" if gpu_half == "bf16" else "float16") if on_gpu else "float32"
     if cfg.model.attn_implementation == "flash_attention_2":
         _require_flash_attention(on_gpu)
     return replace(cfg, train=replace(cfg.train, device=device, precision=precision),

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from shoestring.config import TrainConfig
+from shoestring.train.config import TrainConfig
 from shoestring.train.model import build_optimizer, trainable_parameters
 
 

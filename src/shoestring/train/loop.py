@@ -15,7 +15,7 @@ from typing import Any
 
 from shoestring import exitcodes
 from shoestring.checkpoint.interval import history_from_events
-from shoestring.config import FinetuneConfig
+from shoestring.train.config import FinetuneConfig
 from shoestring.events import read_events
 from shoestring.train import state as S
 from shoestring.train.device import Accelerator, resolve

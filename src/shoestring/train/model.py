@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from shoestring.config import ConfigError, LoraSection, ModelConfig
+from shoestring.config import ConfigError
+from shoestring.train.config import LoraSection, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -15,8 +15,8 @@ from typing import Any, Mapping
 from shoestring.checkpoint import find_resume_point
 from shoestring.checkpoint.manifest import verify_dir
 from shoestring.checkpoint.sharded import is_sharded
-from shoestring.config import (RESUME_SAFE_PREFIXES, ConfigError, FinetuneConfig,
-                               resume_relevant, to_flat)
+from shoestring.config import ConfigError, to_flat
+from shoestring.train.config import RESUME_SAFE_PREFIXES, FinetuneConfig, resume_relevant
 from shoestring.train import state as S
 from shoestring.train.trainer import Trainer
 

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator
 
 from shoestring.checkpoint import NO_FAULTS, FaultPlan, RemoteStore, Writer
 from shoestring.checkpoint.local import clean_stale
-from shoestring.config import ConfigError, FinetuneConfig, to_yaml
+from shoestring.config import ConfigError, to_yaml
+from shoestring.train.config import FinetuneConfig
 from shoestring.distributed import DistEnv, ProcessGroups
 from shoestring.events import EventLog
 from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from shoestring.checkpoint.interval import AutoInterval, IntervalPolicy
-from shoestring.config import CheckpointConfig
+from shoestring.train.config import CheckpointConfig
 
 SaveReason = Literal["steps", "seconds", "auto"]
 Clock = Callable[[], float]

@@ -21,7 +21,8 @@ from shoestring.checkpoint import (NO_FAULTS, FaultPlan, FileWriter, RemoteStore
                                    Writer, load_files)
 from shoestring.checkpoint.manifest import Manifest
 from shoestring.checkpoint.sharded import ShardedWriter, is_sharded
-from shoestring.config import CheckpointConfig, ConfigError, FinetuneConfig
+from shoestring.config import ConfigError
+from shoestring.train.config import CheckpointConfig, FinetuneConfig
 from shoestring.distributed import ProcessGroups, barrier, broadcast_object
 from shoestring.events import EventLog
 from shoestring.preempt import PreemptionFlag

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from shoestring.config import FinetuneConfig, config_hash, to_flat
+from shoestring.config import to_flat
+from shoestring.train.config import FinetuneConfig, config_hash
 from shoestring.train import data as D
 from shoestring.train.device import Precision, set_deterministic
 from shoestring.train.learner import Learner
