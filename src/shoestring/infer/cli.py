@@ -38,9 +38,10 @@ environment (read here only):
 """
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
+               ) -> argparse.ArgumentParser:
     aliases = "\n".join(f"  {flag:<18} {key}" for flag, key in ALIASES.items())
-    p = sub.add_parser(
+    p: argparse.ArgumentParser = sub.add_parser(
         "infer", help="batch inference of models larger than memory, streamed layer by layer",
         description="Greedy generation or likelihood scoring of a JSONL file with a local "
                     "Hugging Face decoder model, streaming its layers from the safetensors "

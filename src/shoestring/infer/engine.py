@@ -83,11 +83,11 @@ def stored_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
     return max(set(floats), key=floats.count) if floats else torch.float32
 
 
-def make_units(model: nn.Module, config: Any, refs: dict[str, TensorRef]) -> list[Unit]:
+def make_units(model: Any, config: Any, refs: dict[str, TensorRef]) -> list[Unit]:
     """Split the model's parameters into embed, one unit per decoder layer, and head."""
     n_layers = config.num_hidden_layers
     layers_name, _ = _decoder_layers(model, n_layers)
-    embed = model.get_input_embeddings()
+    embed: Any = model.get_input_embeddings()
     embed_name = next(n for n, m in model.named_modules() if m is embed)
     owner: dict[str, tuple[nn.Module, str]] = {}
     for mname, mod in model.named_modules(remove_duplicate=False):
@@ -126,7 +126,8 @@ def make_units(model: nn.Module, config: Any, refs: dict[str, TensorRef]) -> lis
 
 def _bind(unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
     for key, (mod, pname) in unit.params.items():
-        mod._parameters[pname] = tensors[key]  # a plain tensor: no copy, no autograd
+        # a plain tensor: no copy, no autograd
+        mod._parameters[pname] = tensors[key]  # type: ignore[assignment]
 
 
 class StreamingCausalLM:
@@ -219,7 +220,7 @@ class StreamingCausalLM:
     def _mask_kind(self, i: int) -> str:
         types = getattr(self.config, "layer_types", None)
         if types:
-            return types[i]
+            return str(types[i])
         return "sliding_attention" if getattr(self.config, "sliding_window", None) \
             else "full_attention"
 
@@ -266,6 +267,7 @@ class StreamingCausalLM:
                         self._prepare(mb)
                 elif unit.name == "head":
                     for mb in batches:
+                        assert mb.hidden is not None  # the embed unit ran first
                         h = self.norm(mb.hidden) if self.norm is not None else mb.hidden
                         results.append(head(mb, h))
                         mb.hidden = None
@@ -285,7 +287,8 @@ class StreamingCausalLM:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """lm_head on final hidden states, as fp32 (only valid inside a ``head`` callback)."""
-        return self.lm_head(h).float()
+        logits: torch.Tensor = self.lm_head(h).float()
+        return logits
 
     def new_cache(self) -> Any:
         """A KV cache for one micro-batch. On CPU it is host RAM already; on CUDA it is
@@ -330,8 +333,9 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype, bits: int = 16) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     per_head = head_dim + 4 if bits == 8 else head_dim * dtype.itemsize
-    return 2 * config.num_hidden_layers * kv_heads * per_head
+    return int(2 * config.num_hidden_layers * kv_heads * per_head)
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    doc: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+    return doc

@@ -27,7 +27,7 @@ class Int8KVLayer(DynamicLayer):
     is_croppable = True
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         self.length = 0
         self._k: tuple[torch.Tensor, torch.Tensor] | None = None
         self._v: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -141,8 +141,9 @@ def merge_left_padded(caches: list[Any], target: Any) -> Any | None:
         lengths = [layer.get_seq_length() for layer in src]
         if isinstance(dst, Int8KVLayer):
             dst.lazy_initialization(src[0].keys, src[0].values)
-            dst._k = tuple(stack([layer._k[j] for layer in src], lengths) for j in (0, 1))
-            dst._v = tuple(stack([layer._v[j] for layer in src], lengths) for j in (0, 1))
+            ks, vs = [layer._k for layer in src], [layer._v for layer in src]
+            dst._k = (stack([k[0] for k in ks], lengths), stack([k[1] for k in ks], lengths))
+            dst._v = (stack([v[0] for v in vs], lengths), stack([v[1] for v in vs], lengths))
             dst.length = longest
             for layer in src:
                 layer._k = layer._v = None

@@ -57,6 +57,7 @@ def _layer_tensors(layer: Any) -> tuple[str, dict[str, torch.Tensor], dict[str, 
     if isinstance(layer, DynamicLayer):  # also the sliding-window layer, a subclass
         ints = {"cumulative_length": layer.cumulative_length} \
             if hasattr(layer, "cumulative_length") else {}
+        assert layer.keys is not None and layer.values is not None  # is_initialized
         return "dense", {"k": layer.keys, "v": layer.values}, ints
     raise Unsupported(f"cache layer {type(layer).__name__}")
 

@@ -192,7 +192,7 @@ class ShardReader:
 
     def read(self, plan: ReadPlan, buf: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        view = memoryview(buf.numpy()).cast("B")
+        view = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]  # numpy exports the buffer protocol
         for path, offset, length, at, need in plan.ranges:
             # The aligned tail may run past the end of the file: only `need` must arrive.
             self._pread(path, view[at: at + length], offset, need)

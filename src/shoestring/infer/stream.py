@@ -35,8 +35,8 @@ class Slot:
     host: torch.Tensor
     device: torch.Tensor | None = None
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
-    ready: object = None  # CUDA event: the device copy is done
-    freed: object = None  # CUDA event: compute no longer reads the device buffer
+    ready: "torch.cuda.Event | None" = None  # the device copy is done
+    freed: "torch.cuda.Event | None" = None  # compute no longer reads the device buffer
 
 
 class LayerStreamer:
@@ -83,21 +83,23 @@ class LayerStreamer:
             slot.device = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         return slot
 
-    def _load(self, i: int, slot: Slot, stream: object = None) -> dict[str, torch.Tensor]:
+    def _load(self, i: int, slot: Slot, stream: "torch.cuda.Stream | None" = None
+              ) -> dict[str, torch.Tensor]:
         plan = self.plans[i]
         if self.cuda and slot.ready is not None:
-            slot.ready.synchronize()  # type: ignore[attr-defined]  # last copy out of host is done
+            slot.ready.synchronize()  # the last copy out of host is done
         self.reader.read(plan, slot.host)
         buf = slot.host
         if self.cuda:
-            if slot.freed is not None:
-                stream.wait_event(slot.freed)  # type: ignore[attr-defined]
-            with torch.cuda.stream(stream):  # type: ignore[arg-type]
-                slot.device.copy_(slot.host, non_blocking=True)  # type: ignore[union-attr]
-                buf = slot.device  # type: ignore[assignment]
+            assert slot.device is not None  # every CUDA slot has its device buffer
+            if slot.freed is not None and stream is not None:
+                stream.wait_event(slot.freed)
+            with torch.cuda.stream(stream):
+                slot.device.copy_(slot.host, non_blocking=True)
+                buf = slot.device
                 tensors = self.prepare(i, views(plan, buf), slot)
                 slot.ready = torch.cuda.Event()
-                slot.ready.record(stream)  # type: ignore[attr-defined]
+                slot.ready.record(stream)
             return tensors
         return self.prepare(i, views(plan, buf), slot)
 
@@ -130,7 +132,7 @@ class LayerStreamer:
             raise RuntimeError(f"layer streamer out of order: asked for {i}, read {j}")
         self._cursor += 1
         if self.cuda and slot.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)  # type: ignore
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
         self._inflight[i] = slot
         return tensors
 
@@ -140,7 +142,7 @@ class LayerStreamer:
             return
         if self.cuda:
             slot.freed = torch.cuda.Event()
-            slot.freed.record(torch.cuda.current_stream(self.device))  # type: ignore
+            slot.freed.record(torch.cuda.current_stream(self.device))
         self._free.put(slot)
 
     def close(self) -> None:
