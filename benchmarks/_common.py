@@ -12,19 +12,24 @@ import os
 import shutil
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:  # run from a checkout without `pip install -e`
     sys.path.insert(0, str(ROOT / "src"))
 
-DEFAULT_CACHE = Path(os.environ.get("SHOESTRING_BENCH_CACHE",
-                                    Path.home() / ".cache" / "shoestring"))
+DEFAULT_CACHE = Path(
+    os.environ.get("SHOESTRING_BENCH_CACHE", Path.home() / ".cache" / "shoestring")
+)
 
 
-def model_dir(cache: Path, hidden: int | None = None, layers: int | None = None,
-              intermediate: int | None = None) -> Path:
+def model_dir(
+    cache: Path,
+    hidden: int | None = None,
+    layers: int | None = None,
+    intermediate: int | None = None,
+) -> Path:
     """The built-in tiny model dir, or (any size knob given) a random Llama of that size."""
     from shoestring.train.builtin import materialize_tiny_model
 
@@ -44,13 +49,21 @@ def model_dir(cache: Path, hidden: int | None = None, layers: int | None = None,
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=base["vocab_size"], pad_token_id=base["pad_token_id"],
-                      bos_token_id=base["bos_token_id"], eos_token_id=base["eos_token_id"],
-                      hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=hidden // head_dim,
-                      num_key_value_heads=hidden // head_dim, head_dim=head_dim,
-                      max_position_embeddings=base["max_position_embeddings"],
-                      tie_word_embeddings=False, rms_norm_eps=1e-5)
+    cfg = LlamaConfig(
+        vocab_size=base["vocab_size"],
+        pad_token_id=base["pad_token_id"],
+        bos_token_id=base["bos_token_id"],
+        eos_token_id=base["eos_token_id"],
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=hidden // head_dim,
+        head_dim=head_dim,
+        max_position_embeddings=base["max_position_embeddings"],
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
     tmp = cache / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     with torch.random.fork_rng(devices=[]):
@@ -89,5 +102,7 @@ def load_note() -> str:
     except OSError:  # pragma: no cover
         return "load unknown"
     n = os.cpu_count() or 1
-    busy = " (BUSY: other processes compete for the CPUs; numbers are noisy)" if la > n * 0.75 else ""
+    busy = (
+        " (BUSY: other processes compete for the CPUs; numbers are noisy)" if la > n * 0.75 else ""
+    )
     return f"load avg {la:.2f} on {n} cores{busy}"

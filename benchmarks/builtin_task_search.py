@@ -16,6 +16,7 @@ Recorded run (2 CPU cores, torch 2.13 CPU):
 Model knobs (--hidden, --layers, --head_std, ...) patch the builtin module's
 generating parameters before the model is materialized into --cache.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,9 @@ import torch  # noqa: E402
 
 from shoestring.train import builtin as B  # noqa: E402
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+)
 p.add_argument("--hidden", type=int, default=None)
 p.add_argument("--inter", type=int, default=None)
 p.add_argument("--layers", type=int, default=None)
@@ -53,19 +56,27 @@ p.add_argument("--seed", type=int, default=0)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--eval_every", type=int, default=0)
 p.add_argument("--log", type=int, default=50)
-p.add_argument("--full", type=int, default=0,
-               help="1: full fine-tune instead of LoRA; 2: full but embeddings/head frozen")
+p.add_argument(
+    "--full",
+    type=int,
+    default=0,
+    help="1: full fine-tune instead of LoRA; 2: full but embeddings/head frozen",
+)
 p.add_argument("--cache", default="/tmp/builtin_cache")
 a = p.parse_args()
 
-for k, name in [("hidden", "hidden_size"), ("inter", "intermediate_size"),
-                ("layers", "num_hidden_layers"), ("heads", "num_attention_heads"),
-                ("init", "initializer_range")]:
+for k, name in [
+    ("hidden", "hidden_size"),
+    ("inter", "intermediate_size"),
+    ("layers", "num_hidden_layers"),
+    ("heads", "num_attention_heads"),
+    ("init", "initializer_range"),
+]:
     v = getattr(a, k)
     if v is not None:
-        B._MODEL_PARAMS[name] = v
+        B.MODEL_PARAMS[name] = v
         if k == "heads":
-            B._MODEL_PARAMS["num_key_value_heads"] = v
+            B.MODEL_PARAMS["num_key_value_heads"] = v
 if a.head_std is not None:
     B._LM_HEAD_STD = a.head_std
 if a.letters:
@@ -90,8 +101,16 @@ if a.full:
         model.model.embed_tokens.weight.requires_grad_(False)
         model.lm_head.weight.requires_grad_(False)
 else:
-    model = get_peft_model(model, LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=0.05,
-                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=a.r,
+            lora_alpha=a.alpha,
+            lora_dropout=0.05,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        ),
+    )
 eos, pad = tok.eos_token_id, tok.pad_token_id
 train = B.builtin_records("train")
 evalr = B.builtin_records("eval")
@@ -156,12 +175,18 @@ def em_generate(recs: list[dict[str, str]], bs: int = 32, max_new: int = 32) -> 
     hits = 0
     for _, items in sorted(groups.items()):
         for s in range(0, len(items), bs):
-            chunk = items[s: s + bs]
+            chunk = items[s : s + bs]
             ids = torch.tensor([pi for pi, _ in chunk])
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_new, do_sample=False, use_cache=True,
-                                 pad_token_id=pad, eos_token_id=eos)
-            for o, (_, want) in zip(out[:, ids.size(1):].tolist(), chunk):
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )
+            for o, (_, want) in zip(out[:, ids.size(1) :].tolist(), chunk):
                 o = o[: o.index(eos)] if eos in o else o
                 hits += tok.decode(o, skip_special_tokens=True) == want
     model.train()
@@ -197,7 +222,7 @@ for step in range(a.steps):
     for _ in range(a.accum):
         if len(perm) < a.bs:
             perm += torch.randperm(len(enc), generator=g).tolist()
-        idx, perm = perm[: a.bs], perm[a.bs:]
+        idx, perm = perm[: a.bs], perm[a.bs :]
         ids, lab, att = batch(idx)
         out = model(input_ids=ids, attention_mask=att, labels=lab)
         (out.loss / a.accum).backward()
@@ -211,22 +236,35 @@ for step in range(a.steps):
     opt.zero_grad(set_to_none=True)
     hist.append(tot)
     if (step + 1) % a.log == 0:
-        print(f"step {step + 1} loss {sum(hist[-a.log:]) / a.log:.3f} "
-              f"tokacc {sum(accs[-a.log:]) / len(accs[-a.log:]):.3f} gn {gn:.2f} "
-              f"t={time.time() - t0:.1f}", flush=True)
+        print(
+            f"step {step + 1} loss {sum(hist[-a.log :]) / a.log:.3f} "
+            f"tokacc {sum(accs[-a.log :]) / len(accs[-a.log :]):.3f} gn {gn:.2f} "
+            f"t={time.time() - t0:.1f}",
+            flush=True,
+        )
     if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
         te = time.time()
         curve[step + 1] = em_loop(evalr)
-        print(f"  exact_match@{step + 1} = {curve[step + 1]:.3f} ({time.time() - te:.1f}s)",
-              flush=True)
+        print(
+            f"  exact_match@{step + 1} = {curve[step + 1]:.3f} ({time.time() - te:.1f}s)",
+            flush=True,
+        )
         t0 += time.time() - te  # eval time is not train time
 train_s, cpu_s = time.time() - t0, time.process_time() - c0
 t = time.time()
 em1 = em_generate(evalr)
 eval1_s = time.time() - t
 curve[a.steps] = em1
-res = dict(vars(a), em_before=em0, em_after=em1, curve=curve, train_s=round(train_s, 1),
-           train_cpu_s=round(cpu_s, 1), eval_before_s=round(eval0_s, 2),
-           eval_after_s=round(eval1_s, 2), final_loss=round(sum(hist[-50:]) / 50, 4),
-           train_em_200=em_generate(train[:200]))
+res = dict(
+    vars(a),
+    em_before=em0,
+    em_after=em1,
+    curve=curve,
+    train_s=round(train_s, 1),
+    train_cpu_s=round(cpu_s, 1),
+    eval_before_s=round(eval0_s, 2),
+    eval_after_s=round(eval1_s, 2),
+    final_loss=round(sum(hist[-50:]) / 50, 4),
+    train_em_200=em_generate(train[:200]),
+)
 print("RESULT", json.dumps(res), flush=True)

@@ -47,14 +47,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import DEFAULT_CACHE, load_note, median, model_dir, pct
-
 import numpy as np
 import torch
 
+from _common import DEFAULT_CACHE, load_note, median, model_dir, pct
 from shoestring.config import load
-from shoestring.train.config import FinetuneConfig
 from shoestring.train import state as S
+from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import Accelerator, resolve
 from shoestring.train.loop import save
 from shoestring.train.resume import resume
@@ -71,8 +70,11 @@ def peer_save(t: Trainer, path: Path) -> tuple[float, int]:
         "adapter": {n: p.detach() for n, p in t.learner.params.items()},
         "optimizer": t.learner.optimizer.state_dict(),
         "scheduler": t.learner.scheduler.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": np.random.get_state()},
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+        },
     }
     with open(path, "wb") as fh:
         torch.save(state, fh)
@@ -123,9 +125,13 @@ class Bench:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="builtin", choices=("builtin", "random"),
-                    help="builtin: the tiny built-in Llama; random: a random Llama sized by "
-                         "--hidden/--layers/--intermediate (implied by any of them)")
+    ap.add_argument(
+        "--model",
+        default="builtin",
+        choices=("builtin", "random"),
+        help="builtin: the tiny built-in Llama; random: a random Llama sized by "
+        "--hidden/--layers/--intermediate (implied by any of them)",
+    )
     ap.add_argument("--hidden", type=int, help="hidden size of a random Llama (e.g. 768)")
     ap.add_argument("--layers", type=int, help="layers of a random Llama (e.g. 6)")
     ap.add_argument("--intermediate", type=int, help="MLP size (default ~8/3 hidden)")
@@ -133,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=5, help="checkpoint every K steps")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads, same for both sides (default 1: on a shared "
-                         "2-core box, 2 OpenMP threads per process collapse 5-20x whenever "
-                         "another process is busy; 1 thread is stable to a few %%)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads, same for both sides (default 1: on a shared "
+        "2-core box, 2 OpenMP threads per process collapse 5-20x whenever "
+        "another process is busy; 1 thread is stable to a few %%)",
+    )
     ap.add_argument("--async-mode", default="thread", choices=("thread", "process", "off"))
     ap.add_argument("--no-peer", action="store_true", help="skip the torch.save peer")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
@@ -157,12 +167,28 @@ def main(argv: list[str] | None = None) -> int:
     if peer_dir:
         peer_dir.mkdir()
 
-    overrides = ["--output_dir", str(out / "run"), "--train.max_steps", str(args.steps),
-                 "--train.batch_size", str(args.batch_size), "--train.num_threads",
-                 str(args.threads), "--train.log_every_steps", str(max(args.steps // 4, 1)),
-                 "--checkpoint.every_steps", str(args.every), "--checkpoint.keep", "2",
-                 "--checkpoint.async_mode", args.async_mode,
-                 "--lora.r", str(args.lora_r), "--lora.alpha", str(2.0 * args.lora_r)]
+    overrides = [
+        "--output_dir",
+        str(out / "run"),
+        "--train.max_steps",
+        str(args.steps),
+        "--train.batch_size",
+        str(args.batch_size),
+        "--train.num_threads",
+        str(args.threads),
+        "--train.log_every_steps",
+        str(max(args.steps // 4, 1)),
+        "--checkpoint.every_steps",
+        str(args.every),
+        "--checkpoint.keep",
+        "2",
+        "--checkpoint.async_mode",
+        args.async_mode,
+        "--lora.r",
+        str(args.lora_r),
+        "--lora.alpha",
+        str(2.0 * args.lora_r),
+    ]
     if mdir is not None:
         overrides += ["--model.path", str(mdir)]
     cfg = load(FinetuneConfig, None, overrides)
@@ -174,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training run failed with exit code {rc}", file=sys.stderr)
         return 1
 
-    events = [json.loads(line) for line in (out / "run" / "events.jsonl").read_text().splitlines()
-              if line.strip()]
+    events = [
+        json.loads(line)
+        for line in (out / "run" / "events.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     steps = {e["step"]: e for e in events if e["event"] == "step"}
     ckpts = [e for e in events if e["event"] == "checkpoint" and e["reason"] == "steps"]
     ck_steps = [c["step"] for c in ckpts]
@@ -185,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = set(ck_steps) | set(pk_steps)
     plain = [e["step_ms"] for s, e in steps.items() if s > 1 and (s - 1) not in saved]
     med_step = median(plain)
+
     # extra time of the step right after a save vs a local baseline (the median of nearby
     # steps not right after any save), so slow drifts in machine load cancel out
     def next_step_extra(at: list[int]) -> list[float]:
@@ -192,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         for s in at:
             if s + 1 not in steps:
                 continue
-            near = [steps[t]["step_ms"] for t in range(s - 3, s + 5)
-                    if t in steps and t > 1 and (t - 1) not in saved]
+            near = [
+                steps[t]["step_ms"]
+                for t in range(s - 3, s + 5)
+                if t in steps and t > 1 and (t - 1) not in saved
+            ]
             out.append(steps[s + 1]["step_ms"] - median(near or [med_step]))
         return out
 
@@ -207,13 +240,21 @@ def main(argv: list[str] | None = None) -> int:
     trainable = ft.trainable
 
     res: dict[str, Any] = {
-        "model": str(mdir or cfg.model.path), "lora_r": args.lora_r,
-        "trainable_params": trainable, "checkpoint_mb": round(state_mb, 2),
-        "async_mode": args.async_mode, "threads": args.threads, "steps": args.steps,
-        "every": args.every, "checkpoints": len(ckpts), "run_s": round(t_run, 1),
-        "step_ms_median": med_step, "step_ms_mean": sum(step_ms) / len(step_ms),
+        "model": str(mdir or cfg.model.path),
+        "lora_r": args.lora_r,
+        "trainable_params": trainable,
+        "checkpoint_mb": round(state_mb, 2),
+        "async_mode": args.async_mode,
+        "threads": args.threads,
+        "steps": args.steps,
+        "every": args.every,
+        "checkpoints": len(ckpts),
+        "run_s": round(t_run, 1),
+        "step_ms_median": med_step,
+        "step_ms_mean": sum(step_ms) / len(step_ms),
         "ours_blocking_logged_ms_median": median(logged),
-        "ours_blocking_ms_median": median(wall), "ours_blocking_ms_p90": pct(wall, 90),
+        "ours_blocking_ms_median": median(wall),
+        "ours_blocking_ms_p90": pct(wall, 90),
         "ours_background_ms_median": median(bg),
         "ours_serialize_ms_median": median([c["serialize_ms"] for c in ckpts]),
         "ours_write_ms_median": median([c["write_ms"] for c in ckpts]),
@@ -221,36 +262,57 @@ def main(argv: list[str] | None = None) -> int:
         "machine": note,
     }
     if peer_ms:
-        res.update(peer_torch_save_ms_median=median(peer_ms), peer_torch_save_ms_p90=pct(peer_ms, 90),
-                   peer_file_mb=round(ft.peer[0]["bytes"] / 2**20, 2),
-                   peer_next_step_extra_ms_median=median(peer_after),
-                   ratio_ours_over_peer=median(wall) / median(peer_ms),
-                   ratio_ours_incl_next_step_over_peer=(median(wall) + max(median(after), 0.0))
-                   / (median(peer_ms) + max(median(peer_after), 0.0)))
+        res.update(
+            peer_torch_save_ms_median=median(peer_ms),
+            peer_torch_save_ms_p90=pct(peer_ms, 90),
+            peer_file_mb=round(ft.peer[0]["bytes"] / 2**20, 2),
+            peer_next_step_extra_ms_median=median(peer_after),
+            ratio_ours_over_peer=median(wall) / median(peer_ms),
+            ratio_ours_incl_next_step_over_peer=(median(wall) + max(median(after), 0.0))
+            / (median(peer_ms) + max(median(peer_after), 0.0)),
+        )
     res["ours_pct_of_step"] = 100 * median(wall) / med_step
 
     print()
-    print(f"== checkpoint blocking: shoestring ({args.async_mode}) vs synchronous torch.save+fsync ==")
-    print(f"model {res['model']}  LoRA r={args.lora_r}  trainable {trainable:,} params  "
-          f"checkpoint {state_mb:.1f} MB  threads {args.threads}  {note}")
-    print(f"{args.steps} steps, checkpoint every {args.every} -> {len(ckpts)} checkpoints; "
-          f"run {t_run:.1f}s")
-    print(f"step time            median {med_step:8.1f} ms   mean (all steps) {res['step_ms_mean']:8.1f} ms")
-    print(f"ours blocked         median {median(wall):8.2f} ms   p90 {pct(wall, 90):8.2f} ms   "
-          f"(wall time of train.loop.save on the training thread; events.jsonl says "
-          f"blocking_ms {median(logged):.2f})")
+    print(
+        f"== checkpoint blocking: shoestring ({args.async_mode}) vs synchronous torch.save+fsync =="
+    )
+    print(
+        f"model {res['model']}  LoRA r={args.lora_r}  trainable {trainable:,} params  "
+        f"checkpoint {state_mb:.1f} MB  threads {args.threads}  {note}"
+    )
+    print(
+        f"{args.steps} steps, checkpoint every {args.every} -> {len(ckpts)} checkpoints; "
+        f"run {t_run:.1f}s"
+    )
+    print(
+        f"step time            median {med_step:8.1f} ms   mean (all steps) {res['step_ms_mean']:8.1f} ms"
+    )
+    print(
+        f"ours blocked         median {median(wall):8.2f} ms   p90 {pct(wall, 90):8.2f} ms   "
+        f"(wall time of train.loop.save on the training thread; events.jsonl says "
+        f"blocking_ms {median(logged):.2f})"
+    )
     where = "on the training thread" if args.async_mode == "off" else "off the training thread"
-    print(f"ours commit          median {median(bg):8.1f} ms   (serialize "
-          f"{res['ours_serialize_ms_median']:.1f} + write/fsync/rename "
-          f"{res['ours_write_ms_median']:.1f} + retention; {where})")
-    print(f"next step slower by  median {median(after):8.1f} ms   (step after a checkpoint vs nearby "
-          f"steps: the writer competing for CPU/GIL/disk; noise only in off mode)")
+    print(
+        f"ours commit          median {median(bg):8.1f} ms   (serialize "
+        f"{res['ours_serialize_ms_median']:.1f} + write/fsync/rename "
+        f"{res['ours_write_ms_median']:.1f} + retention; {where})"
+    )
+    print(
+        f"next step slower by  median {median(after):8.1f} ms   (step after a checkpoint vs nearby "
+        f"steps: the writer competing for CPU/GIL/disk; noise only in off mode)"
+    )
     if peer_ms:
-        print(f"peer torch.save+fsync median {median(peer_ms):7.2f} ms   p90 {pct(peer_ms, 90):8.2f} ms"
-              f"   ({res['peer_file_mb']:.1f} MB file)")
+        print(
+            f"peer torch.save+fsync median {median(peer_ms):7.2f} ms   p90 {pct(peer_ms, 90):8.2f} ms"
+            f"   ({res['peer_file_mb']:.1f} MB file)"
+        )
         print(f"peer next step slower by median {median(peer_after):5.1f} ms")
-        print(f"ratio ours/peer      {res['ratio_ours_over_peer']:.3f}   (blocked time; incl. "
-              f"next-step slowdown on both sides: {res['ratio_ours_incl_next_step_over_peer']:.3f})")
+        print(
+            f"ratio ours/peer      {res['ratio_ours_over_peer']:.3f}   (blocked time; incl. "
+            f"next-step slowdown on both sides: {res['ratio_ours_incl_next_step_over_peer']:.3f})"
+        )
     verdict = "PASS" if res["ours_pct_of_step"] < 5 else "FAIL"
     print(f"ours as % of a median step: {res['ours_pct_of_step']:.2f} %  (target < 5 %: {verdict})")
     if args.json:

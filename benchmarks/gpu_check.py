@@ -53,9 +53,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -68,9 +69,14 @@ BLOCKING_TARGET = 0.05
 #: name -> per-check time budget in seconds (CUDA, CPU). The CPU ones are caps for a
 #: busy 2-core CI box; the smoke run itself takes well under a minute on a quiet one.
 BUDGETS: dict[str, tuple[float, float]] = {
-    "lora_bf16": (200, 90), "qlora_nf4": (150, 90), "sigkill_resume": (120, 120),
-    "checkpoint_blocking": (10, 10), "distributed": (180, 10), "infer": (200, 90),
-    "nvml": (90, 10)}
+    "lora_bf16": (200, 90),
+    "qlora_nf4": (150, 90),
+    "sigkill_resume": (120, 120),
+    "checkpoint_blocking": (10, 10),
+    "distributed": (180, 10),
+    "infer": (200, 90),
+    "nvml": (90, 10),
+}
 
 
 class CheckError(Exception):
@@ -103,9 +109,11 @@ class Ctx:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
-        env.update(SHOESTRING_CACHE=str(self.work / "cache"), TOKENIZERS_PARALLELISM="false",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
-                                                            env.get("PYTHONPATH")])))
+        env.update(
+            SHOESTRING_CACHE=str(self.work / "cache"),
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")])),
+        )
         if not self.cuda:  # bitsandbytes' CPU ops would load inductor in every process
             env.setdefault("TORCHDYNAMO_DISABLE", "1")
         env.update(extra)
@@ -119,12 +127,19 @@ class Ctx:
 LIVE: set[subprocess.Popen[bytes]] = set()
 
 
-def start_proc(ctx: Ctx, cmd: list[str], log: Path,
-               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_proc(
+    ctx: Ctx, cmd: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own session (so a timeout can kill its children too)."""
     with open(log, "ab") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                             env=env or ctx.env(), start_new_session=True)
+        p = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env or ctx.env(),
+            start_new_session=True,
+        )
     LIVE.add(p)
     return p
 
@@ -145,8 +160,9 @@ def wait_proc(ctx: Ctx, p: subprocess.Popen[bytes], log: Path, cap: float) -> in
         rc = p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(p)
-        raise CheckError(f"timed out after {timeout:.0f} s: {str(p.args)[:300]}; "
-                         f"log tail: {tail(log)}") from None
+        raise CheckError(
+            f"timed out after {timeout:.0f} s: {str(p.args)[:300]}; log tail: {tail(log)}"
+        ) from None
     except CheckError:  # no budget left to wait at all
         kill_group(p)
         raise
@@ -154,8 +170,9 @@ def wait_proc(ctx: Ctx, p: subprocess.Popen[bytes], log: Path, cap: float) -> in
     return rc
 
 
-def run_proc(ctx: Ctx, cmd: list[str], log: Path, cap: float,
-             env: dict[str, str] | None = None) -> int:
+def run_proc(
+    ctx: Ctx, cmd: list[str], log: Path, cap: float, env: dict[str, str] | None = None
+) -> int:
     return wait_proc(ctx, start_proc(ctx, cmd, log, env), log, cap)
 
 
@@ -176,15 +193,17 @@ def run_python(ctx: Ctx, code: str, log: Path, cap: float) -> None:
 
 def probe(device: str) -> dict[str, Any]:
     """torch / CUDA / NVML facts from a child process (this one never touches CUDA)."""
-    code = ("import json, torch\n"
-            "d = {'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
-            "     'cuda_available': torch.cuda.is_available(),\n"
-            "     'device_count': torch.cuda.device_count() if torch.cuda.is_available() else 0}\n"
-            f"if {device == 'cuda'} and d['cuda_available']:\n"
-            "    d['device_name'] = torch.cuda.get_device_name(0)\n"
-            "try:\n    import pynvml; d['pynvml'] = True\n"
-            "except ImportError:\n    d['pynvml'] = False\n"
-            "print(json.dumps(d))\n")
+    code = (
+        "import json, torch\n"
+        "d = {'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+        "     'cuda_available': torch.cuda.is_available(),\n"
+        "     'device_count': torch.cuda.device_count() if torch.cuda.is_available() else 0}\n"
+        f"if {device == 'cuda'} and d['cuda_available']:\n"
+        "    d['device_name'] = torch.cuda.get_device_name(0)\n"
+        "try:\n    import pynvml; d['pynvml'] = True\n"
+        "except ImportError:\n    d['pynvml'] = False\n"
+        "print(json.dumps(d))\n"
+    )
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise SystemExit(f"gpu_check: cannot import torch: {out.stderr[-2000:]}")
@@ -193,10 +212,12 @@ def probe(device: str) -> dict[str, Any]:
 
 def git_facts() -> dict[str, Any]:
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {"git_commit": None}
     if head.returncode != 0:
@@ -220,8 +241,9 @@ def read_events(out: Path) -> list[dict[str, Any]]:
 
 
 def of_kind(events: list[dict[str, Any]], kind: str, rank: int | None = 0) -> list[dict[str, Any]]:
-    return [e for e in events if e.get("event") == kind
-            and (rank is None or e.get("rank", 0) == rank)]
+    return [
+        e for e in events if e.get("event") == kind and (rank is None or e.get("rank", 0) == rank)
+    ]
 
 
 def steady_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -245,9 +267,11 @@ def step_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
     if not later:
         raise CheckError(f"only {len(steps)} step events: nothing to measure after the first 2")
     res: dict[str, Any] = {
-        "steps": len(steps), "steps_measured": len(later),
+        "steps": len(steps),
+        "steps_measured": len(later),
         "tokens_per_s": statistics.median(e["tokens_per_s"] for e in later),
-        "step_ms": statistics.median(e["step_ms"] for e in later)}
+        "step_ms": statistics.median(e["step_ms"] for e in later),
+    }
     peaks = [e["cuda_peak_bytes"] for e in steps if e.get("cuda_peak_bytes") is not None]
     if peaks:
         res["cuda_peak_bytes"] = max(peaks)
@@ -257,8 +281,16 @@ def step_figures(events: list[dict[str, Any]]) -> dict[str, Any]:
 def as_run(events: list[dict[str, Any]]) -> dict[str, Any]:
     """What the trainer says it ran with (first ``run_start``): device, precision, dtype."""
     starts = of_kind(events, "run_start")
-    keys = ("device", "train_device", "precision", "dtype", "deterministic",
-            "attn_implementation", "world_size", "strategy")
+    keys = (
+        "device",
+        "train_device",
+        "precision",
+        "dtype",
+        "deterministic",
+        "attn_implementation",
+        "world_size",
+        "strategy",
+    )
     return {k: starts[0][k] for k in keys if starts and k in starts[0]}
 
 
@@ -300,27 +332,43 @@ def big_shape(ctx: Ctx, model: Path) -> Shape:
 def precision(ctx: Ctx) -> dict[str, str]:
     if ctx.cuda:
         return {"requested": "bf16", "used": "bf16", "model_dtype": "bfloat16"}
-    return {"requested": "bf16", "used": "fp32", "model_dtype": "float32",
-            "note": "no CUDA: bf16 runs become fp32 on CPU"}
+    return {
+        "requested": "bf16",
+        "used": "fp32",
+        "model_dtype": "float32",
+        "note": "no CUDA: bf16 runs become fp32 on CPU",
+    }
 
 
-def finetune_config(ctx: Ctx, shape: Shape, quantize: str = "none", optimizer: str = "adamw",
-                    deterministic: bool = False) -> dict[str, Any]:
+def finetune_config(
+    ctx: Ctx,
+    shape: Shape,
+    quantize: str = "none",
+    optimizer: str = "adamw",
+    deterministic: bool = False,
+) -> dict[str, Any]:
     """The YAML both ``shoestring finetune`` and ``shoestring plan`` read."""
     prec = precision(ctx)
     train: dict[str, Any] = {
-        "max_steps": shape.steps, "batch_size": shape.batch, "warmup_steps": 2,
-        "optimizer": optimizer, "device": ctx.device,
+        "max_steps": shape.steps,
+        "batch_size": shape.batch,
+        "warmup_steps": 2,
+        "optimizer": optimizer,
+        "device": ctx.device,
         "precision": "bf16" if prec["used"] == "bf16" else "fp32",
-        "deterministic": deterministic}
+        "deterministic": deterministic,
+    }
     if not ctx.cuda:  # OpenMP collapses with 2 threads on 2 busy cores (benchmarks/README.md)
         train["num_threads"] = 1
-    return {"model": {"path": shape.model, "dtype": prec["model_dtype"]},
-            "data": {"max_length": shape.seq, "eval": "", "packing": shape.packing},
-            "train": train, "eval": {"every_steps": 0},
-            "lora": {"quantize": quantize},
-            "checkpoint": {"every_steps": shape.every, "keep": 2},
-            "preempt": {"cloud": "none"}}
+    return {
+        "model": {"path": shape.model, "dtype": prec["model_dtype"]},
+        "data": {"max_length": shape.seq, "eval": "", "packing": shape.packing},
+        "train": train,
+        "eval": {"every_steps": 0},
+        "lora": {"quantize": quantize},
+        "checkpoint": {"every_steps": shape.every, "keep": 2},
+        "preempt": {"cloud": "none"},
+    }
 
 
 def write_config(ctx: Ctx, name: str, cfg: dict[str, Any]) -> Path:
@@ -332,12 +380,17 @@ def write_config(ctx: Ctx, name: str, cfg: dict[str, Any]) -> Path:
 
 
 def finetune_cmd(cfg_path: Path, out: Path) -> list[str]:
-    return [PY, "-m", "shoestring", "finetune", "--config", str(cfg_path),
-            "--output_dir", str(out)]
+    return [PY, "-m", "shoestring", "finetune", "--config", str(cfg_path), "--output_dir", str(out)]
 
 
-def finetune(ctx: Ctx, name: str, cfg_path: Path, cap: float, out: Path | None = None,
-             env: dict[str, str] | None = None) -> tuple[int, Path]:
+def finetune(
+    ctx: Ctx,
+    name: str,
+    cfg_path: Path,
+    cap: float,
+    out: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[int, Path]:
     """``python -m shoestring finetune --config CFG --output_dir OUT``: (exit code, OUT)."""
     out = out or ctx.work / name
     return run_proc(ctx, finetune_cmd(cfg_path, out), ctx.work / f"{name}.log", cap, env), out
@@ -362,14 +415,21 @@ def run_pair(ctx: Ctx, a: Job, b: Job, parallel: bool, cap: float = 120) -> tupl
 def plan_peak(ctx: Ctx, name: str, cfg_path: Path) -> dict[str, Any]:
     """``shoestring plan --config CFG --json``: its peak and breakdown (it exits 1 on no fit)."""
     log = ctx.work / f"{name}-plan.json"
-    rc = run_proc(ctx, [PY, "-m", "shoestring", "plan", "--config", str(cfg_path), "--json",
-                        "--gpu", "H200"], log, 120)
+    rc = run_proc(
+        ctx,
+        [PY, "-m", "shoestring", "plan", "--config", str(cfg_path), "--json", "--gpu", "H200"],
+        log,
+        120,
+    )
     if rc not in (0, 1):
         raise CheckError(f"shoestring plan exited {rc}: {tail(log)}")
     text = log.read_text()
-    plan = json.loads(text[text.index("{"):])
-    return {"peak_bytes": plan["peak_bytes"], "breakdown": plan["breakdown"],
-            "workload_device": plan["workload"].get("device")}
+    plan = json.loads(text[text.index("{") :])
+    return {
+        "peak_bytes": plan["peak_bytes"],
+        "breakdown": plan["breakdown"],
+        "workload_device": plan["workload"].get("device"),
+    }
 
 
 def memory_vs_plan(ctx: Ctx, name: str, cfg_path: Path, figures: dict[str, Any]) -> dict[str, Any]:
@@ -377,17 +437,26 @@ def memory_vs_plan(ctx: Ctx, name: str, cfg_path: Path, figures: dict[str, Any])
     if not ctx.cuda:
         return {"status": "not_run", "reason": "no CUDA"}
     if "cuda_peak_bytes" not in figures:
-        return {"status": "fail", "reason": "step events carry no cuda_peak_bytes "
-                "(the trainer must emit torch.cuda.max_memory_allocated on CUDA)"}
+        return {
+            "status": "fail",
+            "reason": "step events carry no cuda_peak_bytes "
+            "(the trainer must emit torch.cuda.max_memory_allocated on CUDA)",
+        }
     from plan_vs_cuda import peak_error
 
     plan = plan_peak(ctx, name, cfg_path)
     if plan["workload_device"] != "cuda":
-        return {"status": "fail", "reason": f"the planner planned for device "
-                f"{plan['workload_device']!r}, not cuda", "plan_peak_bytes": plan["peak_bytes"]}
-    res: dict[str, Any] = {"status": "pass", "measured_max_allocated": figures["cuda_peak_bytes"],
-                           "plan_peak_bytes": plan["peak_bytes"],
-                           "plan_breakdown": plan["breakdown"]}
+        return {
+            "status": "fail",
+            "reason": f"the planner planned for device {plan['workload_device']!r}, not cuda",
+            "plan_peak_bytes": plan["peak_bytes"],
+        }
+    res: dict[str, Any] = {
+        "status": "pass",
+        "measured_max_allocated": figures["cuda_peak_bytes"],
+        "plan_peak_bytes": plan["peak_bytes"],
+        "plan_breakdown": plan["breakdown"],
+    }
     res.update(peak_error(plan["peak_bytes"], figures["cuda_peak_bytes"]))
     res["target"] = f"error in [{PLAN_TARGET[0]:+.0f} %, {PLAN_TARGET[1]:+.0f} %]"
     res["target_met"] = PLAN_TARGET[0] <= res["peak_err_pct"] <= PLAN_TARGET[1]
@@ -398,12 +467,19 @@ def train_run(ctx: Ctx, name: str, shape: Shape, cap: float, **cfg_kw: Any) -> d
     """One finetune run and its figures; ``status`` fail on a non-zero exit."""
     cfg_path = write_config(ctx, name, finetune_config(ctx, shape, **cfg_kw))
     rc, out = finetune(ctx, name, cfg_path, cap)
-    res: dict[str, Any] = {"model": shape.model if shape.model.startswith("builtin:")
-                           else "llama-1b-random", "exit_code": rc,
-                           "batch": shape.batch, "seq": shape.seq, "packing": shape.packing}
+    res: dict[str, Any] = {
+        "model": shape.model if shape.model.startswith("builtin:") else "llama-1b-random",
+        "exit_code": rc,
+        "batch": shape.batch,
+        "seq": shape.seq,
+        "packing": shape.packing,
+    }
     if rc != 0:
-        return {**res, "status": "fail", "reason": f"finetune exited {rc}: "
-                f"{tail(ctx.work / f'{name}.log')}"}
+        return {
+            **res,
+            "status": "fail",
+            "reason": f"finetune exited {rc}: {tail(ctx.work / f'{name}.log')}",
+        }
     ctx.runs[name] = out
     events = read_events(out)
     res["as_run"] = as_run(events)
@@ -411,11 +487,17 @@ def train_run(ctx: Ctx, name: str, shape: Shape, cap: float, **cfg_kw: Any) -> d
     res["memory"] = memory_vs_plan(ctx, name, cfg_path, res)
     want = precision(ctx)["used"]
     if res["as_run"].get("precision", want) != want:
-        return {**res, "status": "fail", "reason": f"asked for {want}, the trainer ran "
-                f"{res['as_run']['precision']}"}
+        return {
+            **res,
+            "status": "fail",
+            "reason": f"asked for {want}, the trainer ran {res['as_run']['precision']}",
+        }
     failed = res["memory"]["status"] == "fail"
-    return {**res, "status": "fail" if failed else "pass",
-            **({"reason": "memory: " + res["memory"]["reason"]} if failed else {})}
+    return {
+        **res,
+        "status": "fail" if failed else "pass",
+        **({"reason": "memory: " + res["memory"]["reason"]} if failed else {}),
+    }
 
 
 # --------------------------------------------------------------------------- the ~1B model
@@ -427,15 +509,25 @@ def build_llama(target: Path, device: str, dtype: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shoestring.train.builtin import SPECIAL_TOKENS, _build_tokenizer
+    from shoestring.train.builtin import SPECIAL_TOKENS, build_tokenizer
 
-    tok = _build_tokenizer()
+    tok = build_tokenizer()
     pad, bos, eos = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-                      head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, pad_token_id=pad, bos_token_id=bos,
-                      eos_token_id=eos)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=pad,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
@@ -450,9 +542,14 @@ def ensure_big_model(ctx: Ctx) -> Path:
         target = ctx.work / "llama-1b"
         dtype = precision(ctx)["model_dtype"]
         try:
-            run_python(ctx, f"import gpu_check; from pathlib import Path\n"
-                       f"gpu_check.build_llama(Path({str(target)!r}), {ctx.device!r}, "
-                       f"{dtype!r})", ctx.work / "build-llama.log", 180)
+            run_python(
+                ctx,
+                f"import gpu_check; from pathlib import Path\n"
+                f"gpu_check.build_llama(Path({str(target)!r}), {ctx.device!r}, "
+                f"{dtype!r})",
+                ctx.work / "build-llama.log",
+                180,
+            )
         except CheckError as e:
             ctx.big_model_error = str(e)
             raise
@@ -477,8 +574,11 @@ def train_check(ctx: Ctx, prefix: str, **cfg_kw: Any) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - one model failing leaves the other measured
             runs[label] = {"status": "fail", "reason": f"{type(e).__name__}: {e}"}
     bad = [k for k, r in runs.items() if r["status"] != "pass"]
-    res: dict[str, Any] = {"status": "fail" if bad else "pass", "precision": precision(ctx),
-                           "runs": runs}
+    res: dict[str, Any] = {
+        "status": "fail" if bad else "pass",
+        "precision": precision(ctx),
+        "runs": runs,
+    }
     if bad:
         res["reason"] = "; ".join(f"{k}: {runs[k].get('reason', '')[:300]}" for k in bad)
     return res
@@ -508,19 +608,30 @@ def check_sigkill_resume(ctx: Ctx) -> dict[str, Any]:
     # On CPU the uninterrupted and the faulted run share the cores (1 thread each); on a
     # GPU they run one after the other, so their checkpoint timings stay clean.
     rc_ref, rc_kill = run_pair(
-        ctx, (finetune_cmd(cfg, ref), ctx.work / "resume-ref.log", ctx.env(**det)),
-        (finetune_cmd(cfg, out), ctx.work / "resume-kill.log",
-         ctx.env(SHOESTRING_FAULTS=fault, **det)), parallel=not ctx.cuda)
+        ctx,
+        (finetune_cmd(cfg, ref), ctx.work / "resume-ref.log", ctx.env(**det)),
+        (
+            finetune_cmd(cfg, out),
+            ctx.work / "resume-kill.log",
+            ctx.env(SHOESTRING_FAULTS=fault, **det),
+        ),
+        parallel=not ctx.cuda,
+    )
     if rc_ref != 0:
         raise CheckError(f"uninterrupted run exited {rc_ref}: {tail(ctx.work / 'resume-ref.log')}")
     ctx.runs["resume-ref"] = ref
     rc_resume, _ = finetune(ctx, "resume-kill", cfg, 120, out=out, env=ctx.env(**det))
     ctx.runs["resume-kill"] = out
     resumes = of_kind(read_events(out), "resume")
-    res: dict[str, Any] = {"steps": shape.steps, "checkpoint_every": shape.every,
-                           "fault": fault, "killed_exit_code": rc_kill,
-                           "resume_exit_code": rc_resume, "resumed": bool(resumes),
-                           "as_run": as_run(read_events(ref))}
+    res: dict[str, Any] = {
+        "steps": shape.steps,
+        "checkpoint_every": shape.every,
+        "fault": fault,
+        "killed_exit_code": rc_kill,
+        "resume_exit_code": rc_resume,
+        "resumed": bool(resumes),
+        "as_run": as_run(read_events(ref)),
+    }
     if resumes:
         res.update(from_step=resumes[-1].get("from_step"), steps_lost=resumes[-1].get("steps_lost"))
     res.update(compare_adapters(ref, out))
@@ -556,17 +667,23 @@ def blocking_of(out: Path) -> dict[str, Any] | None:
     """Periodic saves' ``blocking_ms`` vs the median steady ``step_ms`` (final save apart)."""
     events = read_events(out)
     ck = [e for e in of_kind(events, "checkpoint") if e.get("blocking_ms") is not None]
-    periodic = [float(e["blocking_ms"]) for e in ck
-                if e.get("reason") not in ("final", "emergency")]
+    periodic = [
+        float(e["blocking_ms"]) for e in ck if e.get("reason") not in ("final", "emergency")
+    ]
     steps = [e["step_ms"] for e in steady_steps(events) if e.get("step_ms") is not None]
     if not periodic or not steps:
         return None
     step_ms = statistics.median(steps)
     ratio = statistics.median(periodic) / step_ms
     res: dict[str, Any] = {
-        "periodic_checkpoints": len(periodic), "blocking_ms_median": statistics.median(periodic),
-        "blocking_ms_max": max(periodic), "step_ms_median": step_ms, "ratio_median": ratio,
-        "ratio_max": max(periodic) / step_ms, "target_met": ratio < BLOCKING_TARGET}
+        "periodic_checkpoints": len(periodic),
+        "blocking_ms_median": statistics.median(periodic),
+        "blocking_ms_max": max(periodic),
+        "step_ms_median": step_ms,
+        "ratio_median": ratio,
+        "ratio_max": max(periodic) / step_ms,
+        "target_met": ratio < BLOCKING_TARGET,
+    }
     final = [float(e["blocking_ms"]) for e in ck if e.get("reason") == "final"]
     if final:
         res["final_blocking_ms"] = final[-1]
@@ -578,10 +695,15 @@ def check_checkpoint_blocking(ctx: Ctx) -> dict[str, Any]:
         return {"status": "not_run", "reason": "no finetune run finished before this check"}
     runs = {name: b for name, out in ctx.runs.items() if (b := blocking_of(out)) is not None}
     if not runs:
-        return {"status": "fail", "reason": f"no checkpoint event with blocking_ms in "
-                f"{', '.join(ctx.runs)}"}
-    return {"status": "pass", "target": f"median blocking_ms / median step_ms < {BLOCKING_TARGET}",
-            "runs": runs}
+        return {
+            "status": "fail",
+            "reason": f"no checkpoint event with blocking_ms in {', '.join(ctx.runs)}",
+        }
+    return {
+        "status": "pass",
+        "target": f"median blocking_ms / median step_ms < {BLOCKING_TARGET}",
+        "runs": runs,
+    }
 
 
 def check_distributed(ctx: Ctx) -> dict[str, Any]:
@@ -594,19 +716,45 @@ def check_distributed(ctx: Ctx) -> dict[str, Any]:
     for strategy in ("ddp", "fsdp"):
         res[strategy] = distributed_run(ctx, strategy, cfg)
     bad = [s for s in res if res[s]["exit_code"] != 0]
-    verdict = {"status": "fail", "reason": f"{', '.join(bad)} exited non-zero"} if bad \
+    verdict = (
+        {"status": "fail", "reason": f"{', '.join(bad)} exited non-zero"}
+        if bad
         else {"status": "pass"}
+    )
     return {**verdict, "nproc": 2, **res}
 
 
 def distributed_run(ctx: Ctx, strategy: str, cfg: Path) -> dict[str, Any]:
     out = ctx.work / f"dist-{strategy}"
     log = ctx.work / f"dist-{strategy}.log"
-    rc = run_proc(ctx, [PY, "-m", "shoestring", "run", "--nproc-per-node", "2",
-                        "--max-restarts", "0", "--run-dir", str(out), "--",
-                        PY, "-m", "shoestring", "finetune", "--config", str(cfg),
-                        "--output_dir", str(out), "--distributed.strategy", strategy],
-                  log, 150)
+    rc = run_proc(
+        ctx,
+        [
+            PY,
+            "-m",
+            "shoestring",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "0",
+            "--run-dir",
+            str(out),
+            "--",
+            PY,
+            "-m",
+            "shoestring",
+            "finetune",
+            "--config",
+            str(cfg),
+            "--output_dir",
+            str(out),
+            "--distributed.strategy",
+            strategy,
+        ],
+        log,
+        150,
+    )
     res: dict[str, Any] = {"exit_code": rc}
     if rc == 0:
         ctx.runs[f"dist-{strategy}"] = out
@@ -621,18 +769,27 @@ def distributed_run(ctx: Ctx, strategy: str, cfg: Path) -> dict[str, Any]:
 
 def check_infer(ctx: Ctx) -> dict[str, Any]:
     out = ctx.work / "infer.json"
-    run_python(ctx, "import json, torch, infer_cuda\n"
-               f"r = infer_cuda.run(torch.device({ctx.device!r}), {ctx.small})\n"
-               f"open({str(out)!r}, 'w').write(json.dumps(r))", ctx.work / "infer.log", 200)
+    run_python(
+        ctx,
+        "import json, torch, infer_cuda\n"
+        f"r = infer_cuda.run(torch.device({ctx.device!r}), {ctx.small})\n"
+        f"open({str(out)!r}, 'w').write(json.dumps(r))",
+        ctx.work / "infer.log",
+        200,
+    )
     res: dict[str, Any] = json.loads(out.read_text())
     if not res.get("h2d_bytes_per_s"):  # infer_cuda returns 0.0 off CUDA: not a measurement
         res.pop("h2d_bytes_per_s", None)
         res["note"] = "no CUDA: CPU smoke path, pinned host-to-device copy not measured"
     ex = res["exactness"]
     if ex["greedy_identical"] != ex["prompts"]:
-        return {**res, "status": "fail", "reason": f"streaming greedy tokens differ from "
-                f"transformers on {ex['prompts'] - ex['greedy_identical']} of {ex['prompts']} "
-                "prompts"}
+        return {
+            **res,
+            "status": "fail",
+            "reason": f"streaming greedy tokens differ from "
+            f"transformers on {ex['prompts'] - ex['greedy_identical']} of {ex['prompts']} "
+            "prompts",
+        }
     return {**res, "status": "pass"}
 
 
@@ -640,18 +797,47 @@ def check_nvml(ctx: Ctx) -> dict[str, Any]:
     if not ctx.cuda:
         return {"status": "skipped", "reason": "no CUDA/NVML"}
     if not ctx.probe.get("pynvml"):
-        return {"status": "fail", "reason": "pynvml not importable (pip install nvidia-ml-py, "
-                "the 'watch' extra): shoestring run samples no GPU metrics"}
+        return {
+            "status": "fail",
+            "reason": "pynvml not importable (pip install nvidia-ml-py, "
+            "the 'watch' extra): shoestring run samples no GPU metrics",
+        }
     cfg = write_config(ctx, "nvml", finetune_config(ctx, tiny_shape(ctx)))
     out, log = ctx.work / "nvml", ctx.work / "nvml.log"
-    rc = run_proc(ctx, [PY, "-m", "shoestring", "run", "--max-restarts", "0", "--run-dir",
-                        str(out), "--metrics-interval", "1", "--", PY, "-m", "shoestring",
-                        "finetune", "--config", str(cfg), "--output_dir", str(out)], log, 90)
+    rc = run_proc(
+        ctx,
+        [
+            PY,
+            "-m",
+            "shoestring",
+            "run",
+            "--max-restarts",
+            "0",
+            "--run-dir",
+            str(out),
+            "--metrics-interval",
+            "1",
+            "--",
+            PY,
+            "-m",
+            "shoestring",
+            "finetune",
+            "--config",
+            str(cfg),
+            "--output_dir",
+            str(out),
+        ],
+        log,
+        90,
+    )
     metrics = of_kind(read_events(out), "metrics", rank=None)
     gpus = [g for m in metrics for g in m.get("gpus") or []]
-    res: dict[str, Any] = {"exit_code": rc, "metrics_events": len(metrics),
-                           "gpu_records": len(gpus),
-                           "gpu_fields": sorted({k for g in gpus for k in g})}
+    res: dict[str, Any] = {
+        "exit_code": rc,
+        "metrics_events": len(metrics),
+        "gpu_records": len(gpus),
+        "gpu_fields": sorted({k for g in gpus for k in g}),
+    }
     for key in ("util_pct", "mem_used_bytes", "power_w", "sm_clock_mhz"):
         vals = [g[key] for g in gpus if isinstance(g.get(key), (int, float))]
         if vals:
@@ -663,9 +849,14 @@ def check_nvml(ctx: Ctx) -> dict[str, Any]:
 
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
-    "lora_bf16": check_lora_bf16, "qlora_nf4": check_qlora_nf4,
-    "sigkill_resume": check_sigkill_resume, "checkpoint_blocking": check_checkpoint_blocking,
-    "distributed": check_distributed, "infer": check_infer, "nvml": check_nvml}
+    "lora_bf16": check_lora_bf16,
+    "qlora_nf4": check_qlora_nf4,
+    "sigkill_resume": check_sigkill_resume,
+    "checkpoint_blocking": check_checkpoint_blocking,
+    "distributed": check_distributed,
+    "infer": check_infer,
+    "nvml": check_nvml,
+}
 
 
 # --------------------------------------------------------------------------- driver
@@ -682,34 +873,54 @@ def run_check(ctx: Ctx, name: str, budget: float) -> dict[str, Any]:
     except CheckError as e:
         res = {"status": "fail", "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - the next check still runs
-        res = {"status": "fail", "reason": f"{type(e).__name__}: {e}",
-               "traceback": traceback.format_exc()[-2000:]}
+        res = {
+            "status": "fail",
+            "reason": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc()[-2000:],
+        }
     res["seconds"] = round(time.monotonic() - t0, 2)
     res["budget_s"] = budget
     return res
 
 
 def header(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
-    return {"date": datetime.date.today().isoformat(), **git_facts(),
-            "torch": info.get("torch"), "cuda": info.get("cuda"),
-            "device": info.get("device_name", "cpu") if args.device == "cuda" else "cpu",
-            "device_count": info.get("device_count", 0), "device_arg": args.device,
-            "small": args.small, "pynvml": info.get("pynvml"), "budget_s": args.budget_s,
-            "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
-            "cpu_count": os.cpu_count()}
+    return {
+        "date": datetime.date.today().isoformat(),
+        **git_facts(),
+        "torch": info.get("torch"),
+        "cuda": info.get("cuda"),
+        "device": info.get("device_name", "cpu") if args.device == "cuda" else "cpu",
+        "device_count": info.get("device_count", 0),
+        "device_arg": args.device,
+        "small": args.small,
+        "pynvml": info.get("pynvml"),
+        "budget_s": args.budget_s,
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--small", action="store_true",
-                   help="tiny shapes only (no ~1B model): the CPU/CI smoke test")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="tiny shapes only (no ~1B model): the CPU/CI smoke test",
+    )
     p.add_argument("--out", help="JSON path (default benchmarks/results/gpu-check-<date>.json)")
-    p.add_argument("--checks", default=",".join(CHECKS),
-                   help=f"comma list of checks to run (default all: {','.join(CHECKS)})")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="global time budget in seconds (default 420 on CUDA, 300 with --small "
-                        "on CPU); checks not started by then are not_run")
+    p.add_argument(
+        "--checks",
+        default=",".join(CHECKS),
+        help=f"comma list of checks to run (default all: {','.join(CHECKS)})",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="global time budget in seconds (default 420 on CUDA, 300 with --small "
+        "on CPU); checks not started by then are not_run",
+    )
     p.add_argument("--work", help="keep the scratch dir here (default: a temp dir, removed)")
     args = p.parse_args(argv)
     if args.budget_s is None:
@@ -723,8 +934,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_all(args: argparse.Namespace, work: Path, t0: float) -> dict[str, Any]:
     info = probe(args.device)
     report = header(args, info)
-    ctx = Ctx(device=args.device, small=args.small, work=work, probe=info,
-              global_deadline=t0 + args.budget_s)
+    ctx = Ctx(
+        device=args.device,
+        small=args.small,
+        work=work,
+        probe=info,
+        global_deadline=t0 + args.budget_s,
+    )
     wanted = args.checks.split(",")
     checks: dict[str, Any] = {}
     for name in CHECKS:
@@ -735,8 +951,11 @@ def run_all(args: argparse.Namespace, work: Path, t0: float) -> dict[str, Any]:
         else:
             scale = 1 if ctx.cuda or ctx.small else 5  # the ~1B model on CPU: slow, untuned
             checks[name] = run_check(ctx, name, BUDGETS[name][0 if ctx.cuda else 1] * scale)
-        print(f"gpu_check: {name}: {checks[name]['status']} ({checks[name].get('seconds', 0)} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"gpu_check: {name}: {checks[name]['status']} ({checks[name].get('seconds', 0)} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     report["checks"] = checks
     return report
 
@@ -755,8 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     report["total_s"] = round(time.monotonic() - t0, 2)
-    out = Path(args.out) if args.out else \
-        BENCH / "results" / f"gpu-check-{report['date']}.json"
+    out = Path(args.out) if args.out else BENCH / "results" / f"gpu-check-{report['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(report, indent=1, default=str)
     out.write_text(text + "\n")

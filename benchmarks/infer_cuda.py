@@ -69,8 +69,7 @@ def exactness(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict
     prompts = _prompts(6, seed=1)
     eng = StreamingCausalLM(model_dir, device=device).start(resident=1, depth=2)
     try:
-        out = generate(eng, prompts, max_new_tokens=16, eos_ids=set(), pad_id=0,
-                       micro_tokens=64)
+        out = generate(eng, prompts, max_new_tokens=16, eos_ids=set(), pad_id=0, micro_tokens=64)
         logits = prompt_logits(eng, prompts)
     finally:
         eng.close()
@@ -78,17 +77,28 @@ def exactness(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict
     for p, o, lg in zip(prompts, out, logits):
         ids = torch.tensor([p], device=device)
         with torch.no_grad():
-            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                do_sample=False, pad_token_id=0)
+            want = ref.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+            )
             ref_logits = ref(ids).logits[0].float()
-        same += o.tokens == want[0, len(p):].tolist()
+        same += o.tokens == want[0, len(p) :].tolist()
         diff = max(diff, (lg.to(device) - ref_logits).abs().max().item())
     del ref
     return {"prompts": len(prompts), "greedy_identical": same, "max_abs_logit_diff": diff}
 
 
-def decode_rate(model_dir: Path, device: torch.device, batch: int, new_tokens: int,
-                scheme: str = "none", workdir: Path | None = None) -> dict[str, Any]:
+def decode_rate(
+    model_dir: Path,
+    device: torch.device,
+    batch: int,
+    new_tokens: int,
+    scheme: str = "none",
+    workdir: Path | None = None,
+) -> dict[str, Any]:
     """Prefill + ``new_tokens`` passes over ``batch`` prompts, nothing resident."""
     eng = StreamingCausalLM(model_dir, device=device)
     prepare = None
@@ -106,8 +116,15 @@ def decode_rate(model_dir: Path, device: torch.device, batch: int, new_tokens: i
 
     try:
         t0 = time.perf_counter()
-        out = generate(eng, _prompts(batch, seed=2), max_new_tokens=new_tokens, eos_ids=set(),
-                       pad_id=0, micro_tokens=4096, on_pass=on_pass)
+        out = generate(
+            eng,
+            _prompts(batch, seed=2),
+            max_new_tokens=new_tokens,
+            eos_ids=set(),
+            pad_id=0,
+            micro_tokens=4096,
+            on_pass=on_pass,
+        )
         total = time.perf_counter() - t0
         streamed = eng.streamer.streamed_bytes if eng.streamer else 0
         wait = eng.streamer.wait_s if eng.streamer else 0.0
@@ -115,37 +132,62 @@ def decode_rate(model_dir: Path, device: torch.device, batch: int, new_tokens: i
         eng.close()
     steps = [b - a for a, b in zip(stamps[:-1], stamps[1:])]
     step = sorted(steps)[len(steps) // 2] if steps else total
-    return {"scheme": scheme, "batch": batch, "passes": len(stamps), "total_s": total,
-            "prefill_s": stamps[0] - t0 if stamps else total, "decode_step_s": step,
-            "streamed_bytes_per_pass": streamed, "stream_bytes_per_s": streamed / step,
-            "reader_wait_s": wait, "tokens_per_s": batch * len(steps) / sum(steps)
-            if steps else 0.0, "tokens": [o.tokens for o in out]}
+    return {
+        "scheme": scheme,
+        "batch": batch,
+        "passes": len(stamps),
+        "total_s": total,
+        "prefill_s": stamps[0] - t0 if stamps else total,
+        "decode_step_s": step,
+        "streamed_bytes_per_pass": streamed,
+        "stream_bytes_per_s": streamed / step,
+        "reader_wait_s": wait,
+        "tokens_per_s": batch * len(steps) / sum(steps) if steps else 0.0,
+        "tokens": [o.tokens for o in out],
+    }
 
 
-def run(device: torch.device, small: bool, batch: int = 64,
-        new_tokens: int = 8) -> dict[str, Any]:
+def run(device: torch.device, small: bool, batch: int = 64, new_tokens: int = 8) -> dict[str, Any]:
     """All three checks in one temp dir; the dict ``main`` prints (also used by gpu_check.py)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    res: dict[str, Any] = {"device": torch.cuda.get_device_name(device)
-                           if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        exact_dir = build_random_model(root / "exact", "llama", hidden=256, layers=4, ffn=512,
-                                       heads=4, kv_heads=2, dtype=dtype, seed=1)
+        exact_dir = build_random_model(
+            root / "exact",
+            "llama",
+            hidden=256,
+            layers=4,
+            ffn=512,
+            heads=4,
+            kv_heads=2,
+            dtype=dtype,
+            seed=1,
+        )
         res["exactness"] = exactness(exact_dir, device, dtype)
-        shape = dict(hidden=256, layers=4, ffn=512, heads=4, kv_heads=2) if small else \
-            dict(hidden=4096, layers=8, ffn=11008, heads=32, kv_heads=8)
-        big = build_random_model(root / "big", "llama", dtype=dtype, shard="2GB",
-                                 init_std=0.02, **shape)  # type: ignore[arg-type]
+        shape = (
+            dict(hidden=256, layers=4, ffn=512, heads=4, kv_heads=2)
+            if small
+            else dict(hidden=4096, layers=8, ffn=11008, heads=32, kv_heads=8)
+        )
+        big = build_random_model(
+            root / "big", "llama", dtype=dtype, shard="2GB", init_std=0.02, **shape
+        )  # type: ignore[arg-type]
         res["model_bytes"] = sum(f.stat().st_size for f in big.glob("*.safetensors"))
         res["build_s"] = time.perf_counter() - t0
         res["h2d_bytes_per_s"] = h2d_rate(device)
         res["fp"] = decode_rate(big, device, batch, new_tokens)
         for scheme in ("int8", "nf4"):
             res[scheme] = decode_rate(big, device, batch, new_tokens, scheme, root)
-            pairs = [(x, y) for s, t in zip(res["fp"]["tokens"], res[scheme]["tokens"])
-                     for x, y in zip(s, t)]
+            pairs = [
+                (x, y)
+                for s, t in zip(res["fp"]["tokens"], res[scheme]["tokens"])
+                for x, y in zip(s, t)
+            ]
             res[scheme]["token_agreement_vs_fp"] = sum(x == y for x, y in pairs) / len(pairs)
         for k in ("fp", "int8", "nf4"):
             res[k].pop("tokens")

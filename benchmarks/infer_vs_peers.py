@@ -38,6 +38,7 @@ WORDS = "the of and to in is was for on are with as by at from that this be it a
 
 # ---------------------------------------------------------------------------- setup
 
+
 def build_model(hidden: int, layers: int, ffn: int) -> Path:
     target = CACHE / f"bench-infer-llama-gqa-h{hidden}-l{layers}-f{ffn}"
     if (target / ".complete").is_file():
@@ -47,8 +48,17 @@ def build_model(hidden: int, layers: int, ffn: int) -> Path:
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"building {target.name} ...", flush=True)
-    build_random_model(tmp, "llama", hidden=hidden, layers=layers, ffn=ffn,
-                       heads=hidden // 64, kv_heads=max(hidden // 256, 1), shard="1GB", init_std=0.02)
+    build_random_model(
+        tmp,
+        "llama",
+        hidden=hidden,
+        layers=layers,
+        ffn=ffn,
+        heads=hidden // 64,
+        kv_heads=max(hidden // 256, 1),
+        shard="1GB",
+        init_std=0.02,
+    )
     (tmp / ".complete").write_text("1\n")
     shutil.rmtree(target, ignore_errors=True)
     os.rename(tmp, target)
@@ -69,7 +79,7 @@ def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
 def evict(paths: list[Path]) -> None:
     """Drop these files' pages from the page cache (so every tool starts cold)."""
     for root in paths:
-        for p in (root.rglob("*") if root.is_dir() else [root]):
+        for p in root.rglob("*") if root.is_dir() else [root]:
             if p.is_file():
                 fd = os.open(p, os.O_RDONLY)
                 try:
@@ -87,8 +97,11 @@ def disk_bandwidth(shard: Path, tries: int = 3) -> float:
     for bs in ("16M", "256M"):
         for _ in range(tries):
             evict([shard])
-            r = subprocess.run(["dd", f"if={shard}", "of=/dev/null", f"bs={bs}",
-                                "iflag=direct"], capture_output=True, text=True)
+            r = subprocess.run(
+                ["dd", f"if={shard}", "of=/dev/null", f"bs={bs}", "iflag=direct"],
+                capture_output=True,
+                text=True,
+            )
             m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", r.stderr)
             if m:
                 best = max(best, int(m.group(1)) / float(m.group(2)))
@@ -106,7 +119,8 @@ class Cgroup:
         if not self.v2:
             self._write("memory.max_usage_in_bytes", "0")
             (self.path / "memory.memsw.limit_in_bytes").exists() and self._write(
-                "memory.memsw.limit_in_bytes", str(limit))
+                "memory.memsw.limit_in_bytes", str(limit)
+            )
 
     @staticmethod
     def _base() -> Path:
@@ -141,20 +155,42 @@ class Cgroup:
             pass
 
 
-def run_tool(tool: str, args: argparse.Namespace, model: Path, prompts: Path,
-             work: Path, cap: int) -> dict[str, Any]:
+def run_tool(
+    tool: str, args: argparse.Namespace, model: Path, prompts: Path, work: Path, cap: int
+) -> dict[str, Any]:
     py = sys.executable if tool.startswith("ours") else str(PEERS_PY)
     cg = Cgroup(f"bench-{tool}-{os.getpid()}", cap)
     evict([model])
-    cmd = [py, __file__, "--worker", tool, "--model", str(model), "--prompts", str(prompts),
-           "--work", str(work / tool), "--new-tokens", str(args.new_tokens),
-           "--threads", str(args.threads), "--budget", str(args.budget or cap - (64 << 20))]
+    cmd = [
+        py,
+        __file__,
+        "--worker",
+        tool,
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--work",
+        str(work / tool),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--threads",
+        str(args.threads),
+        "--budget",
+        str(args.budget or cap - (64 << 20)),
+    ]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cg.enter,
-                       timeout=args.timeout)
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, preexec_fn=cg.enter, timeout=args.timeout
+    )
     wall = time.perf_counter() - t0
-    res: dict[str, Any] = {"tool": tool, "rc": r.returncode, "process_s": wall,
-                           "cgroup_peak": cg.peak(), "oom_kills": cg.oom_kills()}
+    res: dict[str, Any] = {
+        "tool": tool,
+        "rc": r.returncode,
+        "process_s": wall,
+        "cgroup_peak": cg.peak(),
+        "oom_kills": cg.oom_kills(),
+    }
     cg.remove()
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode != 0 or not lines:
@@ -165,6 +201,7 @@ def run_tool(tool: str, args: argparse.Namespace, model: Path, prompts: Path,
 
 
 # ---------------------------------------------------------------------------- workers
+
 
 def _io_read_bytes() -> int:
     for line in Path("/proc/self/io").read_text().splitlines():
@@ -215,21 +252,33 @@ def worker(tool: str, a: argparse.Namespace) -> dict[str, Any]:
         cfg.memory.budget, cfg.memory.batch_size = str(a.budget), len(records)
         cfg.job.progress = "off"
         if tool.startswith("ours-"):
-            cfg.compress.scheme = tool[len("ours-"):]
+            cfg.compress.scheme = tool[len("ours-") :]
         t0 = time.perf_counter()
         assert run_infer(cfg, stream=sys.stderr) == 0
         gen_s = time.perf_counter() - t0
-        end = [json.loads(x) for x in (work / "out.jsonl.run" / "events.jsonl").read_text()
-               .splitlines()][-1]
-        start = [json.loads(x) for x in (work / "out.jsonl.run" / "events.jsonl").read_text()
-                 .splitlines()][0]
-        out.update(gen_s=end["pass_s"], job_s=gen_s, decode_step_s=end["decode_s_per_pass"],
-                   prefill_s=end["prefill_s"], passes=end["passes"],
-                   bytes_per_step=end["bytes_per_pass"], model_bytes=start["model_bytes"],
-                   resident_bytes=start["plan"]["breakdown"]["resident"],
-                   tokens=end["tokens"], peak_rss=end["peak_rss_bytes"],
-                   roofline_pct_self=end["roofline_pct"], read_bw_self=end["read_bytes_per_s"],
-                   dtype=start["dtype"])
+        end = [
+            json.loads(x)
+            for x in (work / "out.jsonl.run" / "events.jsonl").read_text().splitlines()
+        ][-1]
+        start = [
+            json.loads(x)
+            for x in (work / "out.jsonl.run" / "events.jsonl").read_text().splitlines()
+        ][0]
+        out.update(
+            gen_s=end["pass_s"],
+            job_s=gen_s,
+            decode_step_s=end["decode_s_per_pass"],
+            prefill_s=end["prefill_s"],
+            passes=end["passes"],
+            bytes_per_step=end["bytes_per_pass"],
+            model_bytes=start["model_bytes"],
+            resident_bytes=start["plan"]["breakdown"]["resident"],
+            tokens=end["tokens"],
+            peak_rss=end["peak_rss_bytes"],
+            roofline_pct_self=end["roofline_pct"],
+            read_bw_self=end["read_bytes_per_s"],
+            dtype=start["dtype"],
+        )
         lines = (work / "out.jsonl").read_text().splitlines()
         out["first_completion"] = json.loads(lines[0])["completion"]
     else:
@@ -240,44 +289,61 @@ def worker(tool: str, a: argparse.Namespace) -> dict[str, Any]:
         if tool == "airllm":
             from airllm import AutoModel
 
-            model = AutoModel.from_pretrained(a.model, device="cpu",
-                                              layer_shards_saving_path=str(work / "split"))
+            model = AutoModel.from_pretrained(
+                a.model, device="cpu", layer_shards_saving_path=str(work / "split")
+            )
         else:  # accelerate: every decoder layer offloaded to disk, small parts on CPU
             from transformers import AutoConfig, AutoModelForCausalLM
 
             n = AutoConfig.from_pretrained(a.model).num_hidden_layers
-            dmap = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                    "lm_head": "cpu", **{f"model.layers.{i}": "disk" for i in range(n)}}
+            dmap = {
+                "model.embed_tokens": "cpu",
+                "model.norm": "cpu",
+                "model.rotary_emb": "cpu",
+                "lm_head": "cpu",
+                **{f"model.layers.{i}": "disk" for i in range(n)},
+            }
             # accelerate-bf16: loaded as bf16, so its offloaded copy is bf16 too (half the
             # bytes per step) and it computes in bf16: its fastest setting on this CPU.
             kw = {"dtype": torch.bfloat16} if tool == "accelerate-bf16" else {}
-            model = AutoModelForCausalLM.from_pretrained(a.model, device_map=dmap,
-                                                         offload_folder=str(work / "offload"),
-                                                         **kw)
+            model = AutoModelForCausalLM.from_pretrained(
+                a.model, device_map=dmap, offload_folder=str(work / "offload"), **kw
+            )
         out["setup_s"] = time.perf_counter() - t_setup
         stamps = _Stamps()
         read0 = _io_read_bytes()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            g = model.generate(ids, attention_mask=mask, max_new_tokens=a.new_tokens,
-                               min_new_tokens=a.new_tokens, do_sample=False, use_cache=True,
-                               logits_processor=LogitsProcessorList([stamps]),
-                               pad_token_id=tok.pad_token_id)
+            g = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=a.new_tokens,
+                min_new_tokens=a.new_tokens,
+                do_sample=False,
+                use_cache=True,
+                logits_processor=LogitsProcessorList([stamps]),
+                pad_token_id=tok.pad_token_id,
+            )
         gen_s = time.perf_counter() - t0
         steps = [b - c for b, c in zip(stamps.t[1:], stamps.t[:-1])]
         seq = g.sequences if hasattr(g, "sequences") else g
-        new = seq[:, ids.shape[1]:]
-        out.update(gen_s=gen_s, prefill_s=stamps.t[0] - t0 if stamps.t else gen_s,
-                   decode_step_s=sum(steps) / len(steps) if steps else 0.0,
-                   passes=len(stamps.t), tokens=int(new.numel()),
-                   bytes_per_step=(_io_read_bytes() - read0) / max(len(stamps.t), 1),
-                   peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                   first_completion=tok.decode(new[0], skip_special_tokens=True))
+        new = seq[:, ids.shape[1] :]
+        out.update(
+            gen_s=gen_s,
+            prefill_s=stamps.t[0] - t0 if stamps.t else gen_s,
+            decode_step_s=sum(steps) / len(steps) if steps else 0.0,
+            passes=len(stamps.t),
+            tokens=int(new.numel()),
+            bytes_per_step=(_io_read_bytes() - read0) / max(len(stamps.t), 1),
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            first_completion=tok.decode(new[0], skip_special_tokens=True),
+        )
     out["prompts"] = len(records)
     return out
 
 
 # ---------------------------------------------------------------------------- main
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -287,15 +353,29 @@ def main() -> None:
     p.add_argument("--prompts", default="64", help="number of prompts (or a path, in --worker)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--cap", default="1.5GiB", help="memory cgroup limit of every tool")
-    p.add_argument("--budget", type=int, default=0, help="ours: --memory-budget in bytes "
-                   "(default: the cap minus 64 MiB of page-cache slack)")
-    p.add_argument("--tools", default="ours,airllm,accelerate",
-                   help="also: accelerate-bf16 (Accelerate loading the model as bf16)")
-    p.add_argument("--compress", default="",
-                   help="also run ours with these schemes (comma-separated: int8,nf4)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per tool (with 2 threads on a shared 2-core box "
-                        "OpenMP collapses; see benchmarks/README.md)")
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=0,
+        help="ours: --memory-budget in bytes (default: the cap minus 64 MiB of page-cache slack)",
+    )
+    p.add_argument(
+        "--tools",
+        default="ours,airllm,accelerate",
+        help="also: accelerate-bf16 (Accelerate loading the model as bf16)",
+    )
+    p.add_argument(
+        "--compress",
+        default="",
+        help="also run ours with these schemes (comma-separated: int8,nf4)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per tool (with 2 threads on a shared 2-core box "
+        "OpenMP collapses; see benchmarks/README.md)",
+    )
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--worker", default="")
     p.add_argument("--model", default="")
@@ -314,11 +394,13 @@ def main() -> None:
     shard = max(model.glob("*.safetensors"), key=lambda f: f.stat().st_size)
     bw0 = disk_bandwidth(shard)
     tools = [t for t in a.tools.split(",") if t] + [f"ours-{c}" for c in a.compress.split(",") if c]
-    print(f"model {model_bytes / 1e9:.2f} GB ({a.layers} layers, hidden {a.hidden}); cap "
-          f"{cap / 2**30:.2f} GiB; {a.prompts} prompts x {a.new_tokens} new tokens; "
-          f"{a.threads} threads; disk {bw0 / 1e9:.2f} GB/s (dd iflag=direct, best of "
-          "16M/256M x 3)",
-          flush=True)
+    print(
+        f"model {model_bytes / 1e9:.2f} GB ({a.layers} layers, hidden {a.hidden}); cap "
+        f"{cap / 2**30:.2f} GiB; {a.prompts} prompts x {a.new_tokens} new tokens; "
+        f"{a.threads} threads; disk {bw0 / 1e9:.2f} GB/s (dd iflag=direct, best of "
+        "16M/256M x 3)",
+        flush=True,
+    )
     results = {}
     for tool in tools:
         res = run_tool(tool, a, model, prompts, work, cap)
@@ -327,40 +409,49 @@ def main() -> None:
     bw1 = disk_bandwidth(shard)
     bw = max(bw0, bw1)
     shutil.rmtree(work, ignore_errors=True)
-    print(f"\ndisk bandwidth: {bw0 / 1e9:.2f} GB/s before, {bw1 / 1e9:.2f} after; "
-          f"roofline uses {bw / 1e9:.2f}")
-    hdr = (f"{'tool':<12}{'process s':>10}{'gen s':>9}{'tok/s':>9}{'prompts/h':>11}"
-           f"{'step s':>9}{'GB/step':>9}{'roofline':>9}{'peak RSS':>10}{'cg peak':>9}")
+    print(
+        f"\ndisk bandwidth: {bw0 / 1e9:.2f} GB/s before, {bw1 / 1e9:.2f} after; "
+        f"roofline uses {bw / 1e9:.2f}"
+    )
+    hdr = (
+        f"{'tool':<12}{'process s':>10}{'gen s':>9}{'tok/s':>9}{'prompts/h':>11}"
+        f"{'step s':>9}{'GB/step':>9}{'roofline':>9}{'peak RSS':>10}{'cg peak':>9}"
+    )
     print(hdr)
     for tool, r in results.items():
         if "error" in r:
-            print(f"{tool:<12} FAILED rc={r['rc']} oom_kills={r['oom_kills']}: "
-                  f"{r['error'][-300:]}")
+            print(f"{tool:<12} FAILED rc={r['rc']} oom_kills={r['oom_kills']}: {r['error'][-300:]}")
             continue
         tok_s = r["tokens"] / r["gen_s"]
         r["tok_s"], r["prompts_h"] = tok_s, r["prompts"] / r["process_s"] * 3600
         roof = r["bytes_per_step"] / bw
         r["roofline"] = roof / r["decode_step_s"] if r["decode_step_s"] else 0.0
-        print(f"{tool:<12}{r['process_s']:>10.1f}{r['gen_s']:>9.1f}{tok_s:>9.2f}"
-              f"{r['prompts_h']:>11.0f}{r['decode_step_s']:>9.3f}"
-              f"{r['bytes_per_step'] / 1e9:>9.3f}{100 * r['roofline']:>8.0f}%"
-              f"{r['peak_rss'] / 1e9:>9.2f}G{r['cgroup_peak'] / 1e9:>8.2f}G")
+        print(
+            f"{tool:<12}{r['process_s']:>10.1f}{r['gen_s']:>9.1f}{tok_s:>9.2f}"
+            f"{r['prompts_h']:>11.0f}{r['decode_step_s']:>9.3f}"
+            f"{r['bytes_per_step'] / 1e9:>9.3f}{100 * r['roofline']:>8.0f}%"
+            f"{r['peak_rss'] / 1e9:>9.2f}G{r['cgroup_peak'] / 1e9:>8.2f}G"
+        )
     for name in tools:
         ours = results[name]
         if not name.startswith("ours") or "tok_s" not in ours:
             continue
         ratio = ours["bytes_per_step"] / max(ours["model_bytes"] - ours["resident_bytes"], 1)
-        print(f"\n{name} ({ours['dtype']} compute): disk bytes per decode step = {ratio:.3f} x "
-              f"(model - resident) [target <= 1.05]; resident "
-              f"{ours['resident_bytes'] / 1e9:.2f} GB; peak RSS {ours['peak_rss'] / 1e9:.2f} GB "
-              f"vs budget {(a.budget or cap - (64 << 20)) / 1e9:.2f} GB")
+        print(
+            f"\n{name} ({ours['dtype']} compute): disk bytes per decode step = {ratio:.3f} x "
+            f"(model - resident) [target <= 1.05]; resident "
+            f"{ours['resident_bytes'] / 1e9:.2f} GB; peak RSS {ours['peak_rss'] / 1e9:.2f} GB "
+            f"vs budget {(a.budget or cap - (64 << 20)) / 1e9:.2f} GB"
+        )
         for peer in tools:
             r = results[peer]
             if peer.startswith("ours") or "tok_s" not in r:
                 continue
-            print(f"{name} / {peer:<15} generated tok/s {ours['tok_s'] / r['tok_s']:6.2f}x, "
-                  f"prompts/h (whole process) {ours['prompts_h'] / r['prompts_h']:6.2f}x, "
-                  f"decode step {r['decode_step_s'] / ours['decode_step_s']:6.2f}x faster")
+            print(
+                f"{name} / {peer:<15} generated tok/s {ours['tok_s'] / r['tok_s']:6.2f}x, "
+                f"prompts/h (whole process) {ours['prompts_h'] / r['prompts_h']:6.2f}x, "
+                f"decode step {r['decode_step_s'] / ours['decode_step_s']:6.2f}x faster"
+            )
 
 
 if __name__ == "__main__":

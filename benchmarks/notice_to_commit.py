@@ -44,14 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from _common import DEFAULT_CACHE, ROOT, load_note, median, model_dir, pct
-
 from shoestring.preempt.fakes import GRACE_S, FakeMetadataServer
 
 
 def events(out: Path) -> list[dict[str, Any]]:
     p = out / "events.jsonl"
     recs = []
-    for line in (p.read_text().splitlines() if p.exists() else []):
+    for line in p.read_text().splitlines() if p.exists() else []:
         try:
             recs.append(json.loads(line))
         except json.JSONDecodeError:
@@ -59,8 +58,9 @@ def events(out: Path) -> list[dict[str, Any]]:
     return recs
 
 
-def wait_for_new_step(out: Path, after: int, proc: subprocess.Popen[bytes],
-                      timeout: float = 600) -> None:
+def wait_for_new_step(
+    out: Path, after: int, proc: subprocess.Popen[bytes], timeout: float = 600
+) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout:
         if any(e["event"] == "step" and e["step"] > after for e in events(out)):
@@ -71,16 +71,34 @@ def wait_for_new_step(out: Path, after: int, proc: subprocess.Popen[bytes],
     raise SystemExit("no training step in time")
 
 
-def one_notice(provider: str, out: Path, args: list[str], env: dict[str, str],
-               rng: random.Random, max_delay_s: float) -> dict[str, Any]:
+def one_notice(
+    provider: str,
+    out: Path,
+    args: list[str],
+    env: dict[str, str],
+    rng: random.Random,
+    max_delay_s: float,
+) -> dict[str, Any]:
     before = events(out)
     last = max([e["step"] for e in before if e["event"] == "step"], default=0)
     with FakeMetadataServer(provider) as fake:
-        cmd = ["nice", "-n", "10", sys.executable, "-m", "shoestring", "finetune",
-               "--output_dir", str(out), *args, "--preempt.cloud", provider,
-               "--preempt.metadata_url", fake.url]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        cmd = [
+            "nice",
+            "-n",
+            "10",
+            sys.executable,
+            "-m",
+            "shoestring",
+            "finetune",
+            "--output_dir",
+            str(out),
+            *args,
+            "--preempt.cloud",
+            provider,
+            "--preempt.metadata_url",
+            fake.url,
+        ]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_for_new_step(out, last, proc)
         time.sleep(rng.uniform(0, max_delay_s))
         fake.preempt_now()
@@ -93,17 +111,22 @@ def one_notice(provider: str, out: Path, args: list[str], env: dict[str, str],
     if code != 75:
         err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
         raise SystemExit(f"{provider}: exit {code} (expected 75)\n{err}")
-    ev = events(out)[len(before):]
+    ev = events(out)[len(before) :]
     pre = [e for e in ev if e["event"] == "preempt"][-1]
     ckpt = [e for e in ev if e["event"] == "checkpoint"][-1]
     resume = [e for e in ev if e["event"] == "resume"]
     assert noticed is not None
-    return {"provider": provider, "step": pre["step"], "flip_to_commit_s": pre["ts"] - noticed,
-            "flag_to_commit_s": pre["notice_to_commit_ms"] / 1e3,
-            "save_s": pre["save_ms"] / 1e3, "bytes": ckpt["bytes"],
-            "resumed_from": resume[-1]["from_step"] if resume else None,
-            "steps_lost": resume[-1]["steps_lost"] if resume else None,
-            "prev_stop": None}
+    return {
+        "provider": provider,
+        "step": pre["step"],
+        "flip_to_commit_s": pre["ts"] - noticed,
+        "flag_to_commit_s": pre["notice_to_commit_ms"] / 1e3,
+        "save_s": pre["save_ms"] / 1e3,
+        "bytes": ckpt["bytes"],
+        "resumed_from": resume[-1]["from_step"] if resume else None,
+        "steps_lost": resume[-1]["steps_lost"] if resume else None,
+        "prev_stop": None,
+    }
 
 
 def main() -> int:
@@ -114,8 +137,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--lora-r", type=int, default=128)
     ap.add_argument("--every", type=int, default=10, help="periodic checkpoint every K steps")
-    ap.add_argument("--max-delay", type=float, default=4.0,
-                    help="the notice comes uniformly 0..S s after an attempt's first step")
+    ap.add_argument(
+        "--max-delay",
+        type=float,
+        default=4.0,
+        help="the notice comes uniformly 0..S s after an attempt's first step",
+    )
     ap.add_argument("--poll-s", type=float, default=1.0, help="preempt.poll_s (aws, azure)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
@@ -124,14 +151,40 @@ def main() -> int:
 
     mdir = model_dir(a.cache, hidden=a.hidden, layers=a.layers)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"),
-               TOKENIZERS_PARALLELISM="false", SHOESTRING_CACHE=str(a.cache))
-    args = ["--model.path", str(mdir), "--lora.r", str(a.lora_r),
-            "--lora.alpha", str(2 * a.lora_r), "--train.max_steps", "100000",
-            "--train.batch_size", "4", "--train.num_threads", "1", "--data.max_length", "32",
-            "--data.eval", "", "--checkpoint.every_steps", str(a.every),
-            "--checkpoint.keep", "2", "--preempt.poll_s", str(a.poll_s), "--plan.gpu", "none",
-            "--watch.enabled", "false"]
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT / "src"),
+        TOKENIZERS_PARALLELISM="false",
+        SHOESTRING_CACHE=str(a.cache),
+    )
+    args = [
+        "--model.path",
+        str(mdir),
+        "--lora.r",
+        str(a.lora_r),
+        "--lora.alpha",
+        str(2 * a.lora_r),
+        "--train.max_steps",
+        "100000",
+        "--train.batch_size",
+        "4",
+        "--train.num_threads",
+        "1",
+        "--data.max_length",
+        "32",
+        "--data.eval",
+        "",
+        "--checkpoint.every_steps",
+        str(a.every),
+        "--checkpoint.keep",
+        "2",
+        "--preempt.poll_s",
+        str(a.poll_s),
+        "--plan.gpu",
+        "none",
+        "--watch.enabled",
+        "false",
+    ]
     rng = random.Random(a.seed)
     recs: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="notice-bench-"))
@@ -143,31 +196,42 @@ def main() -> int:
                 r = one_notice(provider, out, args, env, rng, a.max_delay)
                 r["prev_stop"] = prev
                 if prev is not None:  # this attempt resumed the previous one's commit
-                    recs[-1]["resumed_from"], recs[-1]["steps_lost"] = r["resumed_from"], \
-                        r["steps_lost"]
+                    recs[-1]["resumed_from"], recs[-1]["steps_lost"] = (
+                        r["resumed_from"],
+                        r["steps_lost"],
+                    )
                 if i < a.notices:
                     recs.append(r)
-                    print(f"{provider} #{i + 1}: stopped at step {r['step']}, flip->commit "
-                          f"{r['flip_to_commit_s']:.2f} s (flag->commit "
-                          f"{r['flag_to_commit_s']:.2f}, save {r['save_s']:.2f}), "
-                          f"{r['bytes'] / 1e6:.0f} MB", flush=True)
+                    print(
+                        f"{provider} #{i + 1}: stopped at step {r['step']}, flip->commit "
+                        f"{r['flip_to_commit_s']:.2f} s (flag->commit "
+                        f"{r['flag_to_commit_s']:.2f}, save {r['save_s']:.2f}), "
+                        f"{r['bytes'] / 1e6:.0f} MB",
+                        flush=True,
+                    )
                 prev = r["step"]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\n{load_note()}; notices: {len(recs)}; state {median([r['bytes'] for r in recs]) / 1e6:.0f} MB")
-    print(f"{'provider':<9}{'n':>3}{'flip->commit p50':>18}{'p99':>8}{'max':>8}"
-          f"{'poll p50':>10}{'step p50':>10}{'save p50':>10}{'steps lost':>12}{'resume ok':>11}")
+    print(
+        f"\n{load_note()}; notices: {len(recs)}; state {median([r['bytes'] for r in recs]) / 1e6:.0f} MB"
+    )
+    print(
+        f"{'provider':<9}{'n':>3}{'flip->commit p50':>18}{'p99':>8}{'max':>8}"
+        f"{'poll p50':>10}{'step p50':>10}{'save p50':>10}{'steps lost':>12}{'resume ok':>11}"
+    )
     for provider in [*a.providers.split(","), "all"]:
         rs = [r for r in recs if provider in ("all", r["provider"])]
         f2c = [r["flip_to_commit_s"] for r in rs]
         ok = all(r["resumed_from"] == r["step"] for r in rs)
-        print(f"{provider:<9}{len(rs):>3}{median(f2c):>17.2f}s{pct(f2c, 99):>7.2f}s"
-              f"{max(f2c):>7.2f}s"
-              f"{median([r['flip_to_commit_s'] - r['flag_to_commit_s'] for r in rs]):>9.2f}s"
-              f"{median([r['flag_to_commit_s'] - r['save_s'] for r in rs]):>9.2f}s"
-              f"{median([r['save_s'] for r in rs]):>9.2f}s"
-              f"{sum(r['steps_lost'] or 0 for r in rs):>12}{str(ok):>11}")
+        print(
+            f"{provider:<9}{len(rs):>3}{median(f2c):>17.2f}s{pct(f2c, 99):>7.2f}s"
+            f"{max(f2c):>7.2f}s"
+            f"{median([r['flip_to_commit_s'] - r['flag_to_commit_s'] for r in rs]):>9.2f}s"
+            f"{median([r['flag_to_commit_s'] - r['save_s'] for r in rs]):>9.2f}s"
+            f"{median([r['save_s'] for r in rs]):>9.2f}s"
+            f"{sum(r['steps_lost'] or 0 for r in rs):>12}{str(ok):>11}"
+        )
     if a.json:
         a.json.write_text(json.dumps(recs, indent=1))
     return 0

@@ -17,11 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shoestring.config import load  # noqa: E402
-from shoestring.train.config import FinetuneConfig  # noqa: E402
 from shoestring.plan.arch import PRESETS  # noqa: E402
 from shoestring.plan.estimate import Schedule, make_plan  # noqa: E402
 from shoestring.plan.gpus import GiB, find_gpu  # noqa: E402
 from shoestring.plan.workload import arch_for, workload_from_config  # noqa: E402
+from shoestring.train.config import FinetuneConfig  # noqa: E402
 
 
 def _arch(path: str) -> tuple[object, str]:
@@ -38,8 +38,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", default="T4,L4,A10G,A100-80GB,H100")
     args = ap.parse_args()
-    print("| config | model | GPU | fits | predicted peak | largest micro-batch | time (h) "
-          "| on-demand $ | spot $ |")
+    print(
+        "| config | model | GPU | fits | predicted peak | largest micro-batch | time (h) "
+        "| on-demand $ | spot $ |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for f in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load(FinetuneConfig, str(f), [])
@@ -47,12 +49,16 @@ def main() -> int:
         w, steps = workload_from_config(cfg, arch)  # type: ignore[arg-type]
         for name in args.gpus.split(","):
             gpu = find_gpu(name)
-            plan = make_plan(w, gpu, Schedule(steps=steps,
-                                              checkpoint_minutes=cfg.checkpoint.every_seconds / 60
-                                              or 10.0))
-            print(f"| {f.name} | {label} | {gpu.name} | {'yes' if plan.fits else 'no'} "
-                  f"| {plan.peak_bytes / GiB:.2f} GiB | {plan.max_micro_batch or '-'} "
-                  f"| {plan.hours:.3g} | {plan.cost_usd:.3g} | {plan.cost_spot_usd:.3g} |")
+            plan = make_plan(
+                w,
+                gpu,
+                Schedule(steps=steps, checkpoint_minutes=cfg.checkpoint.every_seconds / 60 or 10.0),
+            )
+            print(
+                f"| {f.name} | {label} | {gpu.name} | {'yes' if plan.fits else 'no'} "
+                f"| {plan.peak_bytes / GiB:.2f} GiB | {plan.max_micro_batch or '-'} "
+                f"| {plan.hours:.3g} | {plan.cost_usd:.3g} | {plan.cost_spot_usd:.3g} |"
+            )
     return 0
 
 

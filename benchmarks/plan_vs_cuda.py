@@ -18,6 +18,7 @@ Smoke test (CPU): .venv/bin/python benchmarks/plan_vs_cuda.py --device cpu --cas
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -30,37 +31,78 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from shoestring.train.config import LoraSection, ModelConfig  # noqa: E402
 from shoestring.plan.arch import LINEARS, PRESETS, Arch  # noqa: E402
 from shoestring.plan.estimate import CUDA_CONTEXT_BYTES, breakdown  # noqa: E402
 from shoestring.plan.measure import saved_activation_bytes  # noqa: E402
 from shoestring.plan.memory import Workload, activation_bytes  # noqa: E402
 from shoestring.plan.workload import builtin_arch  # noqa: E402
+from shoestring.train.config import LoraSection, ModelConfig  # noqa: E402
 
 #: name -> (arch, method, seq, micro-batch, gradient checkpointing, optimizer, dropout)
 CASES = {
     "tiny": (builtin_arch(), "qlora", 256, 4, False, "adamw8bit", 0.05),
-    "l3-8b-4L-qlora-gc": (replace(PRESETS["llama-3-8b"], layers=4), "qlora", 2048, 1, True,
-                          "adamw", 0.05),
-    "l3-8b-4L-qlora": (replace(PRESETS["llama-3-8b"], layers=4), "qlora", 1024, 2, False,
-                       "paged_adamw8bit", 0.0),
-    "l2-7b-4L-lora-gc": (replace(PRESETS["llama-2-7b"], layers=4), "lora", 4096, 2, True,
-                         "adamw", 0.05),
-    "l2-7b-4L-lora": (replace(PRESETS["llama-2-7b"], layers=4), "lora", 1024, 4, False,
-                      "adamw", 0.05),
-    "mistral-7b-4L-int8": (replace(PRESETS["mistral-7b"], layers=4), "qlora-int8", 1024, 2,
-                           True, "adamw8bit", 0.05),
+    "l3-8b-4L-qlora-gc": (
+        replace(PRESETS["llama-3-8b"], layers=4),
+        "qlora",
+        2048,
+        1,
+        True,
+        "adamw",
+        0.05,
+    ),
+    "l3-8b-4L-qlora": (
+        replace(PRESETS["llama-3-8b"], layers=4),
+        "qlora",
+        1024,
+        2,
+        False,
+        "paged_adamw8bit",
+        0.0,
+    ),
+    "l2-7b-4L-lora-gc": (
+        replace(PRESETS["llama-2-7b"], layers=4),
+        "lora",
+        4096,
+        2,
+        True,
+        "adamw",
+        0.05,
+    ),
+    "l2-7b-4L-lora": (
+        replace(PRESETS["llama-2-7b"], layers=4),
+        "lora",
+        1024,
+        4,
+        False,
+        "adamw",
+        0.05,
+    ),
+    "mistral-7b-4L-int8": (
+        replace(PRESETS["mistral-7b"], layers=4),
+        "qlora-int8",
+        1024,
+        2,
+        True,
+        "adamw8bit",
+        0.05,
+    ),
 }
 
 
 def write_model(arch: Arch, dtype: torch.dtype, target: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=arch.vocab, hidden_size=arch.hidden,
-                      intermediate_size=arch.intermediate, num_hidden_layers=arch.layers,
-                      num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
-                      head_dim=arch.head_dim, tie_word_embeddings=arch.tie_embeddings,
-                      max_position_embeddings=8192)
+    cfg = LlamaConfig(
+        vocab_size=arch.vocab,
+        hidden_size=arch.hidden,
+        intermediate_size=arch.intermediate,
+        num_hidden_layers=arch.layers,
+        num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads,
+        head_dim=arch.head_dim,
+        tie_word_embeddings=arch.tie_embeddings,
+        max_position_embeddings=8192,
+    )
     with torch.device("cpu"):
         LlamaForCausalLM(cfg).to(dtype).save_pretrained(target)
 
@@ -69,21 +111,37 @@ def peak_error(predicted_peak: int, max_allocated: int) -> dict[str, float]:
     """The planner's CUDA peak less the CUDA context (which ``max_memory_allocated`` cannot
     see) vs the measured ``max_memory_allocated``: signed error in % of the measurement."""
     no_ctx = predicted_peak - CUDA_CONTEXT_BYTES
-    return {"peak_predicted_no_context": no_ctx,
-            "peak_err_pct": 100 * (no_ctx - max_allocated) / max_allocated}
+    return {
+        "peak_predicted_no_context": no_ctx,
+        "peak_err_pct": 100 * (no_ctx - max_allocated) / max_allocated,
+    }
 
 
 def run_case(name: str, device: str, dtype: str) -> dict[str, object]:
-    from shoestring.train.model import (apply_lora, build_optimizer, load_base_model,
-                                        trainable_parameters)
+    from shoestring.train.model import (
+        apply_lora,
+        build_optimizer,
+        load_base_model,
+        trainable_parameters,
+    )
 
     arch, method, seq, mb, gc, opt_name, dropout = CASES[name]
     quantize = {"qlora": "nf4", "qlora-int8": "int8"}.get(method, "none")
     method = "qlora" if quantize != "none" else method
-    w = Workload(arch=arch, method=method, quantize=quantize, dtype=dtype, seq_len=seq,
-                 micro_batch=mb, gradient_checkpointing=gc, optimizer=opt_name,
-                 lora_dropout=dropout, lora_targets=LINEARS, padded=True,
-                 device="cuda" if device.startswith("cuda") else "cpu")
+    w = Workload(
+        arch=arch,
+        method=method,
+        quantize=quantize,
+        dtype=dtype,
+        seq_len=seq,
+        micro_batch=mb,
+        gradient_checkpointing=gc,
+        optimizer=opt_name,
+        lora_dropout=dropout,
+        lora_targets=LINEARS,
+        padded=True,
+        device="cuda" if device.startswith("cuda") else "cpu",
+    )
     parts, act_parts = breakdown(w)
     with tempfile.TemporaryDirectory() as d:
         write_model(arch, getattr(torch, dtype), Path(d))
@@ -92,13 +150,17 @@ def run_case(name: str, device: str, dtype: str) -> dict[str, object]:
             base = load_base_model(Path(d), ModelConfig(path=d, dtype=dtype), quantize, device)
             if quantize == "none":
                 base.to(device)
-            model = apply_lora(base, LoraSection(r=w.lora_r, alpha=32, dropout=dropout,
-                                                 target_modules=["all-linear"]), 0, gc)
+            model = apply_lora(
+                base,
+                LoraSection(r=w.lora_r, alpha=32, dropout=dropout, target_modules=["all-linear"]),
+                0,
+                gc,
+            )
     model.train()
     opt = build_optimizer(list(trainable_parameters(model).values()), opt_name, 1e-4, 0.0)
     ids = torch.randint(0, arch.vocab, (mb, seq), device=device)
     mask = torch.ones_like(ids)
-    mask[0, -seq // 4:] = 0  # padded batch, as the trainer's collate produces
+    mask[0, -seq // 4 :] = 0  # padded batch, as the trainer's collate produces
     result: dict[str, object] = {"case": name, "predicted": parts, "activation_parts": act_parts}
     for step in range(2):
         if device.startswith("cuda"):
@@ -106,9 +168,8 @@ def run_case(name: str, device: str, dtype: str) -> dict[str, object]:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         if step == 1:
-            saved = saved_activation_bytes(model, lambda: model(input_ids=ids,
-                                                                attention_mask=mask,
-                                                                labels=ids))
+            forward = functools.partial(model, input_ids=ids, attention_mask=mask, labels=ids)
+            saved = saved_activation_bytes(model, forward)
             result["saved_measured"] = saved
         out = model(input_ids=ids, attention_mask=mask, labels=ids)
         out.loss.backward()
@@ -122,7 +183,9 @@ def run_case(name: str, device: str, dtype: str) -> dict[str, object]:
         result["step_s"] = time.perf_counter() - t0
     pred_saved = activation_bytes(w).saved  # without closure-held tensors (hooks miss them)
     result["saved_predicted"] = pred_saved
-    result["saved_err_pct"] = 100 * (pred_saved - result["saved_measured"]) / result["saved_measured"]  # type: ignore[operator]
+    result["saved_err_pct"] = (
+        100 * (pred_saved - result["saved_measured"]) / result["saved_measured"]
+    )  # type: ignore[operator]
     if "max_allocated" in result:
         result.update(peak_error(sum(parts.values()), int(result["max_allocated"])))  # type: ignore[call-overload]
     del model, opt
@@ -145,12 +208,16 @@ def main() -> int:
     for name in args.cases.split(","):
         r = run_case(name, args.device, args.dtype)
         results.append(r)
-        line = f"{name:22s} saved: pred {r['saved_predicted'] / 2**20:9.1f} MiB, " \
-               f"meas {r['saved_measured'] / 2**20:9.1f} MiB ({r['saved_err_pct']:+.2f}%)"  # type: ignore[operator]
+        line = (
+            f"{name:22s} saved: pred {r['saved_predicted'] / 2**20:9.1f} MiB, "
+            f"meas {r['saved_measured'] / 2**20:9.1f} MiB ({r['saved_err_pct']:+.2f}%)"
+        )  # type: ignore[operator]
         if "max_allocated" in r:
-            line += (f" | peak: pred {r['peak_predicted_no_context'] / 2**30:.2f} GiB, "  # type: ignore[operator]
-                     f"allocated {r['max_allocated'] / 2**30:.2f} GiB ({r['peak_err_pct']:+.1f}%), "  # type: ignore[operator]
-                     f"reserved {r['max_reserved'] / 2**30:.2f} GiB")  # type: ignore[operator]
+            line += (
+                f" | peak: pred {r['peak_predicted_no_context'] / 2**30:.2f} GiB, "  # type: ignore[operator]
+                f"allocated {r['max_allocated'] / 2**30:.2f} GiB ({r['peak_err_pct']:+.1f}%), "  # type: ignore[operator]
+                f"reserved {r['max_reserved'] / 2**30:.2f} GiB"
+            )  # type: ignore[operator]
         print(line, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2, default=str))

@@ -35,11 +35,24 @@ from _common import DEFAULT_CACHE, ROOT, model_dir
 
 def run(out: Path, nproc: int, args: list[str], threads: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
-    env.update(OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT / "src"),
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT / "src"), TOKENIZERS_PARALLELISM="false"
+    )
     fin = [sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out), *args]
-    cmd = fin if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  "--nproc-per-node", str(nproc), "--no-python", *fin]
+    cmd = (
+        fin
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "--no-python",
+            *fin,
+        ]
+    )
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"run failed ({r.returncode}):\n{r.stderr[-4000:]}")
@@ -47,18 +60,24 @@ def run(out: Path, nproc: int, args: list[str], threads: int) -> list[dict]:
 
 
 def tokens_per_s(events: list[dict], every: int) -> float:
-    steps = [e for e in events if e["event"] == "step" and e["step"] > 2
-             and e["step"] % every != 1]  # skip warm-up and the step after each save
+    steps = [
+        e for e in events if e["event"] == "step" and e["step"] > 2 and e["step"] % every != 1
+    ]  # skip warm-up and the step after each save
     return statistics.median(e["tokens_per_s"] for e in steps)
 
 
 def blocked(events: list[dict]) -> float:
-    return statistics.median(e["blocking_ms"] for e in events if e["event"] == "checkpoint"
-                             and e.get("reason") == "steps")
+    return statistics.median(
+        e["blocking_ms"]
+        for e in events
+        if e["event"] == "checkpoint" and e.get("reason") == "steps"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
@@ -70,12 +89,30 @@ def main() -> None:
     ap.add_argument("--lora-r", type=int, default=16)
     a = ap.parse_args()
     mdir = model_dir(DEFAULT_CACHE, a.hidden, a.layers)
-    common = ["--model.path", str(mdir), "--train.max_steps", str(a.steps),
-              "--train.batch_size", str(a.batch_size),
-              "--train.micro_batch_size", str(a.micro_batch_size),
-              "--train.num_threads", str(a.threads), "--train.log_every_steps", "1000",
-              "--checkpoint.every_steps", str(a.every), "--checkpoint.keep", "2",
-              "--data.eval", "", "--data.max_length", "64", "--lora.r", str(a.lora_r)]
+    common = [
+        "--model.path",
+        str(mdir),
+        "--train.max_steps",
+        str(a.steps),
+        "--train.batch_size",
+        str(a.batch_size),
+        "--train.micro_batch_size",
+        str(a.micro_batch_size),
+        "--train.num_threads",
+        str(a.threads),
+        "--train.log_every_steps",
+        "1000",
+        "--checkpoint.every_steps",
+        str(a.every),
+        "--checkpoint.keep",
+        "2",
+        "--data.eval",
+        "",
+        "--data.max_length",
+        "64",
+        "--lora.r",
+        str(a.lora_r),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         one = run(t / "one", 1, common, a.threads)
@@ -84,15 +121,21 @@ def main() -> None:
     tps1, tpsn = tokens_per_s(one, a.every), tokens_per_s(many, a.every)
     b_async, b_sync, b_one = blocked(many), blocked(sync), blocked(one)
     step_ms = statistics.median(e["step_ms"] for e in many if e["event"] == "step")
-    print(f"model {mdir.name}, global batch {a.batch_size} (micro {a.micro_batch_size}), "
-          f"{a.steps} steps, checkpoint every {a.every}, {a.threads} thread(s)/process, "
-          f"cpu_count {os.cpu_count()}")
-    print(f"tokens/s   1 process: {tps1:,.0f}   {a.nproc} processes (DDP): {tpsn:,.0f}   "
-          f"speed-up {tpsn / tps1:.2f}x")
-    print(f"checkpoint blocked ms (median): {a.nproc} ranks DCP async {b_async:.1f} vs "
-          f"synchronous dcp.save {b_sync:.1f} -> ratio {b_async / b_sync:.2f}; "
-          f"async = {100 * b_async / step_ms:.1f}% of a {step_ms:.0f} ms step; "
-          f"(1 process, our single-file writer: {b_one:.1f})")
+    print(
+        f"model {mdir.name}, global batch {a.batch_size} (micro {a.micro_batch_size}), "
+        f"{a.steps} steps, checkpoint every {a.every}, {a.threads} thread(s)/process, "
+        f"cpu_count {os.cpu_count()}"
+    )
+    print(
+        f"tokens/s   1 process: {tps1:,.0f}   {a.nproc} processes (DDP): {tpsn:,.0f}   "
+        f"speed-up {tpsn / tps1:.2f}x"
+    )
+    print(
+        f"checkpoint blocked ms (median): {a.nproc} ranks DCP async {b_async:.1f} vs "
+        f"synchronous dcp.save {b_sync:.1f} -> ratio {b_async / b_sync:.2f}; "
+        f"async = {100 * b_async / step_ms:.1f}% of a {step_ms:.0f} ms step; "
+        f"(1 process, our single-file writer: {b_one:.1f})"
+    )
 
 
 if __name__ == "__main__":

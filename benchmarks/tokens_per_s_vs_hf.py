@@ -53,30 +53,64 @@ IGNORE_INDEX = -100
 
 # --------------------------------------------------------------------------- ours
 
+
 def run_ours(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
     import torch
 
     from shoestring.config import load
-    from shoestring.train.config import FinetuneConfig
     from shoestring.events import read_events
+    from shoestring.train.config import FinetuneConfig
     from shoestring.train.loop import RunOptions, finetune
 
     torch.set_num_threads(a.threads)
     overrides = [
-        "--output_dir", str(out), "--model.path", str(mdir),
-        "--data.max_length", str(a.max_length),
-        "--train.max_steps", str(a.steps), "--train.seed", "0",
-        "--train.batch_size", str(a.batch_size * a.grad_accum),
-        "--train.micro_batch_size", str(a.batch_size),
-        "--train.lr", str(a.lr), "--train.weight_decay", "0", "--train.warmup_steps",
-        str(a.warmup), "--train.min_lr_ratio", "0.1", "--train.max_grad_norm", "1.0",
-        "--train.num_threads", str(a.threads), "--train.log_every_steps", "10",
-        "--lora.r", str(a.lora_r), "--lora.alpha", str(a.lora_alpha),
-        "--lora.dropout", str(a.lora_dropout), "--lora.target_modules", "all-linear",
-        "--checkpoint.every_steps", str(a.every), "--checkpoint.keep", "2",
-        "--checkpoint.async_mode", a.async_mode,
+        "--output_dir",
+        str(out),
+        "--model.path",
+        str(mdir),
+        "--data.max_length",
+        str(a.max_length),
+        "--train.max_steps",
+        str(a.steps),
+        "--train.seed",
+        "0",
+        "--train.batch_size",
+        str(a.batch_size * a.grad_accum),
+        "--train.micro_batch_size",
+        str(a.batch_size),
+        "--train.lr",
+        str(a.lr),
+        "--train.weight_decay",
+        "0",
+        "--train.warmup_steps",
+        str(a.warmup),
+        "--train.min_lr_ratio",
+        "0.1",
+        "--train.max_grad_norm",
+        "1.0",
+        "--train.num_threads",
+        str(a.threads),
+        "--train.log_every_steps",
+        "10",
+        "--lora.r",
+        str(a.lora_r),
+        "--lora.alpha",
+        str(a.lora_alpha),
+        "--lora.dropout",
+        str(a.lora_dropout),
+        "--lora.target_modules",
+        "all-linear",
+        "--checkpoint.every_steps",
+        str(a.every),
+        "--checkpoint.keep",
+        "2",
+        "--checkpoint.async_mode",
+        a.async_mode,
         # eval happens before step 1 and after step N, outside the timed window; keep it short
-        "--eval.max_samples", "16", "--eval.exact_match", "false",
+        "--eval.max_samples",
+        "16",
+        "--eval.exact_match",
+        "false",
     ]
     cfg = load(FinetuneConfig, None, overrides)
     rc = finetune(cfg, RunOptions(resume="never", cache_dir=a.cache, tty=False))
@@ -89,17 +123,26 @@ def run_ours(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
     start = steps[1]["ts"]
     end = max(steps[n]["ts"], ckpt[n]["ts"] if n in ckpt else 0.0)
     tokens = sum(steps[s]["tokens"] for s in range(2, n + 1))
-    return {"side": "ours", "tokens": tokens, "seconds": end - start,
-            "checkpoints": sorted(ckpt), "step1_ms": steps[1]["step_ms"],
-            "tokens_all": sum(e["tokens"] for e in steps.values()),
-            "seconds_all": end - (start - steps[1]["step_ms"] / 1e3),
-            "final_loss": steps[n]["loss"], "threads_seen": [torch.get_num_threads()],
-            "step_ms": [steps[s]["step_ms"] for s in range(1, n + 1)]}
+    return {
+        "side": "ours",
+        "tokens": tokens,
+        "seconds": end - start,
+        "checkpoints": sorted(ckpt),
+        "step1_ms": steps[1]["step_ms"],
+        "tokens_all": sum(e["tokens"] for e in steps.values()),
+        "seconds_all": end - (start - steps[1]["step_ms"] / 1e3),
+        "final_loss": steps[n]["loss"],
+        "threads_seen": [torch.get_num_threads()],
+        "step_ms": [steps[s]["step_ms"] for s in range(1, n + 1)],
+    }
 
 
 # --------------------------------------------------------------------------- HF
 
-def tokenize(records: list[dict[str, str]], tok: Any, max_length: int) -> list[dict[str, list[int]]]:
+
+def tokenize(
+    records: list[dict[str, str]], tok: Any, max_length: int
+) -> list[dict[str, list[int]]]:
     """prompt/completion → input_ids, labels (-100 on BOS+prompt), EOS appended, truncated."""
     out = []
     for r in records:
@@ -129,8 +172,13 @@ def collate(batch: list[dict[str, list[int]]], pad_id: int) -> dict[str, Any]:
 def run_hf(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     from shoestring.train import data as D
     from shoestring.train.builtin import builtin_records
@@ -141,8 +189,9 @@ def run_hf(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
     examples = tokenize(records, tok, a.max_length)
     # same examples as shoestring's own tokenizer (sanity check, outside any timing)
     ref = D.tokenize(D.from_dicts(records, "train"), tok, a.max_length)
-    assert all(e["input_ids"] == r.input_ids and e["labels"] == r.labels
-               for e, r in zip(examples, ref)), "tokenization differs from shoestring's"
+    assert all(
+        e["input_ids"] == r.input_ids and e["labels"] == r.labels for e, r in zip(examples, ref)
+    ), "tokenization differs from shoestring's"
 
     class ListDataset(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -153,8 +202,14 @@ def run_hf(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
 
     model = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32)
     model.config.use_cache = False
-    lcfg = LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
-                      target_modules="all-linear", task_type="CAUSAL_LM", bias="none")
+    lcfg = LoraConfig(
+        r=a.lora_r,
+        lora_alpha=a.lora_alpha,
+        lora_dropout=a.lora_dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = get_peft_model(model, lcfg)
@@ -178,30 +233,59 @@ def run_hf(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
             return super().training_step(model, inputs, num_items_in_batch)
 
     args = TrainingArguments(
-        output_dir=str(out), max_steps=a.steps, per_device_train_batch_size=a.batch_size,
-        gradient_accumulation_steps=a.grad_accum, learning_rate=a.lr, weight_decay=0.0,
-        warmup_steps=a.warmup, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": 0.1}, max_grad_norm=1.0, optim=a.hf_optim,
-        logging_steps=10, save_strategy="steps", save_steps=a.every, save_total_limit=2,
-        report_to="none", use_cpu=True, dataloader_num_workers=0, dataloader_pin_memory=False,
-        disable_tqdm=True, seed=0, remove_unused_columns=False)
-    trainer = CountingTrainer(model=model, args=args, train_dataset=ListDataset(),
-                              data_collator=lambda b: collate(b, tok.pad_token_id),
-                              callbacks=[Timer()])
+        output_dir=str(out),
+        max_steps=a.steps,
+        per_device_train_batch_size=a.batch_size,
+        gradient_accumulation_steps=a.grad_accum,
+        learning_rate=a.lr,
+        weight_decay=0.0,
+        warmup_steps=a.warmup,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        max_grad_norm=1.0,
+        optim=a.hf_optim,
+        logging_steps=10,
+        save_strategy="steps",
+        save_steps=a.every,
+        save_total_limit=2,
+        report_to="none",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        disable_tqdm=True,
+        seed=0,
+        remove_unused_columns=False,
+    )
+    trainer = CountingTrainer(
+        model=model,
+        args=args,
+        train_dataset=ListDataset(),
+        data_collator=lambda b: collate(b, tok.pad_token_id),
+        callbacks=[Timer()],
+    )
     trainer.train()
     n = a.steps
     start = marks["step_end"][1]
     end = max(marks["step_end"][n], marks["save"].get(n, 0.0))
     step1_ms = None
-    return {"side": "hf", "tokens": sum(tokens[s] for s in range(2, n + 1)),
-            "seconds": end - start, "checkpoints": sorted(marks["save"]), "step1_ms": step1_ms,
-            "tokens_all": sum(tokens.values()), "seconds_all": None,
-            "optim": a.hf_optim, "threads_seen": sorted(threads_seen),
-            "step_gap_ms": [1e3 * (marks["step_end"][s] - marks["step_end"][s - 1])
-                            for s in range(2, n + 1)]}
+    return {
+        "side": "hf",
+        "tokens": sum(tokens[s] for s in range(2, n + 1)),
+        "seconds": end - start,
+        "checkpoints": sorted(marks["save"]),
+        "step1_ms": step1_ms,
+        "tokens_all": sum(tokens.values()),
+        "seconds_all": None,
+        "optim": a.hf_optim,
+        "threads_seen": sorted(threads_seen),
+        "step_gap_ms": [
+            1e3 * (marks["step_end"][s] - marks["step_end"][s - 1]) for s in range(2, n + 1)
+        ],
+    }
 
 
 # --------------------------------------------------------------------------- driver
+
 
 def worker(a: argparse.Namespace) -> int:
     mdir = model_dir(a.cache, a.hidden, a.layers, a.intermediate)
@@ -228,15 +312,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--lora-dropout", type=float, default=0.05)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads, same for both sides (default 1: on a shared "
-                         "2-core box, 2 OpenMP threads per process collapse 5-20x whenever "
-                         "another process is busy; 1 thread is stable to a few %%)")
-    ap.add_argument("--async-mode", default="thread", choices=("thread", "process", "off"),
-                    help="ours: checkpoint.async_mode")
-    ap.add_argument("--hf-optim", default="adamw_torch_fused",
-                    help="HF TrainingArguments.optim (HF's default is adamw_torch_fused; "
-                         "adamw_torch is the exact implementation ours uses)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads, same for both sides (default 1: on a shared "
+        "2-core box, 2 OpenMP threads per process collapse 5-20x whenever "
+        "another process is busy; 1 thread is stable to a few %%)",
+    )
+    ap.add_argument(
+        "--async-mode",
+        default="thread",
+        choices=("thread", "process", "off"),
+        help="ours: checkpoint.async_mode",
+    )
+    ap.add_argument(
+        "--hf-optim",
+        default="adamw_torch_fused",
+        help="HF TrainingArguments.optim (HF's default is adamw_torch_fused; "
+        "adamw_torch is the exact implementation ours uses)",
+    )
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--layers", type=int)
     ap.add_argument("--intermediate", type=int)
@@ -278,10 +373,12 @@ def main(argv: list[str] | None = None) -> int:
             os.unlink(result)
             res["round"], res["process_s"] = rnd + 1, time.perf_counter() - t0
             runs.append(res)
-            print(f"round {rnd + 1} {side:4s}: {res['tokens_per_s']:9.1f} tokens/s  "
-                  f"({res['tokens']} tokens in {res['seconds']:.2f} s, steps 2..{a.steps}; "
-                  f"checkpoints at {res['checkpoints']}; process {res['process_s']:.0f} s)",
-                  flush=True)
+            print(
+                f"round {rnd + 1} {side:4s}: {res['tokens_per_s']:9.1f} tokens/s  "
+                f"({res['tokens']} tokens in {res['seconds']:.2f} s, steps 2..{a.steps}; "
+                f"checkpoints at {res['checkpoints']}; process {res['process_s']:.0f} s)",
+                flush=True,
+            )
 
     ours = [r["tokens_per_s"] for r in runs if r["side"] == "ours"]
     hf = [r["tokens_per_s"] for r in runs if r["side"] == "hf"]
@@ -290,22 +387,37 @@ def main(argv: list[str] | None = None) -> int:
     model = f"random Llama h{a.hidden} l{a.layers}" if a.hidden or a.layers else "builtin:tiny"
     print()
     print("== fine-tuning tokens/s: shoestring vs HF Trainer + peft (CPU) ==")
-    print(f"model {model}; batch {a.batch_size} x accum {a.grad_accum}, max_length {a.max_length}, "
-          f"LoRA r={a.lora_r} alpha={a.lora_alpha:g} dropout={a.lora_dropout:g} all-linear; "
-          f"{a.steps} steps, checkpoint every {a.every}; threads {a.threads}; "
-          f"ours async_mode={a.async_mode}, HF optim={a.hf_optim}")
+    print(
+        f"model {model}; batch {a.batch_size} x accum {a.grad_accum}, max_length {a.max_length}, "
+        f"LoRA r={a.lora_r} alpha={a.lora_alpha:g} dropout={a.lora_dropout:g} all-linear; "
+        f"{a.steps} steps, checkpoint every {a.every}; threads {a.threads}; "
+        f"ours async_mode={a.async_mode}, HF optim={a.hf_optim}"
+    )
     print(f"machine before start: {note}")
-    print("window: end of step 1 -> step N done incl. its checkpoint committed; tokens = "
-          "attention-mask sum of steps 2..N; no model load, no eval")
+    print(
+        "window: end of step 1 -> step N done incl. its checkpoint committed; tokens = "
+        "attention-mask sum of steps 2..N; no model load, no eval"
+    )
     print(f"ours tokens/s: {', '.join(f'{x:.1f}' for x in ours)}  (median {median(ours):.1f})")
     print(f"HF   tokens/s: {', '.join(f'{x:.1f}' for x in hf)}  (median {median(hf):.1f})")
-    print(f"ratio ours/HF (median/median): {ratio:.3f}   per round: "
-          f"{', '.join(f'{r:.3f}' for r in per_round)}   target >= 1.0: "
-          f"{'PASS' if ratio >= 1.0 else 'FAIL'}")
+    print(
+        f"ratio ours/HF (median/median): {ratio:.3f}   per round: "
+        f"{', '.join(f'{r:.3f}' for r in per_round)}   target >= 1.0: "
+        f"{'PASS' if ratio >= 1.0 else 'FAIL'}"
+    )
     if a.json:
-        a.json.write_text(json.dumps({"runs": runs, "ratio": ratio, "per_round": per_round,
-                                      "machine": note, "args": {k: str(v) for k, v in
-                                                                vars(a).items()}}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "runs": runs,
+                    "ratio": ratio,
+                    "per_round": per_round,
+                    "machine": note,
+                    "args": {k: str(v) for k, v in vars(a).items()},
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -34,11 +34,10 @@ import time
 from pathlib import Path
 
 from _common import ROOT  # noqa: F401  (puts src/ on sys.path)
-
-from shoestring.watch.recorder import NullRecorder, Recorder
 from shoestring.watch.degrade import DegradePolicy
 from shoestring.watch.hang import HangPolicy
 from shoestring.watch.metrics import MetricsSampler
+from shoestring.watch.recorder import NullRecorder, Recorder
 from shoestring.watch.watchdog import Watchdog
 
 
@@ -108,8 +107,9 @@ def ddp_hook_us(blocks: int = 30, per_block: int = 20) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--step-ms", type=float, default=150.0)
     ap.add_argument("--steps", type=int, default=20000)
@@ -130,8 +130,14 @@ def main() -> None:
             pub = per_call_us(lambda i: recs[0].publish(), 200)
             for r in recs:
                 r.publish()
-            wd = Watchdog(run, HangPolicy(), lambda v: None, degrade=DegradePolicy(),
-                          sampler=MetricsSampler(), metrics_interval_s=10.0)
+            wd = Watchdog(
+                run,
+                HangPolicy(),
+                lambda v: None,
+                degrade=DegradePolicy(),
+                sampler=MetricsSampler(),
+                metrics_interval_s=10.0,
+            )
             wd._since = 0.0
             poll = per_call_us(lambda i: wd.check_once(), 200)
         finally:
@@ -139,20 +145,28 @@ def main() -> None:
                 r.__exit__(None, None, None)
     step_us = a.step_ms * 1000
     train = on - off
-    print(f"training thread: {on:.1f} us/step with the recorder vs {off:.1f} us on NullRecorder "
-          f"-> +{train:.1f} us = {100 * train / step_us:.3f} % of a {a.step_ms:.0f} ms step")
+    print(
+        f"training thread: {on:.1f} us/step with the recorder vs {off:.1f} us on NullRecorder "
+        f"-> +{train:.1f} us = {100 * train / step_us:.3f} % of a {a.step_ms:.0f} ms step"
+    )
     print(f"recorder publish: {pub:.0f} us once per second = {pub / 1e4:.3f} % of one core")
-    print(f"supervisor poll over {a.ranks} ranks: {poll:.0f} us once per second "
-          f"= {poll / 1e4:.3f} % of one core")
+    print(
+        f"supervisor poll over {a.ranks} ranks: {poll:.0f} us once per second "
+        f"= {poll / 1e4:.3f} % of one core"
+    )
     hook = 0.0
     if a.ddp:
         base_us, hook = ddp_hook_us()
-        print(f"DDP comm hook: +{hook:.1f} us per step over DDP's own all-reduce "
-              f"(step without it {base_us:.0f} us) = {100 * hook / step_us:.3f} % of a "
-              f"{a.step_ms:.0f} ms step")
+        print(
+            f"DDP comm hook: +{hook:.1f} us per step over DDP's own all-reduce "
+            f"(step without it {base_us:.0f} us) = {100 * hook / step_us:.3f} % of a "
+            f"{a.step_ms:.0f} ms step"
+        )
     total = 100 * (train + hook) / step_us + (pub * a.ranks + poll) / 1e4 / a.ranks
-    print(f"upper bound on a fully-subscribed machine (every watch cycle taken from a rank): "
-          f"{total:.3f} % per rank")
+    print(
+        f"upper bound on a fully-subscribed machine (every watch cycle taken from a rank): "
+        f"{total:.3f} % per rank"
+    )
 
 
 if __name__ == "__main__":

@@ -10,13 +10,20 @@ from __future__ import annotations
 import random
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-FAULT_POINTS = ["ckpt.partial_file", "ckpt.after_file", "ckpt.before_manifest",
-                "ckpt.before_rename", "ckpt.after_rename", "ckpt.retention",
-                "resume.after_load", "step.end"]
+FAULT_POINTS = [
+    "ckpt.partial_file",
+    "ckpt.after_file",
+    "ckpt.before_manifest",
+    "ckpt.before_rename",
+    "ckpt.after_rename",
+    "ckpt.retention",
+    "resume.after_load",
+    "step.end",
+]
 
 
 @dataclass
@@ -35,9 +42,16 @@ def _steps_seen(out: Path) -> int:
     return p.read_text().count('"event":"step"')
 
 
-def run_with_chaos(start: Callable[[str], subprocess.Popen[str]], out: Path, kills: int,
-                   rng: random.Random, *, fault_prob: float = 0.5, max_delay: float = 1.5,
-                   max_attempts: int | None = None) -> ChaosResult:
+def run_with_chaos(
+    start: Callable[[str], subprocess.Popen[str]],
+    out: Path,
+    kills: int,
+    rng: random.Random,
+    *,
+    fault_prob: float = 0.5,
+    max_delay: float = 1.5,
+    max_attempts: int | None = None,
+) -> ChaosResult:
     res = ChaosResult()
     for _ in range(max_attempts or kills * 3 + 5):
         chaos = res.kills < kills

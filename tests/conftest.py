@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from s3server import s3_server  # noqa: F401  (session fixture: a real S3 server on 127.0.0.1)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,9 +24,24 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 #: A small, fast, deterministic run: 12 steps, checkpoints at 4, 8, 12.
-FAST = ["--train.max_steps", "12", "--train.batch_size", "4", "--train.num_threads", "1",
-        "--train.warmup_steps", "2", "--checkpoint.every_steps", "4", "--checkpoint.keep", "3",
-        "--data.max_length", "32", "--data.eval", ""]
+FAST = [
+    "--train.max_steps",
+    "12",
+    "--train.batch_size",
+    "4",
+    "--train.num_threads",
+    "1",
+    "--train.warmup_steps",
+    "2",
+    "--checkpoint.every_steps",
+    "4",
+    "--checkpoint.keep",
+    "3",
+    "--data.max_length",
+    "32",
+    "--data.eval",
+    "",
+]
 
 
 #: Fixtures that start real processes or servers: a test using one is end-to-end.
@@ -61,8 +77,10 @@ def read_events(out: Path) -> list[dict[str, Any]]:
 def state_digest(out: Path, step: int) -> dict[str, str]:
     """sha256 of everything that defines the training state at ``step``, plus the final adapter."""
     ck = out / "checkpoints" / f"step-{step:08d}"
-    d = {name: sha256(ck / name) for name in
-         ("adapter.safetensors", "optimizer.safetensors", "rng_rank0.safetensors")}
+    d = {
+        name: sha256(ck / name)
+        for name in ("adapter.safetensors", "optimizer.safetensors", "rng_rank0.safetensors")
+    }
     d["final/adapter_model.safetensors"] = sha256(out / "final" / "adapter_model.safetensors")
     return d
 
@@ -75,22 +93,39 @@ class CLI:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
-        env.update(SHOESTRING_CACHE=str(self.cache), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(REPO / "src"), TOKENIZERS_PARALLELISM="false")
+        env.update(
+            SHOESTRING_CACHE=str(self.cache),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(REPO / "src"),
+            TOKENIZERS_PARALLELISM="false",
+        )
         env.update(extra)
         return env
 
     def cmd(self, out: Path, *args: str, verb: str = "finetune") -> list[str]:
         return [sys.executable, "-m", "shoestring", verb, "--output_dir", str(out), *args]
 
-    def run(self, out: Path, *args: str, env: dict[str, str] | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.cmd(out, *args), env=self.env(**(env or {})),
-                              capture_output=True, text=True, timeout=timeout)
+    def run(
+        self, out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.cmd(out, *args),
+            env=self.env(**(env or {})),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
-    def start(self, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        return subprocess.Popen(self.cmd(out, *args), env=self.env(**(env or {})),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def start(
+        self, out: Path, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.cmd(out, *args),
+            env=self.env(**(env or {})),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen[str], timeout: float = 120) -> None:
@@ -99,8 +134,10 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen[str], timeout: fl
         if any(e.get("event") == "step" and e["step"] >= step for e in read_events(out)):
             return
         if proc.poll() is not None:
-            raise AssertionError(f"process exited {proc.returncode} before step {step}:\n"
-                                 f"{proc.stdout.read() if proc.stdout else ''}")
+            raise AssertionError(
+                f"process exited {proc.returncode} before step {step}:\n"
+                f"{proc.stdout.read() if proc.stdout else ''}"
+            )
         time.sleep(0.05)
     raise AssertionError(f"step {step} not reached in {timeout}s")
 
@@ -133,15 +170,38 @@ def reference(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
 DIST = [*FAST, "--train.batch_size", "8", "--train.micro_batch_size", "2"]
 
 
-def run_job(cli: CLI, out: Path, nproc: int, *args: str, restarts: int = 0,
-            env: dict[str, str] | None = None,
-            run_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+def run_job(
+    cli: CLI,
+    out: Path,
+    nproc: int,
+    *args: str,
+    restarts: int = 0,
+    env: dict[str, str] | None = None,
+    run_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
     """``shoestring run --nproc-per-node N ... -- shoestring finetune --output_dir OUT ARGS``."""
-    cmd = [sys.executable, "-m", "shoestring", "run", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--run-dir", str(out), *run_args, "--",
-           sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out), *args]
-    r = subprocess.run(cmd, env=cli.env(**(env or {})), capture_output=True, text=True,
-                       timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "shoestring",
+        "run",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--run-dir",
+        str(out),
+        *run_args,
+        "--",
+        sys.executable,
+        "-m",
+        "shoestring",
+        "finetune",
+        "--output_dir",
+        str(out),
+        *args,
+    ]
+    r = subprocess.run(cmd, env=cli.env(**(env or {})), capture_output=True, text=True, timeout=600)
     return r
 
 
@@ -153,5 +213,14 @@ def ddp_ref(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-__all__ = ["CLI", "DIST", "FAST", "read_events", "run_job", "sha256", "signal", "state_digest",
-           "wait_for_step"]
+__all__ = [
+    "CLI",
+    "DIST",
+    "FAST",
+    "read_events",
+    "run_job",
+    "sha256",
+    "signal",
+    "state_digest",
+    "wait_for_step",
+]

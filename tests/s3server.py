@@ -38,7 +38,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -62,10 +63,18 @@ _AWS_ENV = {
 }
 
 # Variables that would redirect or override the endpoint/credentials set above.
-_AWS_ENV_DROP = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3",
-                 "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "FSSPEC_S3", "FSSPEC_S3_ENDPOINT_URL",
-                 "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+_AWS_ENV_DROP = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+    "FSSPEC_S3",
+    "FSSPEC_S3_ENDPOINT_URL",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
 
 
 # The child runs moto's own ``main`` (what ``python -m moto.server`` runs), plus a watchdog:
@@ -93,8 +102,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class S3Server:
     """moto's S3 server on 127.0.0.1:<free port> in a child process, with one bucket."""
 
-    def __init__(self, bucket: str = DEFAULT_BUCKET, *, port: int | None = None,
-                 host: str = "127.0.0.1", start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        bucket: str = DEFAULT_BUCKET,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        start_timeout: float = 60.0,
+    ) -> None:
         self.bucket = bucket
         self.host = host
         self.port = port
@@ -116,8 +131,11 @@ class S3Server:
 
     def child_env(self, base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
         """``base`` (default ``os.environ``) with competing AWS settings dropped and ours set."""
-        env = {k: v for k, v in (os.environ if base is None else base).items()
-               if k not in _AWS_ENV_DROP}
+        env = {
+            k: v
+            for k, v in (os.environ if base is None else base).items()
+            if k not in _AWS_ENV_DROP
+        }
         env.update(self.env)
         env.update(extra)
         return env
@@ -134,15 +152,22 @@ class S3Server:
 
                 # A session of its own: boto3's default session is not thread-safe.
                 self._client = boto3.session.Session().client(
-                    "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-                    aws_access_key_id="testing", aws_secret_access_key="testing")
+                    "s3",
+                    endpoint_url=self.endpoint_url,
+                    region_name="us-east-1",
+                    aws_access_key_id="testing",
+                    aws_secret_access_key="testing",
+                )
             return self._client
 
     def list_keys(self, prefix: str = "") -> dict[str, int]:
         """All keys under ``prefix`` in the bucket with their sizes."""
         out: dict[str, int] = {}
-        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                        Prefix=prefix)
+        pages = (
+            self.client()
+            .get_paginator("list_objects_v2")
+            .paginate(Bucket=self.bucket, Prefix=prefix)
+        )
         for page in pages:
             for obj in page.get("Contents", []):
                 out[obj["Key"]] = int(obj["Size"])
@@ -160,10 +185,11 @@ class S3Server:
                 body = r.read()
         except OSError:  # refused, reset, timeout, HTTP error
             return False
-        return b"ListAllMyBucketsResult" in body and self.proc is not None \
-            and self.proc.poll() is None
+        return (
+            b"ListAllMyBucketsResult" in body and self.proc is not None and self.proc.poll() is None
+        )
 
-    def start(self) -> "S3Server":
+    def start(self) -> S3Server:
         fixed_port = self.port is not None
         last_err = ""
         for _attempt in range(1 if fixed_port else 3):
@@ -177,8 +203,12 @@ class S3Server:
             env.pop("AWS_ENDPOINT_URL", None)
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _SERVER_CODE, "-H", self.host, "-p", str(port)],
-                stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True)
+                stdin=subprocess.PIPE,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 if self._answers():
@@ -224,7 +254,7 @@ class S3Server:
                 self._log.close()
             self._log = None
 
-    def __enter__(self) -> "S3Server":
+    def __enter__(self) -> S3Server:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -258,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket", default=DEFAULT_BUCKET)
     p.add_argument("--port", type=int, default=None)
     args = p.parse_args(argv)
+
     def _stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 

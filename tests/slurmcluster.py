@@ -23,19 +23,27 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue",
-            "scancel")
+BINARIES = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "sinfo",
+    "squeue",
+    "scancel",
+)
 
 
 def missing() -> list[str]:
-    return [b for b in BINARIES if shutil.which(b) is None
-            and not Path("/usr/sbin", b).exists()]
+    return [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
 
 
 def _exe(name: str) -> str:
@@ -55,13 +63,20 @@ class SlurmCluster:
     env: dict[str, str]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def run(self, *cmd: str, check: bool = True, timeout: float = 30,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run(list(cmd), env={**self.env, **(env or {})}, capture_output=True,
-                           text=True, timeout=timeout)
+    def run(
+        self, *cmd: str, check: bool = True, timeout: float = 30, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(
+            list(cmd),
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and r.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}: {r.stdout}{r.stderr}"
-                                 f"\n{self.logs()}")
+            raise AssertionError(
+                f"{' '.join(cmd)} exited {r.returncode}: {r.stdout}{r.stderr}\n{self.logs()}"
+            )
         return r
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -94,8 +109,12 @@ class SlurmCluster:
                 if ids:
                     self.run("scancel", *ids, check=False, timeout=10)
                     deadline = time.monotonic() + 15
-                    while time.monotonic() < deadline and self.run(
-                            "squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.strip():
+                    while (
+                        time.monotonic() < deadline
+                        and self.run(
+                            "squeue", "-h", "-o", "%i", check=False, timeout=10
+                        ).stdout.strip()
+                    ):
                         time.sleep(0.2)
             except subprocess.TimeoutExpired:
                 pass
@@ -170,17 +189,29 @@ def start(root: Path, timeout: float = 60) -> SlurmCluster:
             del env[k]  # a test run inside a Slurm job must not talk to the outer cluster
     cluster = SlurmCluster(root, host, env)
     try:
-        cluster.procs["munged"] = _spawn(root, "munged", [
-            _exe("munged"), "-F", "-f", f"--socket={munge_socket}", f"--key-file={key}",
-            f"--pid-file={root / 'munge' / 'munged.pid'}", f"--log-file={root / 'munged.log'}",
-            f"--seed-file={root / 'munge' / 'munged.seed'}"], env)
+        cluster.procs["munged"] = _spawn(
+            root,
+            "munged",
+            [
+                _exe("munged"),
+                "-F",
+                "-f",
+                f"--socket={munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={root / 'munge' / 'munged.pid'}",
+                f"--log-file={root / 'munged.log'}",
+                f"--seed-file={root / 'munge' / 'munged.seed'}",
+            ],
+            env,
+        )
         _wait_for(lambda: munge_socket.exists(), 10, "munged socket", cluster)
-        cluster.procs["slurmctld"] = _spawn(root, "slurmctld", [
-            _exe("slurmctld"), "-D", "-i", "-f", str(conf)], env)
-        cluster.procs["slurmd"] = _spawn(root, "slurmd", [
-            _exe("slurmd"), "-D", "-f", str(conf), "-N", host], env)
-        _wait_for(lambda: _node_state(cluster) == "idle", timeout, "the node to be idle",
-                  cluster)
+        cluster.procs["slurmctld"] = _spawn(
+            root, "slurmctld", [_exe("slurmctld"), "-D", "-i", "-f", str(conf)], env
+        )
+        cluster.procs["slurmd"] = _spawn(
+            root, "slurmd", [_exe("slurmd"), "-D", "-f", str(conf), "-N", host], env
+        )
+        _wait_for(lambda: _node_state(cluster) == "idle", timeout, "the node to be idle", cluster)
     except BaseException:
         cluster.stop()
         raise
@@ -190,34 +221,43 @@ def start(root: Path, timeout: float = 60) -> SlurmCluster:
 def _spawn(root: Path, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     out = open(root / f"{name}.stdout", "wb")
     try:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     finally:
         out.close()
 
 
 def _node_state(cluster: SlurmCluster) -> str:
     try:
-        r = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=cluster.env,
-                           capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%T"],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except subprocess.TimeoutExpired:
         return ""
     return r.stdout.strip()
 
 
-def _wait_for(ready: Callable[[], bool], timeout: float, what: str,
-              cluster: SlurmCluster) -> None:
+def _wait_for(ready: Callable[[], bool], timeout: float, what: str, cluster: SlurmCluster) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ready():
             return
         for name, proc in cluster.procs.items():
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited {proc.returncode} while waiting for {what}:\n"
-                                   f"{_stdout(cluster, name)}\n{cluster.logs()}")
+                raise RuntimeError(
+                    f"{name} exited {proc.returncode} while waiting for {what}:\n"
+                    f"{_stdout(cluster, name)}\n{cluster.logs()}"
+                )
         time.sleep(0.2)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what} "
-                       f"(sinfo: {_node_state(cluster)!r}):\n{cluster.logs()}")
+    raise RuntimeError(
+        f"timed out after {timeout:.0f}s waiting for {what} "
+        f"(sinfo: {_node_state(cluster)!r}):\n{cluster.logs()}"
+    )
 
 
 def _stdout(cluster: SlurmCluster, name: str) -> str:
@@ -230,8 +270,10 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     """A running single-node cluster for the session; skips when Slurm is not installed."""
     absent = missing()
     if absent:
-        pytest.skip(f"Slurm is not installed (missing {', '.join(absent)}); "
-                    "apt-get install -y slurm-wlm munge")
+        pytest.skip(
+            f"Slurm is not installed (missing {', '.join(absent)}); "
+            "apt-get install -y slurm-wlm munge"
+        )
     try:
         cluster = start(tmp_path_factory.mktemp("slurm"))
     except RuntimeError as first:  # e.g. a free port taken meanwhile: once more, new ports

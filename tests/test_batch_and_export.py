@@ -31,20 +31,27 @@ def test_auto_micro_batch_is_the_per_rank_share() -> None:
 
 
 @pytest.mark.parametrize("batch,micro,world", [(16, 3, 1), (10, 2, 4), (3, 0, 4)])
-def test_a_split_that_does_not_divide_is_refused_naming_the_keys(batch: int, micro: int,
-                                                               world: int) -> None:
+def test_a_split_that_does_not_divide_is_refused_naming_the_keys(
+    batch: int, micro: int, world: int
+) -> None:
     with pytest.raises(ConfigError, match=r"train\.batch_size .* train\.micro_batch_size"):
         BatchPlan.make(batch, micro, world, 0)
 
 
-def test_exported_adapter_loads_in_peft_with_the_trained_weights(tmp_path: Path,
-                                                                 cache_dir: Path) -> None:
+def test_exported_adapter_loads_in_peft_with_the_trained_weights(
+    tmp_path: Path, cache_dir: Path
+) -> None:
     from peft import PeftModel
 
     from shoestring.train.config import LoraSection, ModelConfig
     from shoestring.train.export import export_adapter
-    from shoestring.train.model import (apply_lora, load_base_model, load_tokenizer,
-                                        resolve_model_dir, trainable_parameters)
+    from shoestring.train.model import (
+        apply_lora,
+        load_base_model,
+        load_tokenizer,
+        resolve_model_dir,
+        trainable_parameters,
+    )
 
     mcfg = ModelConfig(dtype="float32")
     model_dir = resolve_model_dir(mcfg, cache_dir)

@@ -11,13 +11,13 @@ import pytest
 
 from chaos import run_with_chaos
 from conftest import CLI, FAST, read_events, state_digest, wait_for_step
-
 from shoestring import exitcodes
 from shoestring.checkpoint.local import committed_steps
 
 
-def test_random_sigkills_end_byte_identical(cli: CLI, tmp_path: Path,
-                                            reference: dict[str, str]) -> None:
+def test_random_sigkills_end_byte_identical(
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     out = tmp_path / "run"
     args = [*FAST, "--checkpoint.every_steps", "2", "--checkpoint.keep", "2"]
     seed = int(os.environ.get("CHAOS_SEED", "1234"))
@@ -25,11 +25,13 @@ def test_random_sigkills_end_byte_identical(cli: CLI, tmp_path: Path,
 
     def start(faults: str):  # each restart may use another writer mode (a resume-safe change)
         mode = modes.choice(["thread", "process", "off"])
-        return cli.start(out, *args, "--checkpoint.async_mode", mode,
-                         env={"SHOESTRING_FAULTS": faults})
+        return cli.start(
+            out, *args, "--checkpoint.async_mode", mode, env={"SHOESTRING_FAULTS": faults}
+        )
 
-    res = run_with_chaos(start, out, kills=int(os.environ.get("CHAOS_KILLS", "4")),
-                         rng=random.Random(seed))
+    res = run_with_chaos(
+        start, out, kills=int(os.environ.get("CHAOS_KILLS", "4")), rng=random.Random(seed)
+    )
     assert res.kills >= 1
     # The last checkpoint at step 12 must be kept for the comparison.
     assert 12 in committed_steps(out / "checkpoints")
@@ -39,7 +41,8 @@ def test_random_sigkills_end_byte_identical(cli: CLI, tmp_path: Path,
 
 
 def test_second_signal_exits_at_once_previous_checkpoint_intact(
-        cli: CLI, tmp_path: Path, reference: dict[str, str]) -> None:
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     out = tmp_path / "run"
     # The emergency save (2nd save) stalls before its manifest, like a hung disk.
     p = cli.start(out, *FAST, env={"SHOESTRING_FAULTS": "ckpt.before_manifest@2:hang"})
@@ -59,8 +62,9 @@ def test_second_signal_exits_at_once_previous_checkpoint_intact(
 
 
 @pytest.mark.slow  # unit tests in test_commit_protocol.py cover each corruption
-def test_corrupt_newest_checkpoint_end_to_end(cli: CLI, tmp_path: Path,
-                                              reference: dict[str, str]) -> None:
+def test_corrupt_newest_checkpoint_end_to_end(
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     out = tmp_path / "run"
     r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "step.end@10:kill"})
     assert r.returncode == -9

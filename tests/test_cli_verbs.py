@@ -23,29 +23,34 @@ def supervised(monkeypatch: pytest.MonkeyPatch) -> list[Supervisor]:
     return seen
 
 
-def test_run_yaml_bad_key_names_file_and_line(tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_yaml_bad_key_names_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     y = tmp_path / "run.yaml"
     y.write_text("nproc_per_node: 1\nhang_flor: 5\n")
     assert main(["run", "--config", str(y), "--", "true"]) == 2
-    assert f"{y}:2: unknown key 'hang_flor' (did you mean 'hang_floor'?)" in \
-        capsys.readouterr().err
+    assert f"{y}:2: unknown key 'hang_flor' (did you mean 'hang_floor'?)" in capsys.readouterr().err
 
 
-def test_run_yaml_values_and_flags_reach_the_supervisor(tmp_path: Path,
-                                                        supervised: list[Supervisor]) -> None:
+def test_run_yaml_values_and_flags_reach_the_supervisor(
+    tmp_path: Path, supervised: list[Supervisor]
+) -> None:
     y = tmp_path / "run.yaml"
-    y.write_text("max_restarts: 7\nhang_floor: 4\nslurm_requeue: never\n"
-                 "command: [echo, hi]\n")
+    y.write_text("max_restarts: 7\nhang_floor: 4\nslurm_requeue: never\ncommand: [echo, hi]\n")
     assert main(["run", "--config", str(y), "--hang-floor", "6", "--job-id", "j1"]) == 0
     (sup,) = supervised
     assert sup.argv == ["echo", "hi"]
-    assert (sup.cfg.max_restarts, sup.cfg.hang.floor_s, sup.cfg.slurm_requeue, sup.cfg.job) \
-        == (7, 6.0, "never", "j1")
+    assert (sup.cfg.max_restarts, sup.cfg.hang.floor_s, sup.cfg.slurm_requeue, sup.cfg.job) == (
+        7,
+        6.0,
+        "never",
+        "j1",
+    )
 
 
 def test_run_value_out_of_range_names_the_flag_or_the_line(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["run", "--hang-floor", "0", "--", "true"]) == 2
     assert "--hang-floor: 'hang_floor' must be > 0; got 0.0" in capsys.readouterr().err
     assert main(["run", "--prometheus-port", "70000", "--", "true"]) == 2
@@ -58,11 +63,19 @@ def test_run_value_out_of_range_names_the_flag_or_the_line(
     assert f"{y}:2: 'nproc_per_node' must be >= 1; got 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, watch", [([], True), (["--no-watch"], False),
-                                          (["--watch", "false"], False), (["--watch"], True),
-                                          (["--no-watch", "--watch", "true"], True)])
-def test_no_watch_is_watch_false(flags: list[str], watch: bool,
-                                 supervised: list[Supervisor]) -> None:
+@pytest.mark.parametrize(
+    "flags, watch",
+    [
+        ([], True),
+        (["--no-watch"], False),
+        (["--watch", "false"], False),
+        (["--watch"], True),
+        (["--no-watch", "--watch", "true"], True),
+    ],
+)
+def test_no_watch_is_watch_false(
+    flags: list[str], watch: bool, supervised: list[Supervisor]
+) -> None:
     assert main(["run", *flags, "--", "true"]) == 0
     assert supervised[0].cfg.watch is watch
 
@@ -88,29 +101,49 @@ def test_literal_choices_come_from_the_type(tmp_path: Path) -> None:
     fields = {k: (f, tp) for k, f, tp in iter_fields(FinetuneConfig)}
     f, tp = fields["lora.quantize"]
     assert tp == Quantize and "choices" not in f.metadata
-    with pytest.raises(ConfigError, match=r"^--lora\.quantize: 'lora\.quantize' must be one "
-                                          r"of none, nf4, int8; got 'x'$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--lora\.quantize: 'lora\.quantize' must be one "
+        r"of none, nf4, int8; got 'x'$",
+    ):
         load(FinetuneConfig, None, ["--lora.quantize", "x"])
     y = tmp_path / "c.yaml"
     y.write_text("checkpoint:\n  async_mode: off\n  interval: often\n")
-    with pytest.raises(ConfigError, match=r"c\.yaml:3: 'checkpoint\.interval' must be one of "
-                                          r"fixed, auto; got 'often'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"c\.yaml:3: 'checkpoint\.interval' must be one of "
+        r"fixed, auto; got 'often'",
+    ):
         load(FinetuneConfig, str(y), [])  # 'off' (a YAML 1.1 boolean) is read as typed
 
 
 def test_plan_uses_the_same_choices(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "llama-3-8b", "--quantize", "nf5"]) == 2
-    assert f"must be one of {', '.join(typing.get_args(Quantize))}; got 'nf5'" in \
-        capsys.readouterr().err
+    assert (
+        f"must be one of {', '.join(typing.get_args(Quantize))}; got 'nf5'"
+        in capsys.readouterr().err
+    )
 
 
 def test_slurm_passes_finetune_flags_on_and_repeats_sbatch_args() -> None:
     spec = VERBS["slurm"]
     assert isinstance(spec, Verb)
-    p = parse_command_line(["--config", "c.yaml", "--data.packing", "--nodes", "2",
-                            "--sbatch-arg=--mem=1G", "--train.lr=1e-4",
-                            "--sbatch-arg", "--exclusive", "--no-eval.exact_match"],
-                           SlurmConfig, spec.args)
+    p = parse_command_line(
+        [
+            "--config",
+            "c.yaml",
+            "--data.packing",
+            "--nodes",
+            "2",
+            "--sbatch-arg=--mem=1G",
+            "--train.lr=1e-4",
+            "--sbatch-arg",
+            "--exclusive",
+            "--no-eval.exact_match",
+        ],
+        SlurmConfig,
+        spec.args,
+    )
     assert p.rest == ["--data.packing", "--train.lr=1e-4", "--no-eval.exact_match"]
     cfg = build(SlurmConfig, p.layers)
     assert (cfg.config, cfg.nodes, cfg.sbatch_arg) == ("c.yaml", 2, ["--mem=1G", "--exclusive"])
@@ -140,10 +173,18 @@ def test_run_help_shows_the_documented_flags(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--nproc-per-node", "--max-restarts", "--run-dir", "--watch", "--hang-floor",
-                 "--prometheus-port", "--alert-webhook", "--nccl-dump-wait", "COMMAND"):
+    for flag in (
+        "--nproc-per-node",
+        "--max-restarts",
+        "--run-dir",
+        "--watch",
+        "--hang-floor",
+        "--prometheus-port",
+        "--alert-webhook",
+        "--nccl-dump-wait",
+        "COMMAND",
+    ):
         assert flag in out
-
 
 
 def test_stray_arguments_are_named(capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,16 +196,34 @@ def test_stray_arguments_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unexpected argument 'extra'" in capsys.readouterr().err
 
 
-def test_slurm_keys_from_their_own_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurm_keys_from_their_own_yaml(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "cfg.yaml").write_text("output_dir: run\n")
     (tmp_path / "cluster.yaml").write_text("nodes: 2\ngpus_per_node: 4\nsbatch_arg: [--mem=8G]\n")
     monkeypatch.chdir(tmp_path)
-    assert main(["slurm", "--slurm-config", "cluster.yaml", "--config", "cfg.yaml",
-                 "--sbatch-arg=--exclusive", "--train.max_steps", "5"]) == 0
+    assert (
+        main(
+            [
+                "slurm",
+                "--slurm-config",
+                "cluster.yaml",
+                "--config",
+                "cfg.yaml",
+                "--sbatch-arg=--exclusive",
+                "--train.max_steps",
+                "5",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --mem=8G",
-                 "#SBATCH --exclusive"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --mem=8G",
+        "#SBATCH --exclusive",
+    ):
         assert line in out
     assert "--train.max_steps 5" in out
     (tmp_path / "cluster.yaml").write_text("nodes: 2\ngpus: 4\n")

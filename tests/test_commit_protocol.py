@@ -12,24 +12,46 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoestring.checkpoint import (CheckpointSaveError, CorruptCheckpoint, FileWriter, SaveRequest,
-                                   FaultPlan, find_resume_point, make_snapshot, verify_dir)
-from shoestring.checkpoint.local import (apply_retention, clean_stale, commit_local,
-                                         committed_steps, step_dirname)
+from shoestring.checkpoint import (
+    CheckpointSaveError,
+    CorruptCheckpoint,
+    FaultPlan,
+    FileWriter,
+    SaveRequest,
+    find_resume_point,
+    make_snapshot,
+    verify_dir,
+)
+from shoestring.checkpoint.local import (
+    apply_retention,
+    clean_stale,
+    commit_local,
+    committed_steps,
+    step_dirname,
+)
 from shoestring.events import EventLog, read_events
 
 
 def snap(step: int, n: int = 1000):
     g = torch.Generator().manual_seed(step)
-    return make_snapshot(step, {"w.safetensors": {"w": torch.randn(n, generator=g)}},
-                         {"state.json": {"step": step}}, {"kind": "test"})
+    return make_snapshot(
+        step,
+        {"w.safetensors": {"w": torch.randn(n, generator=g)}},
+        {"state.json": {"step": step}},
+        {"kind": "test"},
+    )
 
 
-def writer(root: Path, tmp: Path, mode: str = "off", faults: FaultPlan | None = None,
-           keep: int = 2) -> FileWriter:
-    return FileWriter(root, keep=keep, mode=mode,
-                            events=EventLog(tmp / "events.jsonl", run_id="t"),
-                            faults=faults or FaultPlan())
+def writer(
+    root: Path, tmp: Path, mode: str = "off", faults: FaultPlan | None = None, keep: int = 2
+) -> FileWriter:
+    return FileWriter(
+        root,
+        keep=keep,
+        mode=mode,
+        events=EventLog(tmp / "events.jsonl", run_id="t"),
+        faults=faults or FaultPlan(),
+    )
 
 
 @pytest.mark.parametrize("mode", ["thread", "process", "off"])
@@ -42,6 +64,7 @@ def test_commit_writes_manifest_last_and_verifies(tmp_path: Path, mode: str) -> 
     m = verify_dir(tmp_path / "ck" / step_dirname(5), deep=True)
     assert m.step == 5 and set(m.files) == {"w.safetensors", "state.json"}
     from safetensors.torch import load_file
+
     saved = load_file(str(tmp_path / "ck" / step_dirname(5) / "w.safetensors"))["w"]
     assert torch.equal(saved + 1.0, s5.tensors["w.safetensors"]["w"])  # the pre-mutation copy
     ev = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint"]
@@ -49,8 +72,9 @@ def test_commit_writes_manifest_last_and_verifies(tmp_path: Path, mode: str) -> 
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("point", ["ckpt.partial_file", "ckpt.after_file", "ckpt.before_manifest",
-                                   "ckpt.before_rename"])
+@pytest.mark.parametrize(
+    "point", ["ckpt.partial_file", "ckpt.after_file", "ckpt.before_manifest", "ckpt.before_rename"]
+)
 def test_kill_inside_write_leaves_only_previous_commit(tmp_path: Path, point: str) -> None:
     # A real SIGKILL in a child process at each fault point of the second save.
     code = f"""
@@ -59,8 +83,8 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_commit_protocol import snap, writer
 from shoestring.checkpoint import FaultPlan, SaveRequest
 from pathlib import Path
-w = writer(Path({str(tmp_path / 'ck')!r}), Path({str(tmp_path)!r}),
-           faults=FaultPlan.parse("{point}@{3 if point in ('ckpt.after_file', 'ckpt.partial_file') else 2}"))
+w = writer(Path({str(tmp_path / "ck")!r}), Path({str(tmp_path)!r}),
+           faults=FaultPlan.parse("{point}@{3 if point in ("ckpt.after_file", "ckpt.partial_file") else 2}"))
 w.submit(SaveRequest.files(snap(1)), reason="t")
 w.submit(SaveRequest.files(snap(2)), reason="t")
 print("survived")
@@ -114,8 +138,13 @@ def test_explicit_resume_path_refuses_corrupt(tmp_path: Path) -> None:
     w.submit(SaveRequest.files(snap(1)), reason="t")
     _corrupt(root / step_dirname(1), "flip")
     with pytest.raises(CorruptCheckpoint, match="sha256 mismatch"):
-        find_resume_point(str(root / step_dirname(1)), root, None, verify=True,
-                          events=EventLog(tmp_path / "e.jsonl", run_id="t"))
+        find_resume_point(
+            str(root / step_dirname(1)),
+            root,
+            None,
+            verify=True,
+            events=EventLog(tmp_path / "e.jsonl", run_id="t"),
+        )
 
 
 def test_retention_deletes_only_after_new_commit(tmp_path: Path) -> None:
@@ -134,12 +163,14 @@ def test_retention_deletes_only_after_new_commit(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_save_error_is_reported_and_previous_intact(tmp_path: Path, mode: str) -> None:
     root = tmp_path / "ck"
-    w = writer(root, tmp_path, mode=mode,
-               faults=FaultPlan.parse("ckpt.after_file@3:enospc"))
+    w = writer(root, tmp_path, mode=mode, faults=FaultPlan.parse("ckpt.after_file@3:enospc"))
     w.submit(SaveRequest.files(snap(1)), reason="t")
     w.submit(SaveRequest.files(snap(2)), reason="t")
-    with pytest.raises(CheckpointSaveError, match=r"step 2 .*No space left on device.*step 1 is "
-                                                  r"intact"):
+    with pytest.raises(
+        CheckpointSaveError,
+        match=r"step 2 .*No space left on device.*step 1 is "
+        r"intact",
+    ):
         w.wait()
     w.close()
     assert committed_steps(root) == [1]
@@ -160,8 +191,9 @@ def _can_mount_tmpfs(path: Path) -> bool:
     if os.geteuid() != 0:
         return False
     path.mkdir(exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)],
-                       capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], capture_output=True
+    )
     if r.returncode == 0:
         subprocess.run(["umount", str(path)])
     return r.returncode == 0

@@ -13,10 +13,22 @@ from shoestring.train.config import FinetuneConfig, config_hash
 
 def test_defaults_and_required_keys_exist() -> None:
     keys = {k for k, _f, _t in iter_fields(FinetuneConfig)}
-    required = {"model.path", "data.train", "data.eval", "output_dir", "train.max_steps",
-                "train.seed", "train.batch_size", "train.micro_batch_size", "train.lr", "lora.r",
-                "checkpoint.every_steps", "checkpoint.every_seconds", "checkpoint.keep",
-                "checkpoint.storage"}
+    required = {
+        "model.path",
+        "data.train",
+        "data.eval",
+        "output_dir",
+        "train.max_steps",
+        "train.seed",
+        "train.batch_size",
+        "train.micro_batch_size",
+        "train.lr",
+        "lora.r",
+        "checkpoint.every_steps",
+        "checkpoint.every_seconds",
+        "checkpoint.keep",
+        "checkpoint.storage",
+    }
     assert required <= keys
 
 
@@ -30,7 +42,9 @@ def test_every_key_is_in_help() -> None:
 def test_yaml_then_flags(tmp_path: Path) -> None:
     y = tmp_path / "c.yaml"
     y.write_text("train:\n  lr: 0.01\n  max_steps: 7\nlora:\n  r: 4\n")
-    cfg = load(FinetuneConfig, str(y), ["--train.lr", "2e-4", "--lora.target_modules=q_proj,v_proj"])
+    cfg = load(
+        FinetuneConfig, str(y), ["--train.lr", "2e-4", "--lora.target_modules=q_proj,v_proj"]
+    )
     assert cfg.train.lr == 2e-4 and cfg.train.max_steps == 7 and cfg.lora.r == 4
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
 
@@ -38,8 +52,11 @@ def test_yaml_then_flags(tmp_path: Path) -> None:
 def test_unknown_yaml_key_names_file_and_line(tmp_path: Path) -> None:
     y = tmp_path / "c.yaml"
     y.write_text("train:\n  lr: 0.01\n  max_stepz: 7\n")
-    with pytest.raises(ConfigError, match=r"c\.yaml:3: unknown key 'train\.max_stepz' "
-                                          r"\(did you mean 'train\.max_steps'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"c\.yaml:3: unknown key 'train\.max_stepz' "
+        r"\(did you mean 'train\.max_steps'\?\)",
+    ):
         load(FinetuneConfig, str(y), [])
 
 
@@ -73,13 +90,18 @@ def test_bad_flag_value_names_flag() -> None:
 
 def test_config_hash_ignores_resume_safe_keys() -> None:
     a = load(FinetuneConfig, None, [])
-    b = load(FinetuneConfig, None, ["--train.max_steps", "999", "--checkpoint.keep", "5",
-                                    "--output_dir", "elsewhere"])
+    b = load(
+        FinetuneConfig,
+        None,
+        ["--train.max_steps", "999", "--checkpoint.keep", "5", "--output_dir", "elsewhere"],
+    )
     c = load(FinetuneConfig, None, ["--train.lr", "1e-5"])
     assert config_hash(a) == config_hash(b) != config_hash(c)
 
 
-def test_cli_bad_config_fails_fast_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_bad_config_fails_fast_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     y = tmp_path / "c.yaml"
     y.write_text("model:\n  path: builtin:tiny\n  dtipe: float32\n")
     rc = main(["finetune", "--config", str(y), "--output_dir", str(tmp_path / "out")])
@@ -89,9 +111,12 @@ def test_cli_bad_config_fails_fast_with_exit_2(tmp_path: Path, capsys: pytest.Ca
     assert not (tmp_path / "out").exists()  # nothing started
 
 
-def test_cli_missing_model_dir_names_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["finetune", "--model.path", str(tmp_path / "nope"), "--output_dir",
-               str(tmp_path / "out")])
+def test_cli_missing_model_dir_names_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(
+        ["finetune", "--model.path", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "out")]
+    )
     assert rc == 2
     assert "model.path:" in capsys.readouterr().err
 

@@ -7,8 +7,15 @@ from pathlib import Path
 import pytest
 
 from shoestring.cli import main
-from shoestring.train.data import (IGNORE_INDEX, DataError, SampleOrder, collate, pack, read_jsonl,
-                                   tokenize)
+from shoestring.train.data import (
+    IGNORE_INDEX,
+    DataError,
+    SampleOrder,
+    collate,
+    pack,
+    read_jsonl,
+    tokenize,
+)
 
 
 class ByteTok:
@@ -18,16 +25,19 @@ class ByteTok:
         return [b + 3 for b in text.encode()]
 
 
-@pytest.mark.parametrize("line,msg", [
-    ('{"text": "ok"', "invalid JSON"),
-    ('["text"]', "expected a JSON object"),
-    ('{"prompt": "a"}', "missing 'completion'"),
-    ('{"completion": "a"}', "missing 'prompt'"),
-    ('{"foo": 1}', "missing 'text' or 'prompt'\\+'completion'"),
-    ('{"text": 5}', "'text' must be a string"),
-    ('{"text": "a", "prompt": "b", "completion": "c"}', "use either .*not both"),
-    ('{"prompt": "a", "completion": ""}', "'completion' is empty"),
-])
+@pytest.mark.parametrize(
+    "line,msg",
+    [
+        ('{"text": "ok"', "invalid JSON"),
+        ('["text"]', "expected a JSON object"),
+        ('{"prompt": "a"}', "missing 'completion'"),
+        ('{"completion": "a"}', "missing 'prompt'"),
+        ('{"foo": 1}', "missing 'text' or 'prompt'\\+'completion'"),
+        ('{"text": 5}', "'text' must be a string"),
+        ('{"text": "a", "prompt": "b", "completion": "c"}', "use either .*not both"),
+        ('{"prompt": "a", "completion": ""}', "'completion' is empty"),
+    ],
+)
 def test_malformed_line_names_file_and_line(tmp_path: Path, line: str, msg: str) -> None:
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "fine"}\n\n' + line + "\n")
@@ -35,12 +45,22 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, line: str, msg: str)
         read_jsonl(p)
 
 
-def test_cli_malformed_data_exit_2_before_model_load(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_malformed_data_exit_2_before_model_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     p = tmp_path / "train.jsonl"
     p.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a" "completion": "b"}\n')
-    rc = main(["finetune", "--data.train", str(p), "--output_dir", str(tmp_path / "o"),
-               "--model.path", str(tmp_path / "does-not-matter-yet")])
+    rc = main(
+        [
+            "finetune",
+            "--data.train",
+            str(p),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--model.path",
+            str(tmp_path / "does-not-matter-yet"),
+        ]
+    )
     assert rc == 2
     assert f"{p}:2: invalid JSON" in capsys.readouterr().err
 

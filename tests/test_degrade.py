@@ -24,16 +24,21 @@ class FakeRank:
         self.t = {"steps": 0, "tokens": 0, "train_s": 0.0, "comm_s": 0.0}
 
     def advance(self, steps: int, step_s: float, comm_s: float, tokens: int = 512) -> None:
-        self.t = {"steps": self.t["steps"] + steps, "tokens": self.t["tokens"] + steps * tokens,
-                  "train_s": self.t["train_s"] + steps * step_s,
-                  "comm_s": self.t["comm_s"] + steps * comm_s}
+        self.t = {
+            "steps": self.t["steps"] + steps,
+            "tokens": self.t["tokens"] + steps * tokens,
+            "train_s": self.t["train_s"] + steps * step_s,
+            "comm_s": self.t["comm_s"] + steps * comm_s,
+        }
 
     def snap(self, rank: int) -> dict[str, Any]:
         return {"rank": rank, "step": self.t["steps"], "totals": dict(self.t)}
 
 
-def drive(windows: list[list[tuple[float, float]]], policy: DegradePolicy = POLICY,
-          ) -> tuple[list[Any], list[dict[str, Any]]]:
+def drive(
+    windows: list[list[tuple[float, float]]],
+    policy: DegradePolicy = POLICY,
+) -> tuple[list[Any], list[dict[str, Any]]]:
     """``windows[i][r] = (step_s, comm_s)`` for rank r in window i; 100 steps per window."""
     ranks = [FakeRank() for _ in windows[0]]
     mon = DegradationMonitor(policy)
@@ -138,23 +143,35 @@ def test_collector_exposes_stable_names_with_job_host_rank_labels() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     st = JobState("job-7", "hostA")
-    st.update(snaps={1: {"ts": 99.0, "step": 12, "phase": "train_step", "phase_start": 99.5,
-                         "stats": {"train_step": {"p50": 0.1, "p99": 0.2}},
-                         "open_collectives": [{"seq": 3}]}},
-              windows=[{"rank": 1, "tokens_per_s": 5000.0, "comm_s_per_step": 0.01,
-                        "comm_share": 0.1}],
-              metrics={"ranks": {"1": {"cpu_pct": 97.0, "rss_bytes": 123456789}},
-                       "gpus": [{"gpu": 0, "util_pct": 88, "mem_used_bytes": 10, "ranks": [1]}]})
+    st.update(
+        snaps={
+            1: {
+                "ts": 99.0,
+                "step": 12,
+                "phase": "train_step",
+                "phase_start": 99.5,
+                "stats": {"train_step": {"p50": 0.1, "p99": 0.2}},
+                "open_collectives": [{"seq": 3}],
+            }
+        },
+        windows=[{"rank": 1, "tokens_per_s": 5000.0, "comm_s_per_step": 0.01, "comm_share": 0.1}],
+        metrics={
+            "ranks": {"1": {"cpu_pct": 97.0, "rss_bytes": 123456789}},
+            "gpus": [{"gpu": 0, "util_pct": 88, "mem_used_bytes": 10, "ranks": [1]}],
+        },
+    )
     st.alarm("throughput_drop", 1)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(JobCollector(st, clock=lambda: 100.0))  # type: ignore[arg-type]
     text = generate_latest(reg).decode()
     lab = 'host="hostA",job="job-7",rank="1"'
-    for line in (f"shoestring_rank_up{{{lab}}} 1.0", f"shoestring_step{{{lab}}} 12.0",
-                 f"shoestring_tokens_per_second{{{lab}}} 5000.0",
-                 f"shoestring_process_resident_bytes{{{lab}}} 1.23456789e+08",
-                 f"shoestring_open_collectives{{{lab}}} 1.0",
-                 'shoestring_gpu_util_pct{gpu="0",host="hostA",job="job-7"} 88.0',
-                 'shoestring_alarms_total{host="hostA",job="job-7",kind="throughput_drop",'
-                 'rank="1"} 1.0'):
+    for line in (
+        f"shoestring_rank_up{{{lab}}} 1.0",
+        f"shoestring_step{{{lab}}} 12.0",
+        f"shoestring_tokens_per_second{{{lab}}} 5000.0",
+        f"shoestring_process_resident_bytes{{{lab}}} 1.23456789e+08",
+        f"shoestring_open_collectives{{{lab}}} 1.0",
+        'shoestring_gpu_util_pct{gpu="0",host="hostA",job="job-7"} 88.0',
+        'shoestring_alarms_total{host="hostA",job="job-7",kind="throughput_drop",rank="1"} 1.0',
+    ):
         assert line in text, (line, text)

@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from conftest import CLI, DIST, FAST, read_events, run_job, sha256
-
 from shoestring.train import state as S
+
 
 def steps(out: Path) -> dict[int, dict[str, Any]]:
     """Step events of rank 0, last record per step (a redone step overwrites)."""
     return {e["step"]: e for e in read_events(out) if e["event"] == "step"}
 
 
-def assert_losses_close(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
-                        which: range, rel: float = 1e-6) -> None:
+def assert_losses_close(
+    a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], which: range, rel: float = 1e-6
+) -> None:
     for s in which:
         la, lb = a[s]["loss"], b[s]["loss"]
         # events round to 1e-6 absolute; allow that on top of the relative bound
@@ -36,8 +37,10 @@ def offline_digests(ck: Path, tmp: Path) -> dict[str, str]:
 
         dcp_to_torch_save(str(ck), str(tmp / "full.pt"))
         sd = torch.load(tmp / "full.pt", weights_only=False)
-        return {"adapter_sha": S.digest(sd["model"]),
-                "optimizer_sha": S.digest(S.flat_optimizer_state(sd["optim"]["state"]))}
+        return {
+            "adapter_sha": S.digest(sd["model"]),
+            "optimizer_sha": S.digest(S.flat_optimizer_state(sd["optim"]["state"])),
+        }
     from safetensors.torch import load_file
 
     doc = json.loads((ck / S.STATE).read_text())
@@ -49,8 +52,10 @@ def offline_digests(ck: Path, tmp: Path) -> dict[str, str]:
     for key, v in doc["optimizer"]["scalars"].items():
         idx, k = key.split(".", 1)
         state.setdefault(names[int(idx)], {})[k] = v
-    return {"adapter_sha": S.digest(load_file(str(ck / S.ADAPTER))),
-            "optimizer_sha": S.digest(S.flat_optimizer_state(state))}
+    return {
+        "adapter_sha": S.digest(load_file(str(ck / S.ADAPTER))),
+        "optimizer_sha": S.digest(S.flat_optimizer_state(state)),
+    }
 
 
 def resume_records(out: Path) -> list[dict[str, Any]]:
@@ -77,29 +82,39 @@ def test_ddp_matches_single_process(ddp_ref: Path, single_ref: Path) -> None:
     # Every rank committed its shard under one manifest; the run exported a peft adapter.
     ck = ddp_ref / "checkpoints" / "step-00000012"
     manifest = json.loads((ck / "manifest.json").read_text())
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng_rank0.safetensors",
-            "rng_rank1.safetensors", "trainer_state.json"} <= set(manifest["files"])
+    assert {
+        "__0_0.distcp",
+        "__1_0.distcp",
+        ".metadata",
+        "rng_rank0.safetensors",
+        "rng_rank1.safetensors",
+        "trainer_state.json",
+    } <= set(manifest["files"])
     assert (ddp_ref / "final" / "adapter_model.safetensors").exists()
 
 
-def test_killed_rank_is_restarted_and_result_is_byte_identical(cli: CLI, tmp_path: Path,
-                                                               ddp_ref: Path) -> None:
+def test_killed_rank_is_restarted_and_result_is_byte_identical(
+    cli: CLI, tmp_path: Path, ddp_ref: Path
+) -> None:
     out = tmp_path / "run"
     # SIGKILL rank 1 (no notice) after step 6; the step-4 checkpoint is the last committed.
-    r = run_job(cli, out, 2, *DIST, restarts=2,
-                env={"SHOESTRING_FAULTS": "step.end@6:kill:rank1:once"})
+    r = run_job(
+        cli, out, 2, *DIST, restarts=2, env={"SHOESTRING_FAULTS": "step.end@6:kill:rank1:once"}
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     restarts = [e for e in ev if e["event"] == "restart"]
     assert len(restarts) == 1
     resume = [e for e in ev if e["event"] == "resume"]
     assert len(resume) == 1 and resume[0]["from_step"] == 4 and resume[0]["world_size"] == 2
-    assert sha256(out / "final" / "adapter_model.safetensors") == \
-        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+    assert sha256(out / "final" / "adapter_model.safetensors") == sha256(
+        ddp_ref / "final" / "adapter_model.safetensors"
+    )
 
 
-def test_warning_signal_to_run_checkpoints_every_rank_and_resumes(cli: CLI, tmp_path: Path,
-                                                                  ddp_ref: Path) -> None:
+def test_warning_signal_to_run_checkpoints_every_rank_and_resumes(
+    cli: CLI, tmp_path: Path, ddp_ref: Path
+) -> None:
     # A Slurm-style warning (SIGUSR1) to `shoestring run`: torchrun must survive it, every
     # rank must stop at one step, and the emergency checkpoint must be sealed before any
     # rank exits (torchrun stops the others as soon as one leaves).
@@ -109,16 +124,35 @@ def test_warning_signal_to_run_checkpoints_every_rank_and_resumes(cli: CLI, tmp_
     import time
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "shoestring", "run", "--nproc-per-node", "2",
-           "--max-restarts", "2", "--run-dir", str(out), "--", sys.executable, "-m",
-           "shoestring", "finetune", "--output_dir", str(out), *DIST]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shoestring",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--run-dir",
+        str(out),
+        "--",
+        sys.executable,
+        "-m",
+        "shoestring",
+        "finetune",
+        "--output_dir",
+        str(out),
+        *DIST,
+    ]
     env = cli.env(SHOESTRING_FAULTS="step.forward@1:slow200")  # slower steps, same numbers
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        if any(e["event"] == "step" and e["step"] >= 5 for e in read_events(out)
-               if (out / "events.jsonl").exists()):
+        if any(
+            e["event"] == "step" and e["step"] >= 5
+            for e in read_events(out)
+            if (out / "events.jsonl").exists()
+        ):
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)
@@ -133,16 +167,23 @@ def test_warning_signal_to_run_checkpoints_every_rank_and_resumes(cli: CLI, tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     (resume,) = [e for e in read_events(out) if e["event"] == "resume"]
     assert resume["from_step"] == pre["step"] and resume["steps_lost"] == 0
-    assert sha256(out / "final" / "adapter_model.safetensors") == \
-        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+    assert sha256(out / "final" / "adapter_model.safetensors") == sha256(
+        ddp_ref / "final" / "adapter_model.safetensors"
+    )
 
 
-def test_resume_two_ranks_to_one(cli: CLI, tmp_path: Path, ddp_ref: Path,
-                                 single_ref: Path) -> None:
+def test_resume_two_ranks_to_one(cli: CLI, tmp_path: Path, ddp_ref: Path, single_ref: Path) -> None:
     out = tmp_path / "run"
     # Both ranks die after step 9; the synchronous step-8 checkpoint is the newest.
-    r = run_job(cli, out, 2, *DIST, "--checkpoint.async_mode", "off",
-                env={"SHOESTRING_FAULTS": "step.end@9:kill"})
+    r = run_job(
+        cli,
+        out,
+        2,
+        *DIST,
+        "--checkpoint.async_mode",
+        "off",
+        env={"SHOESTRING_FAULTS": "step.end@9:kill"},
+    )
     assert r.returncode != 0
     saved = offline_digests(out / "checkpoints" / "step-00000008", tmp_path)
     r = cli.run(out, *DIST)  # one process, same global batch, continues to step 12
@@ -156,11 +197,11 @@ def test_resume_two_ranks_to_one(cli: CLI, tmp_path: Path, ddp_ref: Path,
 
 
 @pytest.mark.slow  # the 2 -> 1 direction runs in CI
-def test_resume_one_rank_to_two(cli: CLI, tmp_path: Path, ddp_ref: Path,
-                                single_ref: Path) -> None:
+def test_resume_one_rank_to_two(cli: CLI, tmp_path: Path, ddp_ref: Path, single_ref: Path) -> None:
     out = tmp_path / "run"
-    r = cli.run(out, *DIST, "--checkpoint.async_mode", "off",
-                env={"SHOESTRING_FAULTS": "step.end@9:kill"})
+    r = cli.run(
+        out, *DIST, "--checkpoint.async_mode", "off", env={"SHOESTRING_FAULTS": "step.end@9:kill"}
+    )
     assert r.returncode != 0
     saved = offline_digests(out / "checkpoints" / "step-00000008", tmp_path)
     r = run_job(cli, out, 2, *DIST)
@@ -192,28 +233,34 @@ def test_fsdp2_trains_and_resumes_exactly(cli: CLI, tmp_path: Path, ddp_ref: Pat
     # in (FSDP2's own all-gathers/reduce-scatters are traced), kills the job, and the
     # restart resumes from the sharded checkpoint of step 4.
     out = tmp_path / "run"
-    r = run_job(cli, out, 2, *fsdp, restarts=1,
-                env={"SHOESTRING_FAULTS": "step.end@6:hang:rank1:once"})
+    r = run_job(
+        cli, out, 2, *fsdp, restarts=1, env={"SHOESTRING_FAULTS": "step.end@6:hang:rank1:once"}
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     (hang,) = [e for e in ev if e["event"] == "hang"]
     assert hang["kind"] == "stuck_rank" and hang["culprits"] == [1], hang["summary"]
     waiting = hang["ranks"]["0"]["waiting_in"]
     assert waiting is not None and waiting.split(" #")[0] in (
-        "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-        "reduce_scatter_tensor"), hang["summary"]
+        "all_gather_single",
+        "reduce_scatter_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+    ), hang["summary"]
     assert hang["collective"]["op"] == waiting.split(" #")[0]
     (res,) = [e for e in ev if e["event"] == "resume"]
     assert res["from_step"] == 4 and res["format"] == "dcp"
-    assert sha256(out / "final" / "adapter_model.safetensors") == \
-        sha256(ref / "final" / "adapter_model.safetensors")
+    assert sha256(out / "final" / "adapter_model.safetensors") == sha256(
+        ref / "final" / "adapter_model.safetensors"
+    )
     for s in range(5, 13):
         assert steps(out)[s]["loss"] == steps(ref)[s]["loss"]
 
 
 def test_batch_that_does_not_split_is_rejected_before_work(cli: CLI, tmp_path: Path) -> None:
-    r = run_job(cli, tmp_path / "bad", 2, *FAST, "--train.batch_size", "6",
-                "--train.micro_batch_size", "2")
+    r = run_job(
+        cli, tmp_path / "bad", 2, *FAST, "--train.batch_size", "6", "--train.micro_batch_size", "2"
+    )
     assert r.returncode != 0
     assert "train.batch_size 6" in r.stderr and "train.micro_batch_size" in r.stderr
     assert not (tmp_path / "bad" / "checkpoints").exists()

@@ -19,52 +19,84 @@ from typing import Any
 import pytest
 
 from shoestring.supervise.supervisor import Supervisor, SupervisorConfig
-from shoestring.watch.flight import (PIPE_NAME, TRACE_NAME, TracePaths, collect_traces,
-                                     flight_recorder_env, load_dump, poke, records_by_default,
-                                     summarize)
+from shoestring.watch.flight import (
+    PIPE_NAME,
+    TRACE_NAME,
+    TracePaths,
+    collect_traces,
+    flight_recorder_env,
+    load_dump,
+    poke,
+    records_by_default,
+    summarize,
+)
 from shoestring.watch.hang import Verdict
 
 
 def _entry(seq: int, name: str, state: str, sizes: list[list[int]]) -> dict[str, Any]:
     """One entry with the keys of torch's FlightRecorder::getCollectiveTrace (v2.10)."""
-    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
-            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
-            "profiling_name": name, "time_created_ns": 1_700_000_000_000_000_000 + seq,
-            "input_sizes": sizes, "input_dtypes": ["Float"], "output_sizes": sizes,
-            "output_dtypes": ["Float"], "state": state,
-            "time_discovered_started_ns": None if state == "scheduled" else 1,
-            "time_discovered_completed_ns": 2 if state == "completed" else None,
-            "retired": state == "completed", "timeout_ms": 600_000, "is_p2p": False,
-            "thread_id": "140000", "thread_name": "MainThread",
-            "frames": [{"name": "all_reduce", "filename": "distributed_c10d.py", "line": 2800}]}
+    return {
+        "record_id": seq - 1,
+        "pg_id": 0,
+        "process_group": ("0", "default_pg"),
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "op_id": seq,
+        "profiling_name": name,
+        "time_created_ns": 1_700_000_000_000_000_000 + seq,
+        "input_sizes": sizes,
+        "input_dtypes": ["Float"],
+        "output_sizes": sizes,
+        "output_dtypes": ["Float"],
+        "state": state,
+        "time_discovered_started_ns": None if state == "scheduled" else 1,
+        "time_discovered_completed_ns": 2 if state == "completed" else None,
+        "retired": state == "completed",
+        "timeout_ms": 600_000,
+        "is_p2p": False,
+        "thread_id": "140000",
+        "thread_name": "MainThread",
+        "frames": [{"name": "all_reduce", "filename": "distributed_c10d.py", "line": 2800}],
+    }
 
 
 def _dump(entries: list[dict[str, Any]]) -> bytes:
-    d = {"version": "2.10", "comm_lib_version": "2.21.5",
-         "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
-         "pg_status": {"0": {"last_enqueued_collective": 8, "last_started_collective": 7,
-                             "last_completed_collective": 6}},
-         "entries": entries}
+    d = {
+        "version": "2.10",
+        "comm_lib_version": "2.21.5",
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+        "pg_status": {
+            "0": {
+                "last_enqueued_collective": 8,
+                "last_started_collective": 7,
+                "last_completed_collective": 6,
+            }
+        },
+        "entries": entries,
+    }
     return pickle.dumps(d, protocol=2)  # torch's C++ pickler writes protocol 2
 
 
-HUNG = _dump([_entry(6, "nccl:all_reduce", "completed", [[1024]]),
-              _entry(7, "nccl:all_reduce", "started", [[1024]]),
-              _entry(8, "nccl:broadcast", "scheduled", [[3]])])
+HUNG = _dump(
+    [
+        _entry(6, "nccl:all_reduce", "completed", [[1024]]),
+        _entry(7, "nccl:all_reduce", "started", [[1024]]),
+        _entry(8, "nccl:broadcast", "scheduled", [[3]]),
+    ]
+)
 
 
 class FakeRank:
     """Reads its FIFO like torch's heartbeat monitor (non-blocking, polled); on a request,
     writes ``payload`` to ``dump`` in place, in two parts."""
 
-    def __init__(self, pipe: Path, dump: Path, payload: bytes = HUNG,
-                 answer: bool = True) -> None:
+    def __init__(self, pipe: Path, dump: Path, payload: bytes = HUNG, answer: bool = True) -> None:
         self.pipe, self.dump, self.payload, self.answer = pipe, dump, payload, answer
         self.requests = 0
         self._ready, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "FakeRank":
+    def __enter__(self) -> FakeRank:
         if self.pipe.exists():
             self.pipe.unlink()
         os.mkfifo(self.pipe, 0o666)
@@ -90,8 +122,11 @@ class FakeRank:
             os.close(fd)
 
     def _write(self) -> None:
-        cut = next(i for i in range(len(self.payload) // 2, 0, -1)
-                   if self.payload[i - 1:i] != pickle.STOP)
+        cut = next(
+            i
+            for i in range(len(self.payload) // 2, 0, -1)
+            if self.payload[i - 1 : i] != pickle.STOP
+        )
         with open(self.dump, "wb") as f:
             f.write(self.payload[:cut])
             f.flush()
@@ -109,10 +144,13 @@ def test_env_turns_the_recorder_on_under_the_run_dir(tmp_path: Path) -> None:
     base = {"PATH": "/usr/bin", "RANK": "0"}
     env = flight_recorder_env(base, tmp_path / "run")
     run = (tmp_path / "run").absolute()
-    assert env == {**base, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                   "TORCH_FR_DUMP_TEMP_FILE": f"{run}/verdicts/{TRACE_NAME}",
-                   "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{run}/ranks/{PIPE_NAME}"}
+    assert env == {
+        **base,
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{run}/verdicts/{TRACE_NAME}",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{run}/ranks/{PIPE_NAME}",
+    }
     assert base == {"PATH": "/usr/bin", "RANK": "0"}  # not modified
     paths = TracePaths.from_env(env)
     assert paths.dump(3) == run / "verdicts" / "nccl_trace_rank_3"
@@ -121,22 +159,28 @@ def test_env_turns_the_recorder_on_under_the_run_dir(tmp_path: Path) -> None:
     recent = flight_recorder_env(base, tmp_path / "run", "2.13.0+cpu")
     assert recent == {k: v for k, v in env.items() if k != "TORCH_NCCL_TRACE_BUFFER_SIZE"}
     assert flight_recorder_env(base, tmp_path, "2.4.1")["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
-    assert [records_by_default(v) for v in ("2.13.0", "2.14.1+cu128", "3.0", "2.12.1",
-                                            "2.9.0a0", "", None)] == [True] * 3 + [False] * 4
+    assert [
+        records_by_default(v)
+        for v in ("2.13.0", "2.14.1+cu128", "3.0", "2.12.1", "2.9.0a0", "", None)
+    ] == [True] * 3 + [False] * 4
 
 
 def test_env_keeps_what_the_user_set(tmp_path: Path) -> None:
-    user = {"TORCH_FR_BUFFER_SIZE": "500", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_",  # the older name
-            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": ""}  # explicitly off
+    user = {
+        "TORCH_FR_BUFFER_SIZE": "500",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_",  # the older name
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "",
+    }  # explicitly off
     env = flight_recorder_env(user, tmp_path)
     assert env == {**user, "TORCH_NCCL_TRACE_BUFFER_SIZE": "500"}  # agrees with FR's own
     assert "TORCH_FR_DUMP_TEMP_FILE" not in env  # it would take precedence over theirs
     paths = TracePaths.from_env(env)
     assert paths == TracePaths("/scratch/fr_", None)
     assert collect_traces(paths, 5.0) == {}  # no pipe configured: nothing asked, no wait
-    kept = flight_recorder_env({"TORCH_FR_DUMP_TEMP_FILE": "/a/b_",
-                                "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, tmp_path)
+    kept = flight_recorder_env(
+        {"TORCH_FR_DUMP_TEMP_FILE": "/a/b_", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, tmp_path
+    )
     assert kept["TORCH_FR_DUMP_TEMP_FILE"] == "/a/b_"
     assert kept["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
 
@@ -159,8 +203,12 @@ def test_fake_rank_dumps_and_the_verdict_names_its_last_collective(tmp_path: Pat
     assert "nccl_trace_error" not in rec
     assert rec["summary"].startswith("last: nccl:broadcast #8 scheduled (pg 0, input sizes [[3]])")
     assert "oldest not completed: nccl:all_reduce #7 started" in rec["summary"]
-    assert rec["last_collective"] == {"profiling_name": "nccl:broadcast", "seq": 8,
-                                      "state": "scheduled", "process_group": ("0", "default_pg")}
+    assert rec["last_collective"] == {
+        "profiling_name": "nccl:broadcast",
+        "seq": 8,
+        "state": "scheduled",
+        "process_group": ("0", "default_pg"),
+    }
     assert rec["entries"] == 3
     json.dumps(got)  # goes into the verdict file and the event as it is
 
@@ -235,8 +283,12 @@ def test_a_dump_written_by_torch_itself_is_summarised(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dump = tmp_path / "nccl_trace_rank_0"
-    subprocess.run([sys.executable, "-c", REAL_DUMP, str(dump), str(port)], check=True,
-                   timeout=120, env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"})
+    subprocess.run(
+        [sys.executable, "-c", REAL_DUMP, str(dump), str(port)],
+        check=True,
+        timeout=120,
+        env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"},
+    )
     d = load_dump(dump)
     assert {"version", "pg_config", "pg_status", "entries"} <= set(d)
     got = summarize(d)
@@ -260,12 +312,21 @@ def test_hang_verdict_carries_the_traces(tmp_path: Path) -> None:
     paths = _paths(tmp_path)
     dump = paths.dump(0)
     assert dump is not None
-    verdict = Verdict("collective_hang", [0, 1], "all ranks entered all_reduce #7",
-                      {"op": "all_reduce", "seq": 7}, {0: {"step": 3}, 1: {"step": 3}}, 12.0)
+    verdict = Verdict(
+        "collective_hang",
+        [0, 1],
+        "all ranks entered all_reduce #7",
+        {"op": "all_reduce", "seq": 7},
+        {0: {"step": 3}, 1: {"step": 3}},
+        12.0,
+    )
     with FakeRank(Path(f"{paths.pipe_prefix}0.pipe"), dump):
         sup._on_hang(verdict)
-    (ev,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
-             if json.loads(line)["event"] == "hang"]
+    (ev,) = [
+        json.loads(line)
+        for line in (tmp_path / "events.jsonl").read_text().splitlines()
+        if json.loads(line)["event"] == "hang"
+    ]
     rec = json.loads(Path(ev["verdict_file"]).read_text())
     for got in (ev["nccl_traces"], rec["nccl_traces"]):
         assert list(got) == ["0"]

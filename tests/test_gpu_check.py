@@ -18,17 +18,35 @@ STATUSES = {"pass", "fail", "skipped", "not_run"}
 
 def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check.json"
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device",
-                        "cpu", "--small", "--out", str(out)],
-                       capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--small",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert json.loads(r.stdout) == report  # what it prints is what it wrote
     assert report["device"] == "cpu" and report["small"] is True and report["total_s"] > 0
     assert report["torch"] and "date" in report and "git_commit" in report
     checks = report["checks"]
-    assert set(checks) == {"lora_bf16", "qlora_nf4", "sigkill_resume", "checkpoint_blocking",
-                           "distributed", "infer", "nvml"}
+    assert set(checks) == {
+        "lora_bf16",
+        "qlora_nf4",
+        "sigkill_resume",
+        "checkpoint_blocking",
+        "distributed",
+        "infer",
+        "nvml",
+    }
     for name, c in checks.items():
         assert c["status"] in STATUSES, name
         assert c["status"] == "pass" or c.get("reason"), name

@@ -60,17 +60,21 @@ def test_greedy_tokens_and_logits_match_transformers(model_dir: Path) -> None:
     try:
         # Micro-batches of <= 20 padded tokens: several groups go through each layer.
         eos = ref.generation_config.eos_token_id
-        out = generate(eng, prompts, max_new_tokens=12, eos_ids={eos}, pad_id=0,
-                       micro_tokens=20)
+        out = generate(eng, prompts, max_new_tokens=12, eos_ids={eos}, pad_id=0, micro_tokens=20)
         n_units = len(eng.units)
         logits = prompt_logits(eng, prompts)
     finally:
         eng.close()
     assert eng.passes <= 12 + 1 and n_units == ref.config.num_hidden_layers + 2
     for p, o, lg in zip(prompts, out, logits):
-        want = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert o.tokens == want[0, len(p):].tolist()
+        want = ref.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert o.tokens == want[0, len(p) :].tolist()
         with torch.no_grad():
             ref_logits = ref(torch.tensor([p])).logits[0].float()
         assert (lg - ref_logits).abs().max().item() <= 1e-5
@@ -89,7 +93,7 @@ def test_scores_match_transformers_log_likelihood(llama_dir: Path) -> None:
     for (toks, start), s in zip(seqs, got):
         with torch.no_grad():
             lp = torch.log_softmax(ref(torch.tensor([toks])).logits[0].float(), -1)
-        want = lp[start - 1:len(toks) - 1].gather(-1, torch.tensor(toks[start:])[:, None])
+        want = lp[start - 1 : len(toks) - 1].gather(-1, torch.tensor(toks[start:])[:, None])
         assert s.tokens == 4
         assert abs(s.logprob - want.double().sum().item()) < 1e-4
 
@@ -100,9 +104,14 @@ def test_micro_batching_and_residency_do_not_change_results(llama_dir: Path) -> 
     for micro, resident in ((1, 0), (1000, 0), (16, 3)):
         eng = _engine(llama_dir, resident=resident, depth=1)
         try:
-            runs.append([o.tokens for o in generate(eng, prompts, max_new_tokens=6,
-                                                    eos_ids=set(), pad_id=0,
-                                                    micro_tokens=micro)])
+            runs.append(
+                [
+                    o.tokens
+                    for o in generate(
+                        eng, prompts, max_new_tokens=6, eos_ids=set(), pad_id=0, micro_tokens=micro
+                    )
+                ]
+            )
         finally:
             eng.close()
     assert runs[0] == runs[1] == runs[2]
@@ -115,8 +124,14 @@ def test_each_layer_read_once_per_pass_for_the_whole_batch(llama_dir: Path) -> N
         eng = _engine(llama_dir, resident=2, depth=2)
         try:
             start = eng.streamer.reader.bytes_read  # resident units were read once
-            generate(eng, _prompts(batch, seed=7), max_new_tokens=5, eos_ids=set(), pad_id=0,
-                     micro_tokens=8)
+            generate(
+                eng,
+                _prompts(batch, seed=7),
+                max_new_tokens=5,
+                eos_ids=set(),
+                pad_id=0,
+                micro_tokens=8,
+            )
             read = eng.streamer.reader.bytes_read - start
             model = sum(u.plan.read_bytes for u in eng.units)
             streamed = eng.streamer.streamed_bytes
@@ -131,30 +146,34 @@ def test_each_layer_read_once_per_pass_for_the_whole_batch(llama_dir: Path) -> N
     assert abs(per_batch[16] - per_batch[1]) <= 3 * max(u.plan.read_bytes for u in eng.units)
 
 
-def test_bf16_compute_of_an_fp32_checkpoint_matches_transformers_in_bf16(llama_dir: Path
-                                                                         ) -> None:
+def test_bf16_compute_of_an_fp32_checkpoint_matches_transformers_in_bf16(llama_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.bfloat16).eval()
     prompts = _prompts(4, seed=5)
     eng = StreamingCausalLM(llama_dir, device=CPU, dtype=torch.bfloat16).start(resident=1)
     try:
-        out = generate(eng, prompts, max_new_tokens=6, eos_ids=set(), pad_id=0,
-                       micro_tokens=64)
+        out = generate(eng, prompts, max_new_tokens=6, eos_ids=set(), pad_id=0, micro_tokens=64)
         logits = prompt_logits(eng, prompts)
     finally:
         eng.close()
     # Bitwise: the same modules on the same bf16-rounded weights (fp32 compute differs).
     for p, o, lg in zip(prompts, out, logits):
-        want = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert o.tokens == want[0, len(p):].tolist()
+        want = ref.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert o.tokens == want[0, len(p) :].tolist()
         with torch.no_grad():
             assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
 
 
-def test_resident_units_prepared_into_scratch_drop_their_raw_bytes(llama_dir: Path,
-                                                                   tmp_path: Path) -> None:
+def test_resident_units_prepared_into_scratch_drop_their_raw_bytes(
+    llama_dir: Path, tmp_path: Path
+) -> None:
     from shoestring.infer.quant import build_compressed, use_compressed
 
     prompts = _prompts(5, seed=2)
@@ -167,8 +186,9 @@ def test_resident_units_prepared_into_scratch_drop_their_raw_bytes(llama_dir: Pa
         assert not any(eng.raw_kept(i) for i in range(len(eng.units)))
         eng.start(resident=resident, prepare=prepare)  # raises if a tensor kept a raw view
         try:
-            results.append(generate(eng, prompts, max_new_tokens=4, eos_ids=set(), pad_id=0,
-                                    micro_tokens=32))
+            results.append(
+                generate(eng, prompts, max_new_tokens=4, eos_ids=set(), pad_id=0, micro_tokens=32)
+            )
         finally:
             eng.close()
     assert [o.tokens for o in results[0]] == [o.tokens for o in results[1]]
@@ -177,19 +197,26 @@ def test_resident_units_prepared_into_scratch_drop_their_raw_bytes(llama_dir: Pa
     assert all(fp32.raw_kept(i) for i in range(len(fp32.units)))  # fp32 norms are views
 
 
-@pytest.mark.parametrize("scheme,dtype,min_agree", [("int8", torch.float32, 0.75),
-                                                    ("int8", torch.bfloat16, 0.75),
-                                                    ("nf4", torch.float32, 0.2)])
+@pytest.mark.parametrize(
+    "scheme,dtype,min_agree",
+    [("int8", torch.float32, 0.75), ("int8", torch.bfloat16, 0.75), ("nf4", torch.float32, 0.2)],
+)
 def test_compression_reads_fewer_bytes_and_drift_is_measured(
-        llama_dir: Path, tmp_path: Path, scheme: str, dtype: torch.dtype, min_agree: float,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    llama_dir: Path,
+    tmp_path: Path,
+    scheme: str,
+    dtype: torch.dtype,
+    min_agree: float,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from shoestring.infer.quant import build_compressed, use_compressed
 
     prompts = _prompts(16, seed=11)
 
     def last_logits(eng: StreamingCausalLM) -> torch.Tensor:
-        mbs = [MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
-               for p in prompts]
+        mbs = [
+            MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long)) for p in prompts
+        ]
         try:
             return torch.stack(eng.forward_pass(mbs, lambda mb, h: eng.logits(h[0, -1])))
         finally:
@@ -208,8 +235,10 @@ def test_compression_reads_fewer_bytes_and_drift_is_measured(
     drift = (q - full).abs().max().item() / full.std().item()  # in units of the logit spread
     agree = (q.argmax(-1) == full.argmax(-1)).float().mean().item()
     with capsys.disabled():
-        print(f"\n[{scheme}, {str(dtype)[6:]} compute] layer bytes {layer_bytes / base_layer_bytes:.3f}x of fp32, "
-              f"max |logit diff| {drift:.4f} std, next-token agreement {agree:.3f}")
+        print(
+            f"\n[{scheme}, {str(dtype)[6:]} compute] layer bytes {layer_bytes / base_layer_bytes:.3f}x of fp32, "
+            f"max |logit diff| {drift:.4f} std, next-token agreement {agree:.3f}"
+        )
     assert eng.streamer.streamed_bytes < base_bytes
     assert layer_bytes <= base_layer_bytes * (0.27 if scheme == "int8" else 0.16)
     # Random-init models amplify weight noise far more than trained ones: nf4 drifts a
@@ -226,8 +255,12 @@ def test_reader_returns_exact_tensors_from_header_offsets(tmp_path: Path, direct
     from shoestring.infer.shards import ShardReader, aligned_empty, plan_reads, read_header, views
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g).half(),
-               "c": torch.randint(0, 9, (11,), generator=g), "d": torch.randn(1000, generator=g)}
+    tensors = {
+        "a": torch.randn(3, 5, generator=g),
+        "b": torch.randn(7, generator=g).half(),
+        "c": torch.randint(0, 9, (11,), generator=g),
+        "d": torch.randn(1000, generator=g),
+    }
     dirs = [tmp_path] + ([Path("/dev/shm")] if Path("/dev/shm").is_dir() else [])
     for d in dirs:
         path = d / f"t-{os.getpid()}-{direct}.safetensors"
@@ -260,12 +293,14 @@ def test_fast_dequantize_is_bitwise_the_plain_formula(scheme: str) -> None:
         plain = parts["q8"].float() * parts["s"]
     else:
         idx = torch.stack([parts["q4"] >> 4, parts["q4"] & 15], -1).reshape(700, -1)
-        plain = (NF4_CODE[idx.long()].reshape(700, -1, GROUP)
-                 * parts["a"].unsqueeze(-1)).reshape(700, 192)
+        plain = (NF4_CODE[idx.long()].reshape(700, -1, GROUP) * parts["a"].unsqueeze(-1)).reshape(
+            700, 192
+        )
     out = dequantize(parts, torch.empty(700, 192), rows=256)
     assert torch.equal(out, plain)
     assert (out - w).abs().max() < w.abs().max() * (0.01 if scheme == "int8" else 0.2)
     # Into a 16-bit compute dtype: the fp32 values rounded once (not the scale first).
     for dtype in (torch.bfloat16, torch.float16):
-        assert torch.equal(dequantize(parts, torch.empty(700, 192, dtype=dtype), rows=256),
-                           plain.to(dtype))
+        assert torch.equal(
+            dequantize(parts, torch.empty(700, 192, dtype=dtype), rows=256), plain.to(dtype)
+        )

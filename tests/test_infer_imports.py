@@ -21,8 +21,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE + "."):
             out.add(node.module.split(".")[2])  # type: ignore[union-attr]
         elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[2] for a in node.names
-                    if a.name.startswith(PACKAGE + ".")}
+            out |= {a.name.split(".")[2] for a in node.names if a.name.startswith(PACKAGE + ".")}
     return out
 
 
@@ -40,7 +39,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state and (found := visit(n)) is not None:
                 return found
         path.pop()

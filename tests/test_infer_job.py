@@ -16,6 +16,7 @@ import torch
 from shoestring.cli import main
 from shoestring.infer.fixtures import build_random_model
 
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_random_model(tmp_path_factory.mktemp("tiny"), "llama", seed=2)
@@ -25,14 +26,28 @@ def _write_prompts(path: Path, n: int) -> Path:
     words = ["alpha", "beta", "gamma", "delta", "eps"]
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words[: 1 + i % 5]) * (1 + i % 3)})
-                    + "\n")
+            f.write(
+                json.dumps({"id": f"p{i}", "prompt": " ".join(words[: 1 + i % 5]) * (1 + i % 3)})
+                + "\n"
+            )
     return path
 
 
 def _args(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
-    return ["infer", "--model", str(model), "--input", str(inp), "--output", str(out),
-            "--threads", "1", "--job.progress", "off", *extra]
+    return [
+        "infer",
+        "--model",
+        str(model),
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--threads",
+        "1",
+        "--job.progress",
+        "off",
+        *extra,
+    ]
 
 
 def _events(out: Path) -> list[dict]:
@@ -40,8 +55,9 @@ def _events(out: Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def test_bad_input_fails_before_loading_anything(tiny: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_fails_before_loading_anything(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": 3}\n')
     out = tmp_path / "out.jsonl"
@@ -67,8 +83,12 @@ def test_bad_input_fails_before_loading_anything(tiny: Path, tmp_path: Path,
 
 def test_score_mode_picks_the_likeliest_choice(tiny: Path, tmp_path: Path) -> None:
     inp = tmp_path / "in.jsonl"
-    inp.write_text(json.dumps({"prompt": "q:", "choices": ["yes", "no", "maybe"]}) + "\n"
-                   + json.dumps({"prompt": "q:", "completion": "no"}) + "\n")
+    inp.write_text(
+        json.dumps({"prompt": "q:", "choices": ["yes", "no", "maybe"]})
+        + "\n"
+        + json.dumps({"prompt": "q:", "completion": "no"})
+        + "\n"
+    )
     out = tmp_path / "out.jsonl"
     assert main(_args(tiny, inp, out, "--mode", "score")) == 0
     a, b = [json.loads(line) for line in out.read_text().splitlines()]
@@ -79,8 +99,9 @@ def test_score_mode_picks_the_likeliest_choice(tiny: Path, tmp_path: Path) -> No
     assert end["event"] == "infer_end" and end["passes"] == start["chunks"]  # prefill only
 
 
-def test_rerun_with_other_output_settings_is_refused(tiny: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_rerun_with_other_output_settings_is_refused(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     inp = _write_prompts(tmp_path / "in.jsonl", 3)
     out = tmp_path / "out.jsonl"
     assert main(_args(tiny, inp, out, "--max-new-tokens", "3")) == 0
@@ -89,12 +110,12 @@ def test_rerun_with_other_output_settings_is_refused(tiny: Path, tmp_path: Path,
     assert out.read_bytes() == first
     assert [e["event"] for e in _events(out)].count("chunk") == 1
     assert main(_args(tiny, inp, out, "--max-new-tokens", "4")) == 2
-    assert "belongs to a different job (generate.max_new_tokens changed)" in \
-        capsys.readouterr().err
+    assert "belongs to a different job (generate.max_new_tokens changed)" in capsys.readouterr().err
 
 
-def test_compute_dtype_is_resolved_once_and_pinned(tiny: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compute_dtype_is_resolved_once_and_pinned(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--compress with dtype auto: bf16 where it measures faster; the choice is pinned in
     run.json, so a rerun on a machine that measures otherwise computes the same way."""
     from shoestring.infer import job
@@ -124,12 +145,15 @@ def test_compute_dtype_is_resolved_once_and_pinned(tiny: Path, tmp_path: Path,
     assert job.compute_dtype("auto", torch.float32, "none", torch.device("cpu")) == torch.float32
     assert job.compute_dtype("auto", torch.bfloat16, "int8", torch.device("cpu")) == torch.bfloat16
     assert job.compute_dtype("float16", torch.float32, "none", torch.device("cpu")) == torch.float16
-    assert job.compute_dtype("auto", torch.float32, "int8", torch.device("cpu"),
-                             pinned="stored") == torch.float32
+    assert (
+        job.compute_dtype("auto", torch.float32, "int8", torch.device("cpu"), pinned="stored")
+        == torch.float32
+    )
 
 
-def _reference_and_job(tiny: Path, tmp_path: Path, n: int, new_tokens: int,
-                       *job_args: str) -> tuple[Path, Path, list[str]]:
+def _reference_and_job(
+    tiny: Path, tmp_path: Path, n: int, new_tokens: int, *job_args: str
+) -> tuple[Path, Path, list[str]]:
     """An uninterrupted run's output (3 prompts per chunk), and the interrupted job's
     output path and arguments (the same job, plus ``job_args``)."""
     inp = _write_prompts(tmp_path / "in.jsonl", n)
@@ -145,8 +169,9 @@ class _Job:
     torch and transformers: a real process (kill -9, signals, its own RSS) without
     paying the imports again for every start."""
 
-    def __init__(self, ctx: multiprocessing.context.BaseContext, args: list[str],
-                 faults: str = "") -> None:
+    def __init__(
+        self, ctx: multiprocessing.context.BaseContext, args: list[str], faults: str = ""
+    ) -> None:
         self.proc = ctx.Process(target=_child, args=(args, faults))
         self.proc.start()
 
@@ -171,24 +196,40 @@ def _child(args: list[str], faults: str) -> None:
 def jobs() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     # transformers imports lazily; preload what a job touches, or every child pays ~5 s.
-    ctx.set_forkserver_preload([
-        "torch", "transformers", "transformers.modeling_utils", "transformers.masking_utils",
-        "transformers.cache_utils", "transformers.models.llama.modeling_llama",
-        "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
-        "transformers.tokenization_utils_tokenizers", "transformers.processing_utils",
-        "safetensors.torch", "shoestring.cli", "shoestring.infer.job",
-        "shoestring.infer.engine", "shoestring.train.model"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "transformers",
+            "transformers.modeling_utils",
+            "transformers.masking_utils",
+            "transformers.cache_utils",
+            "transformers.models.llama.modeling_llama",
+            "transformers.models.auto.modeling_auto",
+            "transformers.models.auto.tokenization_auto",
+            "transformers.tokenization_utils_tokenizers",
+            "transformers.processing_utils",
+            "safetensors.torch",
+            "shoestring.cli",
+            "shoestring.infer.job",
+            "shoestring.infer.engine",
+            "shoestring.train.model",
+        ]
+    )
     return ctx
 
 
 def test_killed_anywhere_the_rerun_output_is_byte_identical(
-        tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext
+) -> None:
     """Kill mid-chunk, kill mid-commit, preempt with SIGTERM, then finish: same bytes."""
     ref, out, args = _reference_and_job(tiny, tmp_path, 11, 5)
 
     def chunks() -> int:
-        return sum(e["event"] == "chunk" for e in _events(out)) if \
-            Path(str(out) + ".run", "events.jsonl").exists() else 0
+        return (
+            sum(e["event"] == "chunk" for e in _events(out))
+            if Path(str(out) + ".run", "events.jsonl").exists()
+            else 0
+        )
 
     # 1: SIGKILL in the 8th pass (inside chunk 1, after chunk 0 committed).
     p = _Job(jobs, args, "step.end@8:kill")
@@ -213,8 +254,9 @@ def test_killed_anywhere_the_rerun_output_is_byte_identical(
     p = _Job(jobs, args)
     assert p.wait(timeout=120) == 0
     rerun = _events(out)[n_before:]
-    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == \
-        [(2, saved["passes"])]
+    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == [
+        (2, saved["passes"])
+    ]
     assert rerun[-1]["passes"] == (5 - saved["passes"]) + 5  # rest of chunk 2, all of 3
     assert not list((Path(str(out) + ".run") / "partial").iterdir())
     assert out.read_bytes() == ref.read_bytes()
@@ -226,11 +268,13 @@ def test_killed_anywhere_the_rerun_output_is_byte_identical(
 
 
 def test_kill_without_notice_resumes_from_the_periodic_state(
-        tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext
+) -> None:
     """``job.save_every_s``: a SIGKILL in the middle of a chunk, with no signal first,
     costs only the passes since the last periodic save."""
-    ref, out, args = _reference_and_job(tiny, tmp_path, 6, 6,
-                                        "--job.save_every_s", "1e-9")  # after every pass
+    ref, out, args = _reference_and_job(
+        tiny, tmp_path, 6, 6, "--job.save_every_s", "1e-9"
+    )  # after every pass
     # Chunk 0 takes passes 1-6; SIGKILL at the end of pass 10 (chunk 1's 4th).
     assert _Job(jobs, args, "step.end@10:kill").wait(timeout=120) == -9
     saved = [(e["chunk"], e["passes"]) for e in _events(out) if e["event"] == "partial_saved"]
@@ -238,14 +282,14 @@ def test_kill_without_notice_resumes_from_the_periodic_state(
     n_before = len(_events(out))
     assert _Job(jobs, args).wait(timeout=120) == 0
     rerun = _events(out)[n_before:]
-    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == \
-        [(1, 4)]
+    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == [(1, 4)]
     assert rerun[-1]["passes"] == 2
     assert out.read_bytes() == ref.read_bytes()
 
 
 def test_a_state_save_that_fails_does_not_stop_the_job(
-        tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext
+) -> None:
     ref, out, args = _reference_and_job(tiny, tmp_path, 3, 4, "--job.save_every_s", "1e-9")
     # The disk is full while the state after pass 2 is written (its 2nd file; a save of
     # this 4-layer model is 6 files): logged, the temp dir removed, the state of pass 1
@@ -260,7 +304,8 @@ def test_a_state_save_that_fails_does_not_stop_the_job(
 
 
 def test_notice_inside_a_pass_stops_there_and_resumes_exactly(
-        tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext) -> None:
+    tiny: Path, tmp_path: Path, jobs: multiprocessing.context.BaseContext
+) -> None:
     """SIGTERM between two layers of a decode pass: the job does not finish the pass (it
     may take longer than the notice), it saves the state as of the last whole pass."""
     ref, out, args = _reference_and_job(tiny, tmp_path, 6, 6)
@@ -273,26 +318,53 @@ def test_notice_inside_a_pass_stops_there_and_resumes_exactly(
     n_before = len(ev)
     assert _Job(jobs, args).wait(timeout=120) == 0
     rerun = _events(out)[n_before:]
-    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == \
-        [(0, 4)]
+    assert [(e["chunk"], e["passes"]) for e in rerun if e["event"] == "partial_loaded"] == [(0, 4)]
     assert out.read_bytes() == ref.read_bytes()
 
 
-@pytest.mark.parametrize("extra", [(), ("--compress", "int8", "--dtype", "bfloat16",
-                                         "--max-new-tokens", "12")], ids=["fp32", "int8-bf16"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--compress", "int8", "--dtype", "bfloat16", "--max-new-tokens", "12")],
+    ids=["fp32", "int8-bf16"],
+)
 def test_peak_rss_stays_within_a_budget_smaller_than_the_model(
-        tmp_path: Path, jobs: multiprocessing.context.BaseContext, extra: tuple[str, ...]
-        ) -> None:
-    big = build_random_model(tmp_path / "big", "llama", hidden=1024, ffn=2816, layers=14,
-                             heads=8, kv_heads=8, shard="300MB", init_std=0.02)
+    tmp_path: Path, jobs: multiprocessing.context.BaseContext, extra: tuple[str, ...]
+) -> None:
+    big = build_random_model(
+        tmp_path / "big",
+        "llama",
+        hidden=1024,
+        ffn=2816,
+        layers=14,
+        heads=8,
+        kv_heads=8,
+        shard="300MB",
+        init_std=0.02,
+    )
     model_bytes = sum(p.stat().st_size for p in big.glob("*.safetensors"))
     budget = 600_000_000
     assert model_bytes > 1.15 * budget
     inp = _write_prompts(tmp_path / "in.jsonl", 4)
     out = tmp_path / "out.jsonl"
-    p = _Job(jobs, _args(big, inp, out, "--max-new-tokens", "2", "--memory-budget", str(budget),
-                         "--memory.runtime_reserve", "400MB", "--memory.prefetch_depth", "1",
-                         "--memory.micro_batch_tokens", "64", *extra))
+    p = _Job(
+        jobs,
+        _args(
+            big,
+            inp,
+            out,
+            "--max-new-tokens",
+            "2",
+            "--memory-budget",
+            str(budget),
+            "--memory.runtime_reserve",
+            "400MB",
+            "--memory.prefetch_depth",
+            "1",
+            "--memory.micro_batch_tokens",
+            "64",
+            *extra,
+        ),
+    )
     assert p.wait(timeout=300) == 0
     end = _events(out)[-1]
     assert end["event"] == "infer_end"
@@ -310,8 +382,9 @@ def test_finetune_adapter_is_applied(tiny: Path, tmp_path: Path) -> None:
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(str(tiny))
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                 init_lora_weights=False))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    )
     (tmp_path / "final").mkdir()
     peft_model.save_pretrained(str(tmp_path / "final"))
     merged = peft_model.merge_and_unload().eval()
@@ -325,9 +398,10 @@ def test_finetune_adapter_is_applied(tiny: Path, tmp_path: Path) -> None:
     want = []
     for line in inp.read_text().splitlines():
         ids = tok(json.loads(line)["prompt"], return_tensors="pt")["input_ids"]
-        g = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
-                            do_sample=False)
-        want.append(tok.decode(g[0, ids.shape[1]:], skip_special_tokens=True))
+        g = merged.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False
+        )
+        want.append(tok.decode(g[0, ids.shape[1] :], skip_special_tokens=True))
     assert outs[2] == want and outs[0] != want
 
 
@@ -336,12 +410,23 @@ def test_plan_spends_the_budget_on_batch_first_and_counts_dequantized_residents(
 
     from shoestring.infer.plan import make_plan
 
-    cfg = SimpleNamespace(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                          vocab_size=320)
+    cfg = SimpleNamespace(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=320
+    )
     mb = 1 << 20
-    common = dict(budget=250 * mb, reserve=100 * mb, kv_per_token=16384, config=cfg,
-                  itemsize=4, prompt_lens=[20] * 64, new_tokens=12, want_batch=64,
-                  micro_tokens=512, depth=1, want_resident=-1)
+    common = dict(
+        budget=250 * mb,
+        reserve=100 * mb,
+        kv_per_token=16384,
+        config=cfg,
+        itemsize=4,
+        prompt_lens=[20] * 64,
+        new_tokens=12,
+        want_batch=64,
+        micro_tokens=512,
+        depth=1,
+        want_resident=-1,
+    )
     plain = make_plan(unit_bytes=[10 * mb] * 10, unit_extra=[0] * 10, **common)
     # int8-like: 2.5 MB read per unit, but 10 MB of dequantized weights once loaded.
     packed = make_plan(unit_bytes=[int(2.5 * mb)] * 10, unit_extra=[10 * mb] * 10, **common)
@@ -352,8 +437,9 @@ def test_plan_spends_the_budget_on_batch_first_and_counts_dequantized_residents(
     assert packed.breakdown["resident"] == len(packed.resident) * int(12.5 * mb)
     # Prepared entirely into scratch (dequantized and cast): a resident unit drops its
     # raw bytes, so the same room holds more of them.
-    dropped = make_plan(unit_bytes=[int(2.5 * mb)] * 10, unit_extra=[10 * mb] * 10,
-                        raw_kept=[False] * 10, **common)
+    dropped = make_plan(
+        unit_bytes=[int(2.5 * mb)] * 10, unit_extra=[10 * mb] * 10, raw_kept=[False] * 10, **common
+    )
     assert dropped.breakdown["resident"] == len(dropped.resident) * 10 * mb
     assert len(dropped.resident) > len(packed.resident)
     assert sum(dropped.breakdown.values()) <= dropped.budget

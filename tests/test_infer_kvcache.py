@@ -43,8 +43,7 @@ def test_int8_layer_round_trip_size_and_batch_invariance() -> None:
     assert torch.equal(keys1[0], keys[0])
 
 
-def _forced_logits(eng: StreamingCausalLM, seqs: list[list[int]], n_prompt: int
-                   ) -> torch.Tensor:
+def _forced_logits(eng: StreamingCausalLM, seqs: list[list[int]], n_prompt: int) -> torch.Tensor:
     """Next-token logits after the prompt and after each later token, fed through the cache
     (teacher forcing: both caches see the same tokens, so the drift does not compound)."""
     ids = torch.tensor([s[:n_prompt] for s in seqs])
@@ -58,8 +57,9 @@ def _forced_logits(eng: StreamingCausalLM, seqs: list[list[int]], n_prompt: int
     return torch.stack(steps)
 
 
-def test_kv8_decoding_stays_close_to_kv16(tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_kv8_decoding_stays_close_to_kv16(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     torch.set_num_threads(1)
     model = build_random_model(tmp_path / "llama", "llama", seed=1)
     g = torch.Generator().manual_seed(5)
@@ -96,10 +96,21 @@ def test_planner_fits_a_bigger_batch_with_kv8(tmp_path: Path) -> None:
     assert kv8 / kv16 == pytest.approx(68 / 256, rel=0.2)  # head_dim + 4-byte scale vs fp32
 
     def batch(kv: int) -> int:
-        return make_plan(budget=64 << 20, reserve=8 << 20, unit_bytes=[1 << 20] * 4,
-                         unit_extra=[0] * 4, kv_per_token=kv, config=config, itemsize=4,
-                         prompt_lens=[200] * 4096, new_tokens=800, want_batch=4096,
-                         micro_tokens=512, depth=2, want_resident=0).batch_size
+        return make_plan(
+            budget=64 << 20,
+            reserve=8 << 20,
+            unit_bytes=[1 << 20] * 4,
+            unit_extra=[0] * 4,
+            kv_per_token=kv,
+            config=config,
+            itemsize=4,
+            prompt_lens=[200] * 4096,
+            new_tokens=800,
+            want_batch=4096,
+            micro_tokens=512,
+            depth=2,
+            want_resident=0,
+        ).batch_size
 
     assert batch(kv8) >= 2 * batch(kv16) > 0
 
@@ -119,14 +130,36 @@ def test_infer_job_with_kv_bits_8(tmp_path: Path) -> None:
 
     model = build_random_model(tmp_path / "llama", "llama", seed=2)
     inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "alpha beta " * (i + 1)}) + "\n"
-                           for i in range(4)))
+    inp.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": "alpha beta " * (i + 1)}) + "\n" for i in range(4)
+        )
+    )
     kv_part = {}
     for bits in (16, 8):
         out = tmp_path / f"out{bits}.jsonl"
-        assert main(["infer", "--model", str(model), "--input", str(inp), "--output", str(out),
-                     "--threads", "1", "--job.progress", "off", "--max-new-tokens", "4",
-                     "--kv-bits", str(bits)]) == 0
+        assert (
+            main(
+                [
+                    "infer",
+                    "--model",
+                    str(model),
+                    "--input",
+                    str(inp),
+                    "--output",
+                    str(out),
+                    "--threads",
+                    "1",
+                    "--job.progress",
+                    "off",
+                    "--max-new-tokens",
+                    "4",
+                    "--kv-bits",
+                    str(bits),
+                ]
+            )
+            == 0
+        )
         assert len(out.read_text().splitlines()) == 4
         run = Path(str(out) + ".run")
         identity = json.loads((run / "run.json").read_text())["identity"]
@@ -138,7 +171,8 @@ def test_infer_job_with_kv_bits_8(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bits", [16, 8])
 def test_decode_merges_prefill_groups_without_changing_tokens(
-        tmp_path: Path, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from shoestring.infer import decode
 
     torch.set_num_threads(1)
@@ -156,8 +190,9 @@ def test_decode_merges_prefill_groups_without_changing_tokens(
     def run() -> list[list[int]]:
         eng = StreamingCausalLM(model, device=torch.device("cpu"), kv_bits=bits).start()
         try:
-            res = decode.generate(eng, prompts, max_new_tokens=10, eos_ids=set(), pad_id=0,
-                                  micro_tokens=24)
+            res = decode.generate(
+                eng, prompts, max_new_tokens=10, eos_ids=set(), pad_id=0, micro_tokens=24
+            )
         finally:
             eng.close()
         return [r.tokens for r in res]

@@ -28,8 +28,7 @@ def _open(run_dir: Path, n_records: int = 7, chunk_records: int = 3) -> ChunkLed
     return ChunkLedger.open(run_dir, "run-1", n_records, chunk_records)
 
 
-def test_verified_chunks_are_skipped_and_the_output_is_assembled_in_order(
-        tmp_path: Path) -> None:
+def test_verified_chunks_are_skipped_and_the_output_is_assembled_in_order(tmp_path: Path) -> None:
     ledger = _open(tmp_path)
     assert ledger.n_chunks == 3 and ledger.todo == [0, 1, 2]
     assert [ledger.records(k) for k in range(3)] == [range(0, 3), range(3, 6), range(6, 7)]
@@ -86,7 +85,8 @@ def test_leftovers_of_a_killed_commit_are_cleaned(tmp_path: Path) -> None:
 
 
 def test_run_record_round_trip_and_identity_mismatch_is_refused_naming_the_key(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     assert RunRecord.read(tmp_path) is None
     identity = {"input_sha256": "ab", "model": "m1", "generate.max_new_tokens": 4}
     made = RunRecord.create(tmp_path / "run", identity, Pinned(8, 512, 3, "bfloat16"))
@@ -95,19 +95,24 @@ def test_run_record_round_trip_and_identity_mismatch_is_refused_naming_the_key(
     read.check(dict(identity))  # the same job: fine
     with pytest.raises(ConfigError) as e:
         read.check({**identity, "generate.max_new_tokens": 5, "model": "m2"})
-    assert str(e.value) == (f"{tmp_path / 'run' / 'run.json'}: this run directory belongs to "
-                            "a different job (generate.max_new_tokens, model changed); use "
-                            "another --output or --run-dir")
+    assert str(e.value) == (
+        f"{tmp_path / 'run' / 'run.json'}: this run directory belongs to "
+        "a different job (generate.max_new_tokens, model changed); use "
+        "another --output or --run-dir"
+    )
 
 
-def test_run_json_from_before_dtype_was_pinned_computes_in_the_stored_dtype(
-        tmp_path: Path) -> None:
-    (tmp_path / "run.json").write_text(json.dumps(
-        {"run_id": "old", "identity": {}, "pinned": {"batch_size": 4, "micro_tokens": 64}}))
+def test_run_json_from_before_dtype_was_pinned_computes_in_the_stored_dtype(tmp_path: Path) -> None:
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {"run_id": "old", "identity": {}, "pinned": {"batch_size": 4, "micro_tokens": 64}}
+        )
+    )
     record = RunRecord.read(tmp_path)
     assert record is not None and record.run_id == "old"
-    assert record.pinned == Pinned(batch_size=4, micro_tokens=64, chunk_records=None,
-                                   dtype="stored")
+    assert record.pinned == Pinned(
+        batch_size=4, micro_tokens=64, chunk_records=None, dtype="stored"
+    )
 
 
 class _Stop(Exception):
@@ -123,15 +128,15 @@ def _two_passes(engine: StreamingCausalLM, prompts: list[list[int]]) -> GenState
             raise _Stop
 
     with pytest.raises(_Stop):
-        generate_from(engine, state, max_new_tokens=6, eos_ids=set(), pad_id=0,
-                      on_pass=on_pass)
+        generate_from(engine, state, max_new_tokens=6, eos_ids=set(), pad_id=0, on_pass=on_pass)
     return state
 
 
 def test_a_saved_state_is_picked_up_and_dropped_once_its_chunk_commits(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    model = build_random_model(tmp_path / "m", "llama", hidden=64, layers=2, ffn=128, heads=2,
-                               kv_heads=1, seed=4)
+    model = build_random_model(
+        tmp_path / "m", "llama", hidden=64, layers=2, ffn=128, heads=2, kv_heads=1, seed=4
+    )
     engine = StreamingCausalLM(model, device=torch.device("cpu")).start(resident=0, depth=1)
     prompts = [[5, 6, 7], [8, 9]]
     run_dir = tmp_path / "run"
@@ -158,8 +163,11 @@ def test_a_saved_state_is_picked_up_and_dropped_once_its_chunk_commits(tmp_path:
     finally:
         engine.close()
     ev = _events(run_dir)
-    assert [(e["chunk"], e["passes"]) for e in ev if e["event"] == "partial_saved"] == \
-        [(1, 2), (2, 2), (2, 2)]
+    assert [(e["chunk"], e["passes"]) for e in ev if e["event"] == "partial_saved"] == [
+        (1, 2),
+        (2, 2),
+        (2, 2),
+    ]
     assert [(e["chunk"], e["passes"]) for e in ev if e["event"] == "partial_loaded"] == [(1, 2)]
     (bad,) = [e for e in ev if e["event"] == "partial_invalid"]
     assert bad["chunk"] == 1 and "3" in bad["error"] and Path(bad["quarantined"]).is_dir()

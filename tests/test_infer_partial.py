@@ -3,8 +3,9 @@ bit for bit: same tokens and the same KV cache contents as a run that never stop
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -35,10 +36,17 @@ def _cache_tensors(state: GenState) -> list[torch.Tensor]:
     return out
 
 
-def _reference(tmp_path: Path, arch: str, kv_bits: int, prompts: list[list[int]],
-               new_tokens: int, *, seed: int, resident: int, **model_kw: Any
-               ) -> tuple[Callable[[], StreamingCausalLM], dict[str, Any], GenState,
-                          list[list[int]]]:
+def _reference(
+    tmp_path: Path,
+    arch: str,
+    kv_bits: int,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    seed: int,
+    resident: int,
+    **model_kw: Any,
+) -> tuple[Callable[[], StreamingCausalLM], dict[str, Any], GenState, list[list[int]]]:
     """(engine factory, generate kwargs, final state and tokens of an uninterrupted run)."""
     torch.set_num_threads(1)
     extra = {"sliding_window": 8} if arch == "mistral" else {}
@@ -47,7 +55,8 @@ def _reference(tmp_path: Path, arch: str, kv_bits: int, prompts: list[list[int]]
 
     def engine() -> StreamingCausalLM:
         return StreamingCausalLM(model, device=torch.device("cpu"), kv_bits=kv_bits).start(
-            resident=resident, depth=1)
+            resident=resident, depth=1
+        )
 
     eng = engine()
     try:
@@ -61,22 +70,20 @@ def _reference(tmp_path: Path, arch: str, kv_bits: int, prompts: list[list[int]]
 @pytest.mark.parametrize("arch,kv_bits", [("llama", 16), ("llama", 8), ("mistral", 16)])
 def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bits: int) -> None:
     prompts = _prompts(7, seed=11)
-    engine, kw, ref, ref_out = _reference(tmp_path, arch, kv_bits, prompts, 9, seed=4,
-                                          resident=1)
+    engine, kw, ref, ref_out = _reference(tmp_path, arch, kv_bits, prompts, 9, seed=4, resident=1)
 
     for stop_after in (1, 4):  # right after the prefill; in the middle of decoding
         eng = engine()
         state = start(eng, prompts, pad_id=0, micro_tokens=24)
 
-        def on_pass() -> None:
+        def on_pass(state: Any = state, stop_after: int = stop_after) -> None:
             if state.step == stop_after:
                 raise Stop
 
         try:
             with pytest.raises(Stop):
                 generate_from(eng, state, on_pass=on_pass, **kw)
-            path, nbytes = partial.save(tmp_path / "partial", stop_after, state,
-                                        {"chunk": 0})
+            path, nbytes = partial.save(tmp_path / "partial", stop_after, state, {"chunk": 0})
         finally:
             eng.close()
         assert nbytes > sum(t.numel() * t.element_size() for t in _cache_tensors(state))
@@ -90,8 +97,10 @@ def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bi
             eng.close()
         assert got == ref_out
         assert loaded.groups == ref.groups
-        assert all(torch.equal(a, b) for a, b in zip(_cache_tensors(loaded),
-                                                     _cache_tensors(ref), strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_cache_tensors(loaded), _cache_tensors(ref), strict=True)
+        )
 
     # A state saved for another chunk shape is refused, not silently continued.
     with pytest.raises(CorruptCheckpoint, match="sequences"):
@@ -100,13 +109,15 @@ def test_stopped_generation_resumes_bit_for_bit(tmp_path: Path, arch: str, kv_bi
 
 @pytest.mark.parametrize("arch,kv_bits", [("llama", 16), ("llama", 8), ("mistral", 16)])
 def test_stop_inside_a_pass_cuts_the_caches_back_and_resumes_bit_for_bit(
-        tmp_path: Path, arch: str, kv_bits: int) -> None:
+    tmp_path: Path, arch: str, kv_bits: int
+) -> None:
     """A pass is abandoned between two layers (a notice shorter than a pass): the layers
     already run drop this pass's token, and the saved state continues exactly. Sliding-
     window caches cannot drop it again, so there the pass runs to its end."""
     prompts = _prompts(5, seed=12)
-    engine, kw, ref, ref_out = _reference(tmp_path, arch, kv_bits, prompts, 7, seed=5,
-                                          resident=0, layers=5)
+    engine, kw, ref, ref_out = _reference(
+        tmp_path, arch, kv_bits, prompts, 7, seed=5, resident=0, layers=5
+    )
 
     eng = engine()
     state = start(eng, prompts, pad_id=0, micro_tokens=24)
@@ -137,5 +148,6 @@ def test_stop_inside_a_pass_cuts_the_caches_back_and_resumes_bit_for_bit(
     finally:
         eng.close()
     assert got == ref_out
-    assert all(torch.equal(a, b) for a, b in zip(_cache_tensors(loaded), _cache_tensors(ref),
-                                                 strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_cache_tensors(loaded), _cache_tensors(ref), strict=True)
+    )

@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 
 from conftest import CLI, FAST, read_events
-from shoestring.checkpoint.interval import (AutoInterval, IntervalPolicy, daly_interval,
-                                            history_from_events)
+from shoestring.checkpoint.interval import (
+    AutoInterval,
+    IntervalPolicy,
+    daly_interval,
+    history_from_events,
+)
 
 
 def test_daly_is_young_plus_small_corrections_and_minimises_waste() -> None:
@@ -43,15 +47,17 @@ def test_auto_interval_learns_from_saves_steps_and_failures() -> None:
 
 
 def test_history_counts_lossy_resumes_and_attempt_hours() -> None:
-    ev = [{"event": "run_start", "ts": 0.0, "rank": 0},
-          {"event": "step", "ts": 3600.0, "rank": 0},
-          {"event": "resume", "ts": 4000.0, "rank": 0, "steps_lost": 3},  # killed, no notice
-          {"event": "run_start", "ts": 4001.0, "rank": 0},
-          {"event": "step", "ts": 4001.0 + 1800, "rank": 0},
-          {"event": "resume", "ts": 9000.0, "rank": 0, "steps_lost": 0},  # preempted w/ notice
-          {"event": "run_start", "ts": 9000.0, "rank": 0},
-          {"event": "step", "ts": 9000.0 + 360, "rank": 0},
-          {"event": "step", "ts": 1e9, "rank": 1}]  # other ranks' clocks do not count
+    ev = [
+        {"event": "run_start", "ts": 0.0, "rank": 0},
+        {"event": "step", "ts": 3600.0, "rank": 0},
+        {"event": "resume", "ts": 4000.0, "rank": 0, "steps_lost": 3},  # killed, no notice
+        {"event": "run_start", "ts": 4001.0, "rank": 0},
+        {"event": "step", "ts": 4001.0 + 1800, "rank": 0},
+        {"event": "resume", "ts": 9000.0, "rank": 0, "steps_lost": 0},  # preempted w/ notice
+        {"event": "run_start", "ts": 9000.0, "rank": 0},
+        {"event": "step", "ts": 9000.0 + 360, "rank": 0},
+        {"event": "step", "ts": 1e9, "rank": 1},
+    ]  # other ranks' clocks do not count
     failures, hours = history_from_events(ev)
     assert failures == 1
     # Each attempt runs from its run_start to its last record: 4000 s + 4999 s + 360 s.
@@ -61,8 +67,18 @@ def test_history_counts_lossy_resumes_and_attempt_hours() -> None:
 def test_finetune_with_auto_interval_saves_at_the_chosen_steps(cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
     # MTBF of 1.8 s: Daly says save every few steps; the first save (step 5) times δ.
-    r = cli.run(out, *FAST, "--train.max_steps", "40", "--checkpoint.interval", "auto",
-                "--checkpoint.mtbf_hours", "0.0005", "--checkpoint.every_steps", "5")
+    r = cli.run(
+        out,
+        *FAST,
+        "--train.max_steps",
+        "40",
+        "--checkpoint.interval",
+        "auto",
+        "--checkpoint.mtbf_hours",
+        "0.0005",
+        "--checkpoint.every_steps",
+        "5",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     ev = read_events(out)
     intervals = {e["step"]: e for e in ev if e["event"] == "interval"}
@@ -72,7 +88,8 @@ def test_finetune_with_auto_interval_saves_at_the_chosen_steps(cli: CLI, tmp_pat
         assert iv["every_steps"] >= 1 and iv["failures"] == 0
         assert iv["mtbf_s"] == pytest.approx(1.8 + 3600 * iv["hours_observed"], abs=2e-3)
         assert iv["interval_s"] == pytest.approx(
-            daly_interval(iv["delta_ms"] / 1e3, iv["mtbf_s"]), rel=0.01, abs=1e-3)
+            daly_interval(iv["delta_ms"] / 1e3, iv["mtbf_s"]), rel=0.01, abs=1e-3
+        )
     saves = [e["step"] for e in ev if e["event"] == "checkpoint" and e["reason"] == "auto"]
     assert saves[0] == 5 and len(saves) >= 2
     every = None

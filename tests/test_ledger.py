@@ -22,19 +22,35 @@ def write_events(run: Path, records: list[dict]) -> None:
 
 
 def test_ledger_of_a_preempted_and_killed_run_on_two_l4s(tmp_path: Path) -> None:
-    start = {"event": "run_start", "world_size": 2, "device": "NVIDIA L4", "market": "spot",
-             "usd_per_hour": 0.0}
+    start = {
+        "event": "run_start",
+        "world_size": 2,
+        "device": "NVIDIA L4",
+        "market": "spot",
+        "usd_per_hour": 0.0,
+    }
     step = lambda ts, n: {"event": "step", "ts": ts, "step": n, "step_ms": 1000.0}  # noqa: E731
-    recs = [{**start, "ts": 0.0}, step(10.0, 1), step(11.0, 2),
-            {"event": "checkpoint", "ts": 11.5, "step": 2, "blocking_ms": 500.0},
-            step(12.0, 3), {"event": "preempt", "ts": 13.0, "step": 3, "saved": True},
-            # attempt 2: resumed with nothing lost after a notice, then killed without notice
-            {"event": "resume", "ts": 100.0, "from_step": 3, "steps_lost": 0},
-            {**start, "ts": 100.0}, step(110.0, 4), step(111.0, 5), step(112.0, 6),
-            # attempt 3: resumed from step 3: steps 4-6 are redone
-            {"event": "resume", "ts": 200.0, "from_step": 3, "steps_lost": 3},
-            {**start, "ts": 200.0}, step(220.0, 4), step(221.0, 5), step(222.0, 6),
-            {"event": "run_end", "ts": 222.0, "step": 6}]
+    recs = [
+        {**start, "ts": 0.0},
+        step(10.0, 1),
+        step(11.0, 2),
+        {"event": "checkpoint", "ts": 11.5, "step": 2, "blocking_ms": 500.0},
+        step(12.0, 3),
+        {"event": "preempt", "ts": 13.0, "step": 3, "saved": True},
+        # attempt 2: resumed with nothing lost after a notice, then killed without notice
+        {"event": "resume", "ts": 100.0, "from_step": 3, "steps_lost": 0},
+        {**start, "ts": 100.0},
+        step(110.0, 4),
+        step(111.0, 5),
+        step(112.0, 6),
+        # attempt 3: resumed from step 3: steps 4-6 are redone
+        {"event": "resume", "ts": 200.0, "from_step": 3, "steps_lost": 3},
+        {**start, "ts": 200.0},
+        step(220.0, 4),
+        step(221.0, 5),
+        step(222.0, 6),
+        {"event": "run_end", "ts": 222.0, "step": 6},
+    ]
     write_events(tmp_path / "run", recs)
     led = compute(load(tmp_path / "run"))
     l4 = CATALOG["L4"]
@@ -64,8 +80,9 @@ def test_finetune_ends_with_a_cost_line_and_event(cli: CLI, tmp_path: Path) -> N
     out = tmp_path / "run"
     # Killed without notice while finishing step 7 (last logged: 6, last save: 4): the rerun
     # redoes steps 5 and 6.
-    r = cli.run(out, *FAST, "--cost.usd_per_hour", "0.75",
-                env={"SHOESTRING_FAULTS": "step.end@7:kill"})
+    r = cli.run(
+        out, *FAST, "--cost.usd_per_hour", "0.75", env={"SHOESTRING_FAULTS": "step.end@7:kill"}
+    )
     assert r.returncode != 0
     r = cli.run(out, *FAST, "--cost.usd_per_hour", "0.75")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from conftest import CLI, FAST, read_events
 from safetensors.torch import load_file
+
+from conftest import CLI, FAST, read_events
 
 
 def test_final_adapter_loads_with_peft_and_matches_merged(cli: CLI, tmp_path: Path) -> None:
@@ -47,8 +48,9 @@ def test_final_adapter_loads_with_peft_and_matches_merged(cli: CLI, tmp_path: Pa
 
 def test_event_log_schema(cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    r = cli.run(out, *FAST, "--data.eval", "auto", "--eval.max_samples", "8",
-                "--eval.every_steps", "6")
+    r = cli.run(
+        out, *FAST, "--data.eval", "auto", "--eval.max_samples", "8", "--eval.every_steps", "6"
+    )
     assert r.returncode == 0, r.stderr
     ev = read_events(out)
     kinds = [e["event"] for e in ev]
@@ -56,8 +58,17 @@ def test_event_log_schema(cli: CLI, tmp_path: Path) -> None:
     steps = [e for e in ev if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 13))
     for e in steps:
-        assert {"v", "ts", "run_id", "rank", "loss", "lr", "tokens", "tokens_per_s",
-                "step_ms"} <= set(e)
+        assert {
+            "v",
+            "ts",
+            "run_id",
+            "rank",
+            "loss",
+            "lr",
+            "tokens",
+            "tokens_per_s",
+            "step_ms",
+        } <= set(e)
         assert e["tokens_per_s"] > 0 and e["loss"] > 0
     ck = [e for e in ev if e["event"] == "checkpoint"]
     assert [e["step"] for e in ck] == [4, 8, 12]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -34,22 +34,35 @@ def test_auto_resolves_per_machine() -> None:
     t4 = resolve(_cfg(), T4x2, 1)
     assert (t4.train.device, t4.train.precision, t4.model.dtype) == ("cuda:1", "fp16", "float16")
     a100 = resolve(_cfg(), A100, 0)
-    assert (a100.train.device, a100.train.precision, a100.model.dtype) == \
-        ("cuda:0", "bf16", "bfloat16")
-    pinned = resolve(_cfg("--train.device", "cuda:0", "--train.precision", "fp32",
-                          "--model.dtype", "float32"), T4x2, 1)
-    assert (pinned.train.device, pinned.train.precision, pinned.model.dtype) == \
-        ("cuda:0", "fp32", "float32")
+    assert (a100.train.device, a100.train.precision, a100.model.dtype) == (
+        "cuda:0",
+        "bf16",
+        "bfloat16",
+    )
+    pinned = resolve(
+        _cfg("--train.device", "cuda:0", "--train.precision", "fp32", "--model.dtype", "float32"),
+        T4x2,
+        1,
+    )
+    assert (pinned.train.device, pinned.train.precision, pinned.model.dtype) == (
+        "cuda:0",
+        "fp32",
+        "float32",
+    )
 
 
-@pytest.mark.parametrize("over,acc,key", [
-    (["--train.device", "cuda"], CPU, "train.device"),
-    (["--train.device", "cuda:2"], T4x2, "train.device"),
-    (["--train.precision", "fp16"], CPU, "train.precision"),
-    (["--model.attn_implementation", "flash_attention_2"], CPU, "model.attn_implementation"),
-])
-def test_impossible_device_choices_are_refused_naming_the_key(over: list[str], acc: Accelerator,
-                                                             key: str) -> None:
+@pytest.mark.parametrize(
+    "over,acc,key",
+    [
+        (["--train.device", "cuda"], CPU, "train.device"),
+        (["--train.device", "cuda:2"], T4x2, "train.device"),
+        (["--train.precision", "fp16"], CPU, "train.precision"),
+        (["--model.attn_implementation", "flash_attention_2"], CPU, "model.attn_implementation"),
+    ],
+)
+def test_impossible_device_choices_are_refused_naming_the_key(
+    over: list[str], acc: Accelerator, key: str
+) -> None:
     with pytest.raises(ConfigError, match=key):
         resolve(_cfg(*over), acc, 0)
 
@@ -72,17 +85,36 @@ def test_precision_autocast_and_scaler() -> None:
 
 @contextlib.contextmanager
 def _trainer(tmp: Path, cache: Path, *over: str) -> Iterator[Trainer]:
-    cfg = resolve(_cfg("--output_dir", str(tmp), "--train.max_steps", "2", "--train.batch_size",
-                       "4", "--data.max_length", "32", "--data.eval", "", "--watch.enabled",
-                       "false", "--train.num_threads", "1", *over), CPU, 0)
+    cfg = resolve(
+        _cfg(
+            "--output_dir",
+            str(tmp),
+            "--train.max_steps",
+            "2",
+            "--train.batch_size",
+            "4",
+            "--data.max_length",
+            "32",
+            "--data.eval",
+            "",
+            "--watch.enabled",
+            "false",
+            "--train.num_threads",
+            "1",
+            *over,
+        ),
+        CPU,
+        0,
+    )
     opts = RunOptions(resume="never", cache_dir=cache, tty=False)
     inputs = Inputs.prepare(cfg, opts.dist)
     with open_run(cfg, opts, inputs.remote) as run:
         yield build_trainer(cfg, run, inputs)
 
 
-def test_everything_a_step_touches_is_on_the_strategy_device(tmp_path: Path,
-                                                            cache_dir: Path) -> None:
+def test_everything_a_step_touches_is_on_the_strategy_device(
+    tmp_path: Path, cache_dir: Path
+) -> None:
     with _trainer(tmp_path / "run", cache_dir) as t:
         assert isinstance(t.run.strategy, SingleDevice) and t.device == torch.device("cpu")
         progress = resume(t, "never")
@@ -95,15 +127,15 @@ def test_everything_a_step_touches_is_on_the_strategy_device(tmp_path: Path,
         assert misplaced(t.device, t.learner.model, t.learner.optimizer) == []
 
 
-def test_a_tensor_left_on_another_device_stops_the_run(tmp_path: Path,
-                                                       cache_dir: Path) -> None:
+def test_a_tensor_left_on_another_device_stops_the_run(tmp_path: Path, cache_dir: Path) -> None:
     with _trainer(tmp_path / "run", cache_dir) as t:
         progress = resume(t, "never")
         train_step(t, progress)
         name, p = next(iter(t.learner.params.items()))
         owner, attr = name.rsplit(".", 1)
-        setattr(t.learner.model.get_submodule(owner), attr,
-                torch.nn.Parameter(p.detach().to("meta")))
+        setattr(
+            t.learner.model.get_submodule(owner), attr, torch.nn.Parameter(p.detach().to("meta"))
+        )
         state = next(iter(t.learner.optimizer.state.values()))
         state["exp_avg"] = state["exp_avg"].to("meta")
         batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long, device="meta")}

@@ -10,33 +10,51 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, CLI
+from conftest import CLI, REPO
 from shoestring.config import ConfigError, load
-from shoestring.train.config import FinetuneConfig
 from shoestring.plan import CATALOG, PRESETS, Workload, find_gpu, make_plan
 from shoestring.plan.estimate import peak_bytes
+from shoestring.train.config import FinetuneConfig
 
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shoestring", "plan", *args],
-                          capture_output=True, text=True, timeout=60,
-                          env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-m", "shoestring", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+    )
 
 
-@pytest.mark.parametrize("name,params", [("llama-2-7b", 6_738_415_616),
-                                         ("llama-3-8b", 8_030_261_248),
-                                         ("mistral-7b", 7_248_023_552),
-                                         ("qwen2.5-7b", 7_615_616_512)])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("llama-2-7b", 6_738_415_616),
+        ("llama-3-8b", 8_030_261_248),
+        ("mistral-7b", 7_248_023_552),
+        ("qwen2.5-7b", 7_615_616_512),
+    ],
+)
 def test_presets_have_the_published_parameter_counts(name: str, params: int) -> None:
     assert PRESETS[name].params == params
 
 
 def test_json_plan_is_consistent_and_exit_code_is_the_verdict() -> None:
-    r = plan_cli("--model", "llama-3-8b", "--method", "qlora", "--seq-len", "2048",
-                 "--gpu", "T4", "--json")
+    r = plan_cli(
+        "--model", "llama-3-8b", "--method", "qlora", "--seq-len", "2048", "--gpu", "T4", "--json"
+    )
     doc = json.loads(r.stdout)
-    for key in ("fits", "peak_bytes", "breakdown", "hours", "cost_usd", "cost_spot_usd",
-                "max_micro_batch", "max_seq_len"):
+    for key in (
+        "fits",
+        "peak_bytes",
+        "breakdown",
+        "hours",
+        "cost_usd",
+        "cost_spot_usd",
+        "max_micro_batch",
+        "max_seq_len",
+    ):
         assert key in doc
     assert sum(doc["breakdown"].values()) == doc["peak_bytes"]
     assert r.returncode == (0 if doc["fits"] else 1)
@@ -60,38 +78,70 @@ def test_largest_micro_batch_and_sequence_are_tight() -> None:
 
 
 def test_advice_for_a_config_that_does_not_fit_helps() -> None:
-    w = Workload(arch=PRESETS["llama-2-7b"], method="lora", seq_len=4096, micro_batch=4,
-                 gradient_checkpointing=False)
+    w = Workload(
+        arch=PRESETS["llama-2-7b"],
+        method="lora",
+        seq_len=4096,
+        micro_batch=4,
+        gradient_checkpointing=False,
+    )
     plan = make_plan(w, find_gpu("A10G"))
     assert not plan.fits and plan.advice
-    assert all(a["peak_bytes"] < plan.peak_bytes for a in plan.advice
-               if not a["change"].startswith("a larger GPU"))
+    assert all(
+        a["peak_bytes"] < plan.peak_bytes
+        for a in plan.advice
+        if not a["change"].startswith("a larger GPU")
+    )
     assert plan.advice[0]["fits"]  # fitting changes come first
-    text = plan_cli("--model", "llama-2-7b", "--seq-len", "4096", "--micro-batch", "4",
-                    "--no-gradient-checkpointing", "--gpu", "A10G").stdout
+    text = plan_cli(
+        "--model",
+        "llama-2-7b",
+        "--seq-len",
+        "4096",
+        "--micro-batch",
+        "4",
+        "--no-gradient-checkpointing",
+        "--gpu",
+        "A10G",
+    ).stdout
     assert "DOES NOT FIT" in text and "what to change" in text
 
 
 def test_plan_from_a_finetune_config_and_a_model_dir(tmp_path: Path) -> None:
-    r = plan_cli("--config", str(REPO / "configs" / "llama-7b-lora-spot.yaml"),
-                 "--model", "llama-2-7b", "--gpu", "L4", "--json")
+    r = plan_cli(
+        "--config",
+        str(REPO / "configs" / "llama-7b-lora-spot.yaml"),
+        "--model",
+        "llama-2-7b",
+        "--gpu",
+        "L4",
+        "--json",
+    )
     doc = json.loads(r.stdout)
     assert doc["workload"]["micro_batch"] == 4 and doc["workload"]["seq_len"] == 1024
     assert doc["workload"]["grad_accum"] == 4 and doc["tokens"] == 2000 * 16 * 1024
-    cfg = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "vocab_size": 320}
+    cfg = {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 320,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     r = plan_cli("--model", str(tmp_path), "--gpu", "T4", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["workload"]["arch"]["hidden"] == 256
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--model", "llama-3-8b", "--gpu", "X100"], "--gpu"),
-    (["--model", "llama-3-8b", "--seq-len", "0"], "--seq-len"),
-    (["--model", "nope"], "--model"),
-    (["--model", "llama-3-8b", "--targets", "q_proj,qkv"], "--targets"),
-    (["--model", "llama-3-8b", "--method", "full", "--quantize", "nf4"], "--quantize"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "llama-3-8b", "--gpu", "X100"], "--gpu"),
+        (["--model", "llama-3-8b", "--seq-len", "0"], "--seq-len"),
+        (["--model", "nope"], "--model"),
+        (["--model", "llama-3-8b", "--targets", "q_proj,qkv"], "--targets"),
+        (["--model", "llama-3-8b", "--method", "full", "--quantize", "nf4"], "--quantize"),
+    ],
+)
 def test_bad_input_names_the_flag(args: list[str], needle: str) -> None:
     r = plan_cli(*args)
     assert r.returncode == 2 and needle in r.stderr
@@ -109,12 +159,20 @@ def test_catalog_prices_have_source_and_date() -> None:
         assert g.price_source and len(g.price_date) >= 7 and g.memory_bytes > 10 << 30
         assert 0 < g.spot_usd_h <= g.on_demand_usd_h
 
-@pytest.mark.parametrize("device,name", [("Tesla T4", "T4"), ("NVIDIA L4", "L4"),
-                                         ("NVIDIA L40S", None), ("NVIDIA A10G", "A10G"),
-                                         ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
-                                         ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
-                                         ("NVIDIA H200", "H200"),
-                                         ("NVIDIA GeForce RTX 4090", "RTX4090")])
+
+@pytest.mark.parametrize(
+    "device,name",
+    [
+        ("Tesla T4", "T4"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", None),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA GeForce RTX 4090", "RTX4090"),
+    ],
+)
 def test_detected_device_names_map_to_the_catalog(device: str, name: str | None) -> None:
     from shoestring.plan.gpus import detect_gpu_name
 
@@ -123,8 +181,18 @@ def test_detected_device_names_map_to_the_catalog(device: str, name: str | None)
 
 def test_finetune_refuses_a_config_that_will_not_fit(cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    big = ["--plan.gpu", "T4", "--data.max_length", "65536", "--train.batch_size", "64",
-           "--train.max_steps", "2", "--data.eval", ""]
+    big = [
+        "--plan.gpu",
+        "T4",
+        "--data.max_length",
+        "65536",
+        "--train.batch_size",
+        "64",
+        "--train.max_steps",
+        "2",
+        "--data.eval",
+        "",
+    ]
     r = cli.run(out, *big)
     assert r.returncode == 2, r.stderr
     assert "T4" in r.stderr and "micro-batch" in r.stderr and "plan.enforce" in r.stderr

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from shoestring.train.config import LoraSection, ModelConfig
+from shoestring.plan import memory as M
 from shoestring.plan.arch import LINEARS, from_hf_config
 from shoestring.plan.measure import grad_bytes, model_bytes, optimizer_bytes, saved_activation_bytes
-from shoestring.plan import memory as M
+from shoestring.train.config import LoraSection, ModelConfig
 
 pytest.importorskip("bitsandbytes")
 
@@ -27,10 +27,17 @@ pytest.importorskip("bitsandbytes")
 def _llama_config(h: int, f: int, layers: int, heads: int, kv: int, vocab: int) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=f,
-                       num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, head_dim=64, tie_word_embeddings=False,
-                       max_position_embeddings=512)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=f,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
 
 
 def _tiny_dir(tmp: Path, **shape: int) -> tuple[Path, Any]:
@@ -42,23 +49,28 @@ def _tiny_dir(tmp: Path, **shape: int) -> tuple[Path, Any]:
     return tmp, cfg
 
 
-def _lora_model(model_dir: Path, dtype: str, quantize: str, r: int, dropout: float,
-                targets: list[str], gc: bool) -> Any:
+def _lora_model(
+    model_dir: Path, dtype: str, quantize: str, r: int, dropout: float, targets: list[str], gc: bool
+) -> Any:
     from shoestring.train.model import apply_lora, load_base_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = load_base_model(model_dir, ModelConfig(path=str(model_dir), dtype=dtype), quantize)
-        return apply_lora(base, LoraSection(r=r, alpha=2 * r, dropout=dropout,
-                                            target_modules=targets), seed=0,
-                          gradient_checkpointing=gc)
+        return apply_lora(
+            base,
+            LoraSection(r=r, alpha=2 * r, dropout=dropout, target_modules=targets),
+            seed=0,
+            gradient_checkpointing=gc,
+        )
 
 
 def _within(pred: int, meas: int, tol: float) -> None:
     assert meas > 0
     print(f"  predicted {pred}, measured {meas}: {100 * (pred - meas) / meas:+.3f}%")
-    assert abs(pred - meas) <= tol * meas, f"predicted {pred}, measured {meas} " \
-                                           f"({100 * (pred - meas) / meas:+.2f}%)"
+    assert abs(pred - meas) <= tol * meas, (
+        f"predicted {pred}, measured {meas} ({100 * (pred - meas) / meas:+.2f}%)"
+    )
 
 
 STATIC = [
@@ -70,8 +82,9 @@ STATIC = [
 
 
 @pytest.mark.parametrize("quantize,optimizer,dtype,targets", STATIC)
-def test_static_components_match_tensor_bytes(tmp_path: Path, quantize: str, optimizer: str,
-                                              dtype: str, targets: list[str]) -> None:
+def test_static_components_match_tensor_bytes(
+    tmp_path: Path, quantize: str, optimizer: str, dtype: str, targets: list[str]
+) -> None:
     from shoestring.train.model import build_optimizer, trainable_parameters
 
     torch.set_num_threads(1)
@@ -84,10 +97,15 @@ def test_static_components_match_tensor_bytes(tmp_path: Path, quantize: str, opt
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
 
-    w = M.Workload(arch=from_hf_config(cfg.to_dict()), method="qlora" if quantize != "none"
-                   else "lora", quantize=quantize, dtype=dtype, lora_r=24,
-                   lora_targets=LINEARS if targets == ["all-linear"] else tuple(targets),
-                   optimizer=optimizer)
+    w = M.Workload(
+        arch=from_hf_config(cfg.to_dict()),
+        method="qlora" if quantize != "none" else "lora",
+        quantize=quantize,
+        dtype=dtype,
+        lora_r=24,
+        lora_targets=LINEARS if targets == ["all-linear"] else tuple(targets),
+        optimizer=optimizer,
+    )
     meas = model_bytes(model)
     wb = M.weight_bytes(w)
     _within(wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"], meas["frozen"], 0.01)
@@ -100,29 +118,111 @@ def test_static_components_match_tensor_bytes(tmp_path: Path, quantize: str, opt
 
 ACTIVATION_CASES = [
     # shape, batch, seq, dtype, quantize, dropout, gc, padded, targets, method
-    (dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=320), 2, 32, "float32", "none", 0.0,
-     False, False, ["all-linear"], "lora"),
-    (dict(h=192, f=640, layers=2, heads=3, kv=1, vocab=1000), 3, 48, "bfloat16", "none", 0.1,
-     False, True, ["all-linear"], "lora"),
-    (dict(h=256, f=768, layers=3, heads=4, kv=2, vocab=2048), 2, 96, "bfloat16", "none", 0.05,
-     True, True, ["all-linear"], "lora"),
-    (dict(h=128, f=384, layers=2, heads=2, kv=2, vocab=320), 4, 16, "bfloat16", "nf4", 0.05,
-     False, True, ["all-linear"], "qlora"),
-    (dict(h=128, f=384, layers=2, heads=2, kv=2, vocab=320), 1, 64, "bfloat16", "nf4", 0.0,
-     True, False, ["q_proj", "v_proj"], "qlora"),
-    (dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=320), 2, 32, "bfloat16", "int8", 0.0,
-     False, False, ["all-linear"], "qlora"),
-    (dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=512), 2, 32, "float32", "none", 0.0,
-     False, True, [], "full"),
-    (dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=512), 2, 32, "float32", "none", 0.0,
-     True, True, [], "full"),
+    (
+        dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=320),
+        2,
+        32,
+        "float32",
+        "none",
+        0.0,
+        False,
+        False,
+        ["all-linear"],
+        "lora",
+    ),
+    (
+        dict(h=192, f=640, layers=2, heads=3, kv=1, vocab=1000),
+        3,
+        48,
+        "bfloat16",
+        "none",
+        0.1,
+        False,
+        True,
+        ["all-linear"],
+        "lora",
+    ),
+    (
+        dict(h=256, f=768, layers=3, heads=4, kv=2, vocab=2048),
+        2,
+        96,
+        "bfloat16",
+        "none",
+        0.05,
+        True,
+        True,
+        ["all-linear"],
+        "lora",
+    ),
+    (
+        dict(h=128, f=384, layers=2, heads=2, kv=2, vocab=320),
+        4,
+        16,
+        "bfloat16",
+        "nf4",
+        0.05,
+        False,
+        True,
+        ["all-linear"],
+        "qlora",
+    ),
+    (
+        dict(h=128, f=384, layers=2, heads=2, kv=2, vocab=320),
+        1,
+        64,
+        "bfloat16",
+        "nf4",
+        0.0,
+        True,
+        False,
+        ["q_proj", "v_proj"],
+        "qlora",
+    ),
+    (
+        dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=320),
+        2,
+        32,
+        "bfloat16",
+        "int8",
+        0.0,
+        False,
+        False,
+        ["all-linear"],
+        "qlora",
+    ),
+    (
+        dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=512),
+        2,
+        32,
+        "float32",
+        "none",
+        0.0,
+        False,
+        True,
+        [],
+        "full",
+    ),
+    (
+        dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=512),
+        2,
+        32,
+        "float32",
+        "none",
+        0.0,
+        True,
+        True,
+        [],
+        "full",
+    ),
 ]
 
 
 def _case_id(c: tuple[Any, ...]) -> str:
     shape, b, s, dtype, q, p, gc, pad, targets, method = c
-    return (f"{method}-h{shape['h']}-b{b}s{s}-{dtype}-{q}-p{p}-{'gc' if gc else 'nogc'}"
-            f"-{'pad' if pad else 'nopad'}")
+    return (
+        f"{method}-h{shape['h']}-b{b}s{s}-{dtype}-{q}-p{p}-{'gc' if gc else 'nogc'}"
+        f"-{'pad' if pad else 'nopad'}"
+    )
 
 
 @pytest.mark.parametrize("case", ACTIVATION_CASES, ids=_case_id)
@@ -137,25 +237,40 @@ def test_activation_bytes_match_saved_tensors(tmp_path: Path, case: tuple[Any, .
         model.config.use_cache = False
         if gc:
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     else:
-        model = _lora_model(model_dir, dtype, quantize, r=8, dropout=dropout, targets=targets,
-                            gc=gc)
+        model = _lora_model(
+            model_dir, dtype, quantize, r=8, dropout=dropout, targets=targets, gc=gc
+        )
     model.train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape["vocab"], (b, s), generator=g)
     mask = torch.ones_like(ids)
     if padded:
-        mask[0, s // 2:] = 0  # one padded row: HF then passes a 4D mask to SDPA
+        mask[0, s // 2 :] = 0  # one padded row: HF then passes a 4D mask to SDPA
     measured = saved_activation_bytes(
-        model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids))
-    w = M.Workload(arch=from_hf_config(cfg.to_dict()), method=method, quantize=quantize,
-                   dtype=dtype, lora_r=8, lora_dropout=dropout, seq_len=s, micro_batch=b,
-                   gradient_checkpointing=gc, padded=padded, device="cpu",
-                   lora_targets=LINEARS if targets == ["all-linear"] else tuple(targets))
+        model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids)
+    )
+    w = M.Workload(
+        arch=from_hf_config(cfg.to_dict()),
+        method=method,
+        quantize=quantize,
+        dtype=dtype,
+        lora_r=8,
+        lora_dropout=dropout,
+        seq_len=s,
+        micro_batch=b,
+        gradient_checkpointing=gc,
+        padded=padded,
+        device="cpu",
+        lora_targets=LINEARS if targets == ["all-linear"] else tuple(targets),
+    )
     predicted = M.activation_bytes(w).saved
-    print(f"{_case_id(case)}: predicted {predicted}, measured {measured}, "
-          f"{100 * (predicted - measured) / measured:+.3f}%")
+    print(
+        f"{_case_id(case)}: predicted {predicted}, measured {measured}, "
+        f"{100 * (predicted - measured) / measured:+.3f}%"
+    )
     _within(predicted, measured, 0.05)
 
 
@@ -163,8 +278,13 @@ def test_activations_scale_linearly_in_batch_and_layers() -> None:
     """Per-token terms double with the batch; the layer term grows with depth."""
     from shoestring.plan.arch import PRESETS
 
-    base = M.Workload(arch=PRESETS["llama-3-8b"], seq_len=1024, micro_batch=1,
-                      gradient_checkpointing=False, padded=False)
+    base = M.Workload(
+        arch=PRESETS["llama-3-8b"],
+        seq_len=1024,
+        micro_batch=1,
+        gradient_checkpointing=False,
+        padded=False,
+    )
     one = M.activation_bytes(base).saved
     two = M.activation_bytes(M.Workload(**{**base.__dict__, "micro_batch": 2})).saved
     assert two == pytest.approx(2 * one, rel=1e-3)

@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 
 from shoestring.config import ConfigError
-from shoestring.train.config import PreemptConfig
 from shoestring.preempt import NoticeWatcher, PreemptionFlag, cloud_watcher, detect_cloud
 from shoestring.preempt.aws import AwsSpotSource
 from shoestring.preempt.azure import AzureScheduledEventsSource
 from shoestring.preempt.cloud import make_source
 from shoestring.preempt.fakes import FakeMetadataServer
 from shoestring.preempt.gcp import GcpPreemptedSource
+from shoestring.train.config import PreemptConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,7 @@ def wait_until(cond: Any, timeout: float = 5.0) -> float:
 
 
 # ----------------------------------------------------------------------------- AWS
+
 
 def test_aws_imdsv2_token_is_enforced_and_notice_parsed() -> None:
     with FakeMetadataServer("aws") as fake:
@@ -112,6 +113,7 @@ def test_aws_rebalance_is_an_early_warning_only() -> None:
 
 # ----------------------------------------------------------------------------- GCP
 
+
 def test_gcp_header_required_and_long_poll_wakes_on_flip() -> None:
     with FakeMetadataServer("gcp") as fake:
         url = fake.url + "/computeMetadata/v1/instance/preempted"
@@ -142,6 +144,7 @@ def test_gcp_flip_between_polls_is_not_missed() -> None:
 
 
 # ----------------------------------------------------------------------------- Azure
+
 
 def test_azure_headers_required_and_only_this_vms_events_count() -> None:
     with FakeMetadataServer("azure", vm_name="vm-a") as fake:
@@ -177,15 +180,18 @@ def test_azure_slow_first_call_warms_up_in_the_background() -> None:
 
 # ----------------------------------------------------------------------------- watcher
 
+
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
-def test_watcher_survives_an_outage_and_warns_once(provider: str,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_watcher_survives_an_outage_and_warns_once(
+    provider: str, caplog: pytest.LogCaptureFixture
+) -> None:
     flag, events = PreemptionFlag(), Events()
     with FakeMetadataServer(provider) as fake:
         fake.fail_next(4, 503)
         with caplog.at_level(logging.DEBUG, "shoestring.preempt"):
-            with NoticeWatcher(make_source(provider, fake.url, 0.01), flag, events,
-                               max_backoff_s=0.05) as w:
+            with NoticeWatcher(
+                make_source(provider, fake.url, 0.01), flag, events, max_backoff_s=0.05
+            ) as w:
                 wait_until(lambda: w.errors >= 1)
                 fake.preempt_now()
                 wait_until(flag.is_set)
@@ -226,18 +232,27 @@ def test_watcher_exit_does_not_wait_for_a_long_poll() -> None:
 
 # ----------------------------------------------------------------------------- selection
 
-@pytest.mark.parametrize("files,expected", [
-    ({"sys_vendor": "Amazon EC2", "product_name": "g5.xlarge"}, "aws"),
-    ({"sys_vendor": "Xen", "bios_version": "4.11.amazon"}, "aws"),
-    ({"sys_vendor": "Google", "product_name": "Google Compute Engine"}, "gcp"),
-    ({"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine",
-      "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77"}, "azure"),
-    ({"sys_vendor": "Microsoft Corporation", "chassis_asset_tag": "None"}, None),  # Hyper-V
-    ({"sys_vendor": "Dell Inc."}, None),
-    ({}, None),  # no DMI at all (containers, ARM boards)
-])
-def test_detect_cloud_from_dmi(tmp_path: Path, files: dict[str, str],
-                               expected: str | None) -> None:
+
+@pytest.mark.parametrize(
+    "files,expected",
+    [
+        ({"sys_vendor": "Amazon EC2", "product_name": "g5.xlarge"}, "aws"),
+        ({"sys_vendor": "Xen", "bios_version": "4.11.amazon"}, "aws"),
+        ({"sys_vendor": "Google", "product_name": "Google Compute Engine"}, "gcp"),
+        (
+            {
+                "sys_vendor": "Microsoft Corporation",
+                "product_name": "Virtual Machine",
+                "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77",
+            },
+            "azure",
+        ),
+        ({"sys_vendor": "Microsoft Corporation", "chassis_asset_tag": "None"}, None),  # Hyper-V
+        ({"sys_vendor": "Dell Inc."}, None),
+        ({}, None),  # no DMI at all (containers, ARM boards)
+    ],
+)
+def test_detect_cloud_from_dmi(tmp_path: Path, files: dict[str, str], expected: str | None) -> None:
     for name, text in files.items():
         (tmp_path / name).write_text(text + "\n")
     assert detect_cloud(tmp_path, tmp_path / "no-hypervisor-uuid") == expected
@@ -255,17 +270,22 @@ def test_cloud_watcher_selection(tmp_path: Path) -> None:
     assert isinstance(w(cloud="auto"), NoticeWatcher)  # detected: aws
     assert isinstance(w(cloud="gcp", metadata_url="http://127.0.0.1:1"), NoticeWatcher)
     assert isinstance(w(cloud="aws", local_rank=1), contextlib.nullcontext)  # one per node
-    assert isinstance(cloud_watcher(PreemptConfig(), flag, dmi_dir=tmp_path / "none"),
-                      contextlib.nullcontext)
+    assert isinstance(
+        cloud_watcher(PreemptConfig(), flag, dmi_dir=tmp_path / "none"), contextlib.nullcontext
+    )
     with pytest.raises(ConfigError, match="must name the provider"):
         w(cloud="auto", metadata_url="http://127.0.0.1:1")
 
 
 def test_fake_server_cli_rehearsal() -> None:
     """``python -m shoestring.preempt.fakes aws --notice-after S`` serves a notice."""
-    p = subprocess.Popen([sys.executable, "-m", "shoestring.preempt.fakes", "aws",
-                          "--notice-after", "0.5"], stdout=subprocess.PIPE, text=True,
-                         stdin=subprocess.DEVNULL, env={"PYTHONPATH": str(REPO / "src")})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "shoestring.preempt.fakes", "aws", "--notice-after", "0.5"],
+        stdout=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env={"PYTHONPATH": str(REPO / "src")},
+    )
     try:
         assert p.stdout is not None
         first = p.stdout.readline()

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from conftest import CLI, DIST, FAST, read_events, run_job, sha256, state_digest, wait_for_step
-
 from shoestring import exitcodes
 from shoestring.preempt.fakes import GRACE_S, FakeMetadataServer
 
@@ -28,7 +27,8 @@ PROVIDERS = ("aws", "gcp", "azure")
 
 
 def test_each_provider_notice_commits_in_time_and_resume_is_exact(
-        cli: CLI, tmp_path: Path, reference: dict[str, str]) -> None:
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     rng = random.Random(20261203)  # seeded: a failure replays the same moments
     out = tmp_path / "run"
     resumed_from = 0
@@ -45,7 +45,7 @@ def test_each_provider_notice_commits_in_time_and_resume_is_exact(
                 code = p.wait(timeout=GRACE_S[provider])
             except subprocess.TimeoutExpired:
                 p.kill()
-                raise AssertionError(f"{provider}: no exit within the deadline")
+                raise AssertionError(f"{provider}: no exit within the deadline") from None
             log = p.stdout.read() if p.stdout else ""
             assert code == exitcodes.PREEMPTED, f"{provider}: exit {code}\n{log[-3000:]}"
         noticed_at = fake.noticed_at
@@ -54,7 +54,7 @@ def test_each_provider_notice_commits_in_time_and_resume_is_exact(
         if resumed_from:  # this attempt started exactly where the last one committed
             resume = [e for e in ev if e["event"] == "resume"][-1]
             assert resume["from_step"] == resumed_from and resume["steps_lost"] == 0
-        attempt = ev[max(i for i, e in enumerate(ev) if e["event"] == "run_start"):]
+        attempt = ev[max(i for i, e in enumerate(ev) if e["event"] == "run_start") :]
         notice = [e for e in attempt if e["event"] == "notice"]
         pre = [e for e in attempt if e["event"] == "preempt"][-1]
         ckpt = [e for e in attempt if e["event"] == "checkpoint"][-1]
@@ -71,9 +71,11 @@ def test_each_provider_notice_commits_in_time_and_resume_is_exact(
         assert 0 < flip_to_commit_s < GRACE_S[provider]
         assert notice[0]["deadline"] > pre["ts"]
         assert pre["notice_to_commit_ms"] / 1e3 <= flip_to_commit_s + 0.01
-        print(f"{provider}: notice after step {notice_after_step} (+{jitter_s * 1e3:.0f} ms), "
-              f"stopped at {stopped}, flip->commit {flip_to_commit_s * 1e3:.0f} ms "
-              f"(flag->commit {pre['notice_to_commit_ms']:.0f} ms, save {pre['save_ms']:.0f} ms)")
+        print(
+            f"{provider}: notice after step {notice_after_step} (+{jitter_s * 1e3:.0f} ms), "
+            f"stopped at {stopped}, flip->commit {flip_to_commit_s * 1e3:.0f} ms "
+            f"(flag->commit {pre['notice_to_commit_ms']:.0f} ms, save {pre['save_ms']:.0f} ms)"
+        )
         resumed_from = stopped
 
     # The next machine's metadata service has no notice for us: resume and finish.
@@ -88,18 +90,40 @@ def test_each_provider_notice_commits_in_time_and_resume_is_exact(
 
 
 @pytest.mark.slow
-def test_notice_seen_by_one_rank_stops_all_ranks_at_one_step(cli: CLI, tmp_path: Path,
-                                                             ddp_ref: Path) -> None:
+def test_notice_seen_by_one_rank_stops_all_ranks_at_one_step(
+    cli: CLI, tmp_path: Path, ddp_ref: Path
+) -> None:
     """Two ranks, one watcher (local rank 0): the per-step all-reduce of the flag stops
     both after the same step, they save together, and the resume is exact."""
     out = tmp_path / "run"
     with FakeMetadataServer("gcp") as fake:
-        cmd = [sys.executable, "-m", "shoestring", "run", "--nproc-per-node", "2",
-               "--max-restarts", "0", "--run-dir", str(out), "--",
-               sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out), *DIST,
-               "--preempt.cloud", "gcp", "--preempt.metadata_url", fake.url]
-        p = subprocess.Popen(cmd, env=cli.env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "shoestring",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "0",
+            "--run-dir",
+            str(out),
+            "--",
+            sys.executable,
+            "-m",
+            "shoestring",
+            "finetune",
+            "--output_dir",
+            str(out),
+            *DIST,
+            "--preempt.cloud",
+            "gcp",
+            "--preempt.metadata_url",
+            fake.url,
+        ]
+        p = subprocess.Popen(
+            cmd, env=cli.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         wait_for_step(out, 5, p)
         fake.preempt_now()
         code = p.wait(timeout=GRACE_S["gcp"])
@@ -117,5 +141,6 @@ def test_notice_seen_by_one_rank_stops_all_ranks_at_one_step(cli: CLI, tmp_path:
     assert r.returncode == 0, r.stderr[-3000:]
     resume = [e for e in read_events(out) if e["event"] == "resume"][-1]
     assert resume["from_step"] == pre0["step"] and resume["steps_lost"] == 0
-    assert sha256(out / "final" / "adapter_model.safetensors") == \
-        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+    assert sha256(out / "final" / "adapter_model.safetensors") == sha256(
+        ddp_ref / "final" / "adapter_model.safetensors"
+    )

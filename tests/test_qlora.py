@@ -15,14 +15,35 @@ from conftest import CLI, read_events, state_digest
 
 pytest.importorskip("bitsandbytes")
 
-QLORA = ["--train.max_steps", "8", "--train.batch_size", "4", "--train.num_threads", "1",
-         "--train.warmup_steps", "2", "--checkpoint.every_steps", "4", "--checkpoint.keep", "3",
-         "--data.max_length", "24", "--data.eval", "", "--lora.quantize", "nf4",
-         "--train.optimizer", "adamw8bit", "--lora.r", "16"]
+QLORA = [
+    "--train.max_steps",
+    "8",
+    "--train.batch_size",
+    "4",
+    "--train.num_threads",
+    "1",
+    "--train.warmup_steps",
+    "2",
+    "--checkpoint.every_steps",
+    "4",
+    "--checkpoint.keep",
+    "3",
+    "--data.max_length",
+    "24",
+    "--data.eval",
+    "",
+    "--lora.quantize",
+    "nf4",
+    "--train.optimizer",
+    "adamw8bit",
+    "--lora.r",
+    "16",
+]
 
 
-def test_qlora_sigkill_resume_is_bit_exact_and_merge_reports_drift(cli: CLI, cache_dir: Path,
-                                                                    tmp_path: Path) -> None:
+def test_qlora_sigkill_resume_is_bit_exact_and_merge_reports_drift(
+    cli: CLI, cache_dir: Path, tmp_path: Path
+) -> None:
     from safetensors import safe_open
 
     from shoestring.config import load
@@ -35,8 +56,19 @@ def test_qlora_sigkill_resume_is_bit_exact_and_merge_reports_drift(cli: CLI, cac
     # ... meanwhile the uninterrupted reference runs in this process (same code path,
     # one thread) and also exports the merged model.
     torch.set_num_threads(1)
-    cfg = load(FinetuneConfig, None, ["--output_dir", str(ref_out), *QLORA,
-                                      "--export.merged", "true", "--watch.enabled", "false"])
+    cfg = load(
+        FinetuneConfig,
+        None,
+        [
+            "--output_dir",
+            str(ref_out),
+            *QLORA,
+            "--export.merged",
+            "true",
+            "--watch.enabled",
+            "false",
+        ],
+    )
     assert finetune(cfg, RunOptions(resume="never", cache_dir=cache_dir, tty=False)) == 0
     assert killed.wait(timeout=300) != 0
     resumed = cli.run(out, *QLORA)
@@ -45,8 +77,7 @@ def test_qlora_sigkill_resume_is_bit_exact_and_merge_reports_drift(cli: CLI, cac
     assert state_digest(out, 8) == state_digest(ref_out, 8)
 
     # The optimizer really is 8-bit, and its blockwise state made it through safetensors.
-    with safe_open(str(out / "checkpoints" / "step-00000008" / "optimizer.safetensors"),
-                   "pt") as f:
+    with safe_open(str(out / "checkpoints" / "step-00000008" / "optimizer.safetensors"), "pt") as f:
         dtypes = {k.split(".", 2)[2]: f.get_tensor(k).dtype for k in f.keys()}
     assert dtypes["__bnb_optimizer_quant_state__.state1"] == torch.uint8
     assert dtypes["__bnb_optimizer_quant_state__.absmax1"] == torch.float32
@@ -62,8 +93,8 @@ def test_qlora_sigkill_resume_is_bit_exact_and_merge_reports_drift(cli: CLI, cac
 
 
 def _tiny_qlora(cache_dir: Path, dtype: str = "float32") -> tuple[object, object]:
-    from shoestring.train.config import ModelConfig
     from shoestring.train.builtin import materialize_tiny_model
+    from shoestring.train.config import ModelConfig
     from shoestring.train.model import load_base_model
 
     d = materialize_tiny_model(cache_dir)
@@ -87,8 +118,12 @@ def test_no_fp32_upcast_unlike_peft_prepare(cache_dir: Path) -> None:
 
 def test_first_step_check_catches_adapters_without_gradient(cache_dir: Path) -> None:
     from shoestring.train.config import LoraSection
-    from shoestring.train.model import (NoGradientError, apply_lora, check_lora_gradients,
-                                        trainable_parameters)
+    from shoestring.train.model import (
+        NoGradientError,
+        apply_lora,
+        check_lora_gradients,
+        trainable_parameters,
+    )
 
     torch.set_num_threads(1)
     ids = torch.randint(0, 256, (2, 12))
@@ -132,8 +167,10 @@ def test_quantize_and_optimizer_are_not_resume_safe() -> None:
     base = config_hash(load(FinetuneConfig, None, []))
     assert config_hash(load(FinetuneConfig, None, ["--lora.quantize", "nf4"])) != base
     assert config_hash(load(FinetuneConfig, None, ["--train.optimizer", "adamw8bit"])) != base
-    assert config_hash(load(FinetuneConfig, None, ["--plan.gpu", "T4",
-                                                   "--plan.enforce", "false"])) == base
+    assert (
+        config_hash(load(FinetuneConfig, None, ["--plan.gpu", "T4", "--plan.enforce", "false"]))
+        == base
+    )
 
 
 def test_an_eval_does_not_change_the_4bit_base_training_uses(cache_dir: Path) -> None:
@@ -171,6 +208,9 @@ def test_an_eval_does_not_change_the_4bit_base_training_uses(cache_dir: Path) ->
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, eval_logits)
-    states = [m.weight.quant_state for m in model.modules() if hasattr(m, "weight")
-              and getattr(m.weight, "quant_state", None) is not None]
+    states = [
+        m.weight.quant_state
+        for m in model.modules()
+        if hasattr(m, "weight") and getattr(m.weight, "quant_state", None) is not None
+    ]
     assert states and not any(getattr(s, "packing_format_for_cpu", False) for s in states)

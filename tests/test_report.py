@@ -36,15 +36,41 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 def hang_run(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("report") / "run"
-    cmd = [sys.executable, "-m", "shoestring", "run", "--nproc-per-node", "2",
-           "--max-restarts", "0", "--run-dir", str(out), "--hang-floor", "2", "--",
-           sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out), *DIST,
-           "--train.max_steps", "8", "--checkpoint.every_steps", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shoestring",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--run-dir",
+        str(out),
+        "--hang-floor",
+        "2",
+        "--",
+        sys.executable,
+        "-m",
+        "shoestring",
+        "finetune",
+        "--output_dir",
+        str(out),
+        *DIST,
+        "--train.max_steps",
+        "8",
+        "--checkpoint.every_steps",
+        "3",
+    ]
     log = out.parent / "job.log"
     frames: list[str] = []
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=cli.env(SHOESTRING_FAULTS="step.end@5:hang:rank1"),
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd,
+            env=cli.env(SHOESTRING_FAULTS="step.end@5:hang:rank1"),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
         top = Top(out)
         while proc.poll() is None:  # what `shoestring top` shows while the job runs
             if (out / "events.jsonl").exists():
@@ -85,8 +111,9 @@ class SvgParser(HTMLParser):
         if tag == "section":
             self.section = a.get("id") or ""
         elif tag == "svg":
-            self.plots.append({"section": self.section, "class": a.get("class"), "lines": [],
-                               "dots": 0})
+            self.plots.append(
+                {"section": self.section, "class": a.get("class"), "lines": [], "dots": 0}
+            )
         elif tag == "polyline":
             self.plots[-1]["lines"].append(a)
         elif tag == "circle":
@@ -103,8 +130,9 @@ def report(hang_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     return html
 
 
-def test_report_is_self_contained_and_plots_every_logged_step(hang_run: dict[str, Any],
-                                                               report: Path) -> None:
+def test_report_is_self_contained_and_plots_every_logged_step(
+    hang_run: dict[str, Any], report: Path
+) -> None:
     out = hang_run["out"]
     page = report.read_text()
     assert "<script" not in page and not re.search(r"""(src|href)=["']?(https?:)?//""", page)
@@ -113,9 +141,14 @@ def test_report_is_self_contained_and_plots_every_logged_step(hang_run: dict[str
     # Step time: one polyline per rank and attempt, with one point per step record.
     want = steps_per_rank(out)
     assert set(want) == {0, 1} and all(n >= 4 for n in want.values())
-    (step_plot,) = [x for x in p.plots if x["section"] == "step-time"
-                    and "line-chart" in x["class"] and x["lines"]
-                    and x["lines"][0].get("data-x") == "time"]
+    (step_plot,) = [
+        x
+        for x in p.plots
+        if x["section"] == "step-time"
+        and "line-chart" in x["class"]
+        and x["lines"]
+        and x["lines"][0].get("data-x") == "time"
+    ]
     got: dict[int, int] = {}
     for line in step_plot["lines"]:
         rank = int(line["data-rank"])
@@ -123,31 +156,39 @@ def test_report_is_self_contained_and_plots_every_logged_step(hang_run: dict[str
     assert got == want
     # The loss curve has rank 0's steps; the timeline band marks the checkpoint and the hang.
     (loss,) = [x for x in p.plots if x["section"] == "loss"]
-    assert sum(len(l["points"].split()) for l in loss["lines"]) == want[0]
+    assert sum(len(line["points"].split()) for line in loss["lines"]) == want[0]
     band = [(t, a) for t, a in p.tags if a.get("data-kind")]
     kinds = [a["data-kind"] for _, a in band]
     assert "checkpoint" in kinds and "hang/stuck_rank" in kinds and "attempt" in kinds
     text = " ".join(p.text)
     # The verdict: culprit rank 1, the collective rank 0 waits in, the verdict file.
     hang = [e for e in events(out / "events.jsonl") if e["event"] == "hang"][0]
-    row = re.search(r"<tr><td>\+\d+s</td><td>0</td><td>hang/stuck_rank</td><td>1</td>"
-                    r"<td>allreduce\[ddp\] #(\d+)</td>", page)
+    row = re.search(
+        r"<tr><td>\+\d+s</td><td>0</td><td>hang/stuck_rank</td><td>1</td>"
+        r"<td>allreduce\[ddp\] #(\d+)</td>",
+        page,
+    )
     assert row and int(row.group(1)) == hang["collective"]["seq"]
     assert Path(hang["verdict_file"]).name in text
     assert "gave up" in text  # status in the summary
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed "
-                    "(apt-get install -y chromium) - the screenshot test needs a browser")
-def test_screenshot_shows_drawn_plots(hang_run: dict[str, Any], report: Path,
-                                      tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="chromium not installed "
+    "(apt-get install -y chromium) - the screenshot test needs a browser",
+)
+def test_screenshot_shows_drawn_plots(
+    hang_run: dict[str, Any], report: Path, tmp_path: Path
+) -> None:
     # One browser run: the DOM (with where each plot's data area landed, measured by a
     # script appended to a copy of the page, below everything) and a screenshot.
     probe = tmp_path / "probe.html"
     probe.write_text(report.read_text().replace("</body>", RECTS_JS + "</body>"))
     png = tmp_path / "report.png"
-    dom = chromium(tmp_path, "--dump-dom", f"--screenshot={png}", "--window-size=1400,4000",
-                   probe.as_uri())
+    dom = chromium(
+        tmp_path, "--dump-dom", f"--screenshot={png}", "--window-size=1400,4000", probe.as_uri()
+    )
     m = re.search(r'<pre id="rects">(.*?)</pre>', dom, re.S)
     assert m, dom[-2000:]
     rects = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))["rects"]
@@ -169,24 +210,25 @@ def test_screenshot_shows_drawn_plots(hang_run: dict[str, Any], report: Path,
     for (section, index), colors in want.items():
         (r,) = [r for r in rects if r["section"] == section and r["index"] == index]
         x, y, w, h = (int(round(r[k])) for k in ("x", "y", "w", "h"))
-        area = img[y + 2:y + h - 2, x + 2:x + w - 2].astype(int)
+        area = img[y + 2 : y + h - 2, x + 2 : x + w - 2].astype(int)
         if section != "comm":  # a bar chart is mostly ink; the others mostly white
             assert (area == 255).all(axis=2).mean() > 0.5, (section, index)
         # Ranks in lockstep draw nearly the same line, the last one on top: require ink of
         # the series colours and the topmost colour itself, not every colour visible.
         counts = {c: count_color(area, c) for c in colors}
-        assert sum(counts.values()) >= 40 and counts[colors[-1]] >= 20, \
+        assert sum(counts.values()) >= 40 and counts[colors[-1]] >= 20, (
             f"{section}[{index}]: pixels per series colour {counts}: nothing drawn"
+        )
     # The check tells colours apart and finds none where nothing of them is drawn.
     summary_top = min(r["y"] for r in rects) - 40
-    assert count_color(img[:int(summary_top)].astype(int), svg.rank_color(1)) == 0
+    assert count_color(img[: int(summary_top)].astype(int), svg.rank_color(1)) == 0
     (loss,) = [r for r in rects if r["section"] == "loss"]
     x, y, w, h = (int(round(loss[k])) for k in ("x", "y", "w", "h"))
-    assert count_color(img[y:y + h, x:x + w].astype(int), svg.rank_color(1)) == 0
+    assert count_color(img[y : y + h, x : x + w].astype(int), svg.rank_color(1)) == 0
 
 
 def count_color(area: np.ndarray, color: str, tol: int = 10) -> int:
-    rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
+    rgb = np.array([int(color[i : i + 2], 16) for i in (1, 3, 5)])
     return int((np.abs(area[..., :3] - rgb) <= tol).all(axis=2).sum())
 
 
@@ -210,11 +252,25 @@ window.addEventListener('load', () => {
 
 def chromium(tmp: Path, *args: str) -> str:
     assert CHROMIUM is not None
-    r = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
-                        "--disable-quic", "--no-first-run", "--disable-background-networking",
-                        "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-                        f"--user-data-dir={tmp / 'chrome'}", *args],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+            f"--user-data-dir={tmp / 'chrome'}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -233,8 +289,8 @@ def decode_png(data: bytes, rows: int | None = None) -> np.ndarray:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     i, idat, hdr = 8, [], None
     while i < len(data):
-        (n,) = struct.unpack(">I", data[i:i + 4])
-        kind, body = data[i + 4:i + 8], data[i + 8:i + 8 + n]
+        (n,) = struct.unpack(">I", data[i : i + 4])
+        kind, body = data[i + 4 : i + 8], data[i + 8 : i + 8 + n]
         if kind == b"IHDR":
             hdr = struct.unpack(">IIBBBBB", body)
         elif kind == b"IDAT":
@@ -251,19 +307,22 @@ def decode_png(data: bytes, rows: int | None = None) -> np.ndarray:
     prev = bytearray(stride)
     for r in range(h):
         f = raw[r * (stride + 1)]
-        line = bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
+        line = bytearray(raw[r * (stride + 1) + 1 : (r + 1) * (stride + 1)])
         if f == 1:  # Sub: a running sum per channel
             a = np.frombuffer(bytes(line), np.uint8).reshape(w, bpp)
             line = bytearray(np.cumsum(a, axis=0, dtype=np.uint8).tobytes())
         elif f == 2:  # Up
-            line = bytearray((np.frombuffer(bytes(line), np.uint8)
-                              + np.frombuffer(bytes(prev), np.uint8)).tobytes())
+            line = bytearray(
+                (
+                    np.frombuffer(bytes(line), np.uint8) + np.frombuffer(bytes(prev), np.uint8)
+                ).tobytes()
+            )
         elif f == 3:  # Average: sequential within the row
             for x in range(stride):
                 line[x] = (line[x] + (((line[x - bpp] if x >= bpp else 0) + prev[x]) >> 1)) & 255
         elif f == 4:  # Paeth: sequential within the row
             _paeth(line, prev, bpp)
-        out[r * stride:(r + 1) * stride] = line
+        out[r * stride : (r + 1) * stride] = line
         prev = line
     return np.frombuffer(bytes(out), np.uint8).reshape(h, w, bpp)[..., :3]
 
@@ -285,21 +344,27 @@ def test_top_followed_the_live_run(hang_run: dict[str, Any]) -> None:
     assert any(re.search(r"^\s+0\s+running .* [1-9]\d*\s+\d+\s+\d+ ", f, re.M) for f in rows)
     # While rank 1 hung, rank 0 was shown waiting in the gradient all-reduce, before the
     # watchdog's verdict arrived; then the verdict shows up with the culprit.
-    waiting = [i for i, f in enumerate(frames)
-               if re.search(r"^\s+0\s+running .*allreduce\[ddp\] #\d+ \d+\.\ds", f, re.M)
-               and "hang/stuck_rank" not in f]
+    waiting = [
+        i
+        for i, f in enumerate(frames)
+        if re.search(r"^\s+0\s+running .*allreduce\[ddp\] #\d+ \d+\.\ds", f, re.M)
+        and "hang/stuck_rank" not in f
+    ]
     verdict = [i for i, f in enumerate(frames) if "hang/stuck_rank  rank 1" in f]
     assert waiting and verdict and waiting[0] < verdict[0]
 
 
-def test_top_once_summarizes_the_finished_run(hang_run: dict[str, Any],
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_top_once_summarizes_the_finished_run(
+    hang_run: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     out = hang_run["out"]
     assert main(["top", str(out), "--once", "--color", "never"]) == 0
     frame = capsys.readouterr().out
     assert "\x1b[" not in frame
-    last = {r: max(e["step"] for e in events(p) if e["event"] == "step") for r, p in
-            ((0, out / "events.jsonl"), (1, out / "ranks" / "rank1" / "events.jsonl"))}
+    last = {
+        r: max(e["step"] for e in events(p) if e["event"] == "step")
+        for r, p in ((0, out / "events.jsonl"), (1, out / "ranks" / "rank1" / "events.jsonl"))
+    }
     for rank, step in last.items():
         assert re.search(rf"^\s+{rank}\s+\S+\s+\S+.*\s{step}\s+\d+\s+\d+\s", frame, re.M), frame
     assert "gave up" in frame and "hang/stuck_rank  rank 1" in frame

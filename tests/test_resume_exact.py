@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from conftest import CLI, FAST, read_events, state_digest, wait_for_step
-
 from shoestring import exitcodes
 
 
@@ -19,10 +18,10 @@ def test_reference_is_deterministic(cli: CLI, tmp_path: Path, reference: dict[st
     assert state_digest(tmp_path / "again", 12) == reference
 
 
-@pytest.mark.parametrize("mode", ["thread", "process",
-                                  pytest.param("off", marks=pytest.mark.slow)])
-def test_sigkill_without_notice_then_resume_is_bit_exact(cli: CLI, tmp_path: Path, mode: str,
-                                                         reference: dict[str, str]) -> None:
+@pytest.mark.parametrize("mode", ["thread", "process", pytest.param("off", marks=pytest.mark.slow)])
+def test_sigkill_without_notice_then_resume_is_bit_exact(
+    cli: CLI, tmp_path: Path, mode: str, reference: dict[str, str]
+) -> None:
     out = tmp_path / "run"
     args = [*FAST, "--checkpoint.async_mode", mode]
     r = cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
@@ -38,8 +37,9 @@ def test_sigkill_without_notice_then_resume_is_bit_exact(cli: CLI, tmp_path: Pat
     assert state_digest(out, 12) == reference
 
 
-def test_sigterm_preempts_with_emergency_checkpoint(cli: CLI, tmp_path: Path,
-                                                    reference: dict[str, str]) -> None:
+def test_sigterm_preempts_with_emergency_checkpoint(
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     out = tmp_path / "run"
     p = cli.start(out, *FAST, "--checkpoint.every_steps", "0")
     wait_for_step(out, 5, p)
@@ -58,8 +58,9 @@ def test_sigterm_preempts_with_emergency_checkpoint(cli: CLI, tmp_path: Path,
     assert d == reference
 
 
-def test_rerun_after_completion_loses_nothing(cli: CLI, tmp_path: Path,
-                                              reference: dict[str, str]) -> None:
+def test_rerun_after_completion_loses_nothing(
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     out = tmp_path / "run"
     assert cli.run(out, *FAST).returncode == 0
     r = cli.run(out, *FAST)
@@ -91,8 +92,9 @@ def test_resume_never_refuses_to_clobber(cli: CLI, tmp_path: Path) -> None:
     assert r.returncode == exitcodes.USAGE and "already has checkpoints" in r.stderr
 
 
-def test_bf16_autocast_deterministic_run_resumes_bit_exact(cli: CLI, tmp_path: Path,
-                                                           reference: dict[str, str]) -> None:
+def test_bf16_autocast_deterministic_run_resumes_bit_exact(
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     """The GPU default path (bf16 autocast, train.deterministic) on the CPU: SIGKILL at step 7,
     resume from 4, and every byte of state equals an uninterrupted bf16 run's."""
     args = [*FAST, "--train.precision", "bf16", "--train.deterministic", "true"]
@@ -107,5 +109,8 @@ def test_bf16_autocast_deterministic_run_resumes_bit_exact(cli: CLI, tmp_path: P
     # autocast was in effect: bf16 matmuls train a different adapter than fp32
     assert state_digest(straight, 12)["adapter.safetensors"] != reference["adapter.safetensors"]
     start = next(e for e in read_events(straight) if e["event"] == "run_start")
-    assert (start["precision"], start["deterministic"], start["train_device"]) == \
-        ("bf16", True, "cpu")
+    assert (start["precision"], start["deterministic"], start["train_device"]) == (
+        "bf16",
+        True,
+        "cpu",
+    )

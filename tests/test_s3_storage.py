@@ -20,10 +20,11 @@ import subprocess
 import sys
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -32,14 +33,31 @@ from s3server import S3Server  # the session fixture s3_server comes from confte
 MAX_STEPS = 12
 EVERY = 4
 KEEP = 2
-SMALL = ["--train.max_steps", str(MAX_STEPS), "--train.batch_size", "4",
-         "--train.num_threads", "1", "--checkpoint.every_steps", str(EVERY),
-         "--checkpoint.keep", str(KEEP), "--eval.max_samples", "8", "--data.max_length", "32"]
+SMALL = [
+    "--train.max_steps",
+    str(MAX_STEPS),
+    "--train.batch_size",
+    "4",
+    "--train.num_threads",
+    "1",
+    "--checkpoint.every_steps",
+    str(EVERY),
+    "--checkpoint.keep",
+    str(KEEP),
+    "--eval.max_samples",
+    "8",
+    "--data.max_length",
+    "32",
+]
 RUN_TIMEOUT = 300
 PARALLEL = 2  # CLI processes at once (each trains with one thread)
 KILLED = -signal.SIGKILL
-DATA_FILES = {"adapter.safetensors", "optimizer.safetensors", "rng_rank0.safetensors",
-              "trainer_state.json"}
+DATA_FILES = {
+    "adapter.safetensors",
+    "optimizer.safetensors",
+    "rng_rank0.safetensors",
+    "trainer_state.json",
+}
 SRC = Path(__file__).resolve().parents[1] / "src"
 ADAPTER = Path("final") / "adapter_model.safetensors"
 
@@ -68,7 +86,7 @@ def events(out: Path) -> list[dict[str, Any]]:
 def remote_layout(srv: S3Server, prefix: str) -> Layout:
     layout: Layout = defaultdict(dict)
     for key, size in srv.list_keys(prefix + "/").items():
-        d, _, name = key[len(prefix) + 1:].partition("/")
+        d, _, name = key[len(prefix) + 1 :].partition("/")
         layout[d][name] = size
     return dict(layout)
 
@@ -112,8 +130,13 @@ class Launcher:
     def __init__(self, cache: Path, srv: S3Server) -> None:
         base = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
         pythonpath = [str(SRC), *filter(None, [base.get("PYTHONPATH")])]
-        base.update(SHOESTRING_CACHE=str(cache), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                    TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(pythonpath))
+        base.update(
+            SHOESTRING_CACHE=str(cache),
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONPATH=os.pathsep.join(pythonpath),
+        )
         self.local_env = base
         self.s3_env = srv.child_env(base)
         self._live: set[subprocess.Popen[bytes]] = set()
@@ -125,13 +148,22 @@ class Launcher:
         if faults:
             env["SHOESTRING_FAULTS"] = faults
         log = out.parent / f"{out.name}.run{len(list(out.parent.glob('*.log')))}.log"
-        cmd = [sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out),
-               *SMALL, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shoestring",
+            "finetune",
+            "--output_dir",
+            str(out),
+            *SMALL,
+            *args,
+        ]
         with open(log, "wb") as fh, self._lock:
             if self.closing:
                 raise RuntimeError("test module finished; not starting another run")
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=fh,
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT
+            )
             self._live.add(proc)
         try:
             rc = proc.wait(timeout=RUN_TIMEOUT)
@@ -214,9 +246,12 @@ NEEDS = {
 
 
 @pytest.fixture(scope="module")
-def scenarios(request: pytest.FixtureRequest, s3_server: S3Server,
-              cache_dir: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Outcome]]]:
+def scenarios(
+    request: pytest.FixtureRequest,
+    s3_server: S3Server,
+    cache_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Future[Outcome]]]:
     """The selected tests' scenarios, started at once, PARALLEL processes at a time.
 
     ``cache_dir`` (SHOESTRING_CACHE with the tiny model materialized) comes from conftest.
@@ -227,8 +262,11 @@ def scenarios(request: pytest.FixtureRequest, s3_server: S3Server,
             wanted |= NEEDS.get(getattr(item, "originalname", item.name), set(SCENARIOS))
     cli = Launcher(cache_dir, s3_server)
     pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="s3-scenario")
-    futures = {name: pool.submit(fn, cli, s3_server, tmp_path_factory.mktemp(f"s3-{name}"))
-               for name, fn in SCENARIOS.items() if name in wanted}
+    futures = {
+        name: pool.submit(fn, cli, s3_server, tmp_path_factory.mktemp(f"s3-{name}"))
+        for name, fn in SCENARIOS.items()
+        if name in wanted
+    }
     try:
         yield futures
     finally:
@@ -249,8 +287,7 @@ def reference_sha(scenarios: dict[str, Future[Outcome]]) -> str:
 
 
 # --------------------------------------------------------------------------- tests
-def test_publish_and_retention(scenarios: dict[str, Future[Outcome]],
-                               s3_server: S3Server) -> None:
+def test_publish_and_retention(scenarios: dict[str, Future[Outcome]], s3_server: S3Server) -> None:
     o = outcome(scenarios, "publish")
     assert o.runs[0].rc == 0, o.runs[0].log
 
@@ -262,8 +299,10 @@ def test_publish_and_retention(scenarios: dict[str, Future[Outcome]],
     # The remote copy is the locally committed checkpoint, byte for byte.
     for d in newest:
         for name in [*DATA_FILES, "manifest.json"]:
-            assert s3_server.get(f"{o.prefix}/{d}/{name}") == \
-                (o.out / "checkpoints" / d / name).read_bytes(), f"{d}/{name}: local != remote"
+            assert (
+                s3_server.get(f"{o.prefix}/{d}/{name}")
+                == (o.out / "checkpoints" / d / name).read_bytes()
+            ), f"{d}/{name}: local != remote"
     recs = [r for r in events(o.out) if r["event"] == "checkpoint"]
     assert [r["step"] for r in recs] == list(range(EVERY, MAX_STEPS + 1, EVERY))
     assert all(r["storage"] == s3_server.url(o.prefix) and r["upload_ms"] > 0 for r in recs)
@@ -271,11 +310,13 @@ def test_publish_and_retention(scenarios: dict[str, Future[Outcome]],
     assert sha256(o.out / ADAPTER) == reference_sha(scenarios)
 
 
-def test_resume_from_remote_on_empty_disk(scenarios: dict[str, Future[Outcome]],
-                                          s3_server: S3Server) -> None:
+def test_resume_from_remote_on_empty_disk(
+    scenarios: dict[str, Future[Outcome]], s3_server: S3Server
+) -> None:
     o = outcome(scenarios, "empty_disk")
-    assert o.runs[0].rc == KILLED, f"expected SIGKILL at step 9, got {o.runs[0].rc}:\n" \
-                                   f"{o.runs[0].log}"
+    assert o.runs[0].rc == KILLED, (
+        f"expected SIGKILL at step 9, got {o.runs[0].rc}:\n{o.runs[0].log}"
+    )
     assert o.layout_after_kill is not None
     assert committed(o.layout_after_kill) == [step_name(4), step_name(8)]
     assert o.runs[1].rc == 0, o.runs[1].log
@@ -290,11 +331,13 @@ def test_resume_from_remote_on_empty_disk(scenarios: dict[str, Future[Outcome]],
     assert sorted(layout) == [step_name(8), step_name(12)]
 
 
-def test_torn_remote_upload_is_ignored(scenarios: dict[str, Future[Outcome]],
-                                       s3_server: S3Server) -> None:
+def test_torn_remote_upload_is_ignored(
+    scenarios: dict[str, Future[Outcome]], s3_server: S3Server
+) -> None:
     o = outcome(scenarios, "torn")
-    assert o.runs[0].rc == KILLED, f"expected SIGKILL in the step-8 upload, got " \
-                                   f"{o.runs[0].rc}:\n{o.runs[0].log}"
+    assert o.runs[0].rc == KILLED, (
+        f"expected SIGKILL in the step-8 upload, got {o.runs[0].rc}:\n{o.runs[0].log}"
+    )
     after_kill = o.layout_after_kill
     assert after_kill is not None
     assert committed(after_kill) == [step_name(4)]
@@ -315,15 +358,31 @@ def test_torn_remote_upload_is_ignored(scenarios: dict[str, Future[Outcome]],
     assert sorted(layout) == [step_name(8), step_name(12)]
 
 
-def test_unreachable_bucket_fails_before_training(s3_server: S3Server, cache_dir: Path,
-                                                  tmp_path: Path) -> None:
-    env = s3_server.child_env(dict(os.environ), SHOESTRING_CACHE=str(cache_dir),
-                              PYTHONPATH=str(SRC))
+def test_unreachable_bucket_fails_before_training(
+    s3_server: S3Server, cache_dir: Path, tmp_path: Path
+) -> None:
+    env = s3_server.child_env(
+        dict(os.environ), SHOESTRING_CACHE=str(cache_dir), PYTHONPATH=str(SRC)
+    )
     env.pop("SHOESTRING_FAULTS", None)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out),
-                        *SMALL, "--checkpoint.storage", "s3://no-such-bucket/x"],
-                       env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shoestring",
+            "finetune",
+            "--output_dir",
+            str(out),
+            *SMALL,
+            "--checkpoint.storage",
+            "s3://no-such-bucket/x",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert r.returncode == 2, r.stderr
     assert "checkpoint.storage: cannot use 's3://no-such-bucket/x'" in r.stderr
     assert not (out / "checkpoints").exists()

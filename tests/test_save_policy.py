@@ -23,8 +23,7 @@ def test_every_steps_only_at_multiples() -> None:
 
 def test_every_seconds_counts_from_the_last_save() -> None:
     clock = FakeClock()
-    p = SavePolicy.from_config(CheckpointConfig(every_steps=0, every_seconds=10.0), 0,
-                               clock=clock)
+    p = SavePolicy.from_config(CheckpointConfig(every_steps=0, every_seconds=10.0), 0, clock=clock)
     clock.now += 9.9
     assert p.due(1) is None
     clock.now += 0.1
@@ -40,9 +39,12 @@ def test_seconds_follow_rank_zero_through_share() -> None:
     """A rank whose own clock says 'not yet' still saves when rank 0 says so."""
     clock = FakeClock()
     rank0_elapsed = [0.0]
-    p = SavePolicy.from_config(CheckpointConfig(every_steps=0, every_seconds=10.0), 0,
-                               clock=clock, share=lambda v: rank0_elapsed[0]
-                               if isinstance(v, float) else v)
+    p = SavePolicy.from_config(
+        CheckpointConfig(every_steps=0, every_seconds=10.0),
+        0,
+        clock=clock,
+        share=lambda v: rank0_elapsed[0] if isinstance(v, float) else v,
+    )
     rank0_elapsed[0] = 11.0
     assert p.due(1) == "seconds"  # this rank's clock has not moved
     rank0_elapsed[0] = 3.0
@@ -70,15 +72,17 @@ def test_auto_interval_plans_from_measured_step_and_save_cost() -> None:
 
 def test_costlier_saves_get_a_longer_interval_and_sync_saves_do_not_replan() -> None:
     def interval(save_s: float) -> int:
-        p = SavePolicy.from_config(CheckpointConfig(interval="auto", every_steps=5), 0,
-                                   clock=FakeClock())
+        p = SavePolicy.from_config(
+            CheckpointConfig(interval="auto", every_steps=5), 0, clock=FakeClock()
+        )
         p.observe_step(1.0)
         event = p.saved(5, save_s, background=True)
         assert event is not None
         return int(event["every_steps"])
 
     assert interval(4.0) > interval(0.25)
-    p = SavePolicy.from_config(CheckpointConfig(interval="auto", every_steps=5), 0,
-                               clock=FakeClock())
+    p = SavePolicy.from_config(
+        CheckpointConfig(interval="auto", every_steps=5), 0, clock=FakeClock()
+    )
     assert p.saved(5, 1.0, background=False) is None
     assert p.next_auto_step == 5  # an emergency/final save does not move the plan

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CLI, FAST, read_events, sha256
-from slurmcluster import SlurmCluster, slurm_cluster  # noqa: F401  (session fixture)
 
+from conftest import CLI, FAST, read_events, sha256
 from shoestring import exitcodes
 from shoestring.cli import main
 from shoestring.supervise.launch import LaunchSpec, launch_argv
 from shoestring.supervise.slurm import grace_from_events, requeue_after_signal, time_limit_s
+from slurmcluster import SlurmCluster, slurm_cluster  # noqa: F401  (session fixture)
 
 #: A finetune config for the script tests.
 CONFIG = """\
@@ -37,8 +37,9 @@ data: {max_length: 32, eval: ""}
 """
 
 
-def render(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-           *flags: str) -> str:
+def render(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *flags: str
+) -> str:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(CONFIG)
     monkeypatch.chdir(tmp_path)
@@ -59,67 +60,136 @@ def last_command(script: str) -> list[str]:
 # --------------------------------------------------------------------------- the script
 
 
-def test_single_node_script(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    script = render(tmp_path, capsys, monkeypatch, "--gpus-per-node", "4", "--time", "04:00:00",
-                    "--partition", "gpu", "--account", "acme", "--cpus-per-task", "16",
-                    "--sbatch-arg=--mem=64G", "--train.max_steps", "50")
+def test_single_node_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = render(
+        tmp_path,
+        capsys,
+        monkeypatch,
+        "--gpus-per-node",
+        "4",
+        "--time",
+        "04:00:00",
+        "--partition",
+        "gpu",
+        "--account",
+        "acme",
+        "--cpus-per-task",
+        "16",
+        "--sbatch-arg=--mem=64G",
+        "--train.max_steps",
+        "50",
+    )
     run = tmp_path / "run"
     assert directives(script) == [
-        "--job-name=shoestring-run", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4",
-        "--cpus-per-task=16", "--time=04:00:00", "--partition=gpu", "--account=acme",
-        "--requeue", "--signal=B:USR1@120", "--open-mode=append",
-        f"--output={run}/slurm-%j.out", f"--error={run}/slurm-%j.err", f"--chdir={tmp_path}",
-        "--mem=64G"]
+        "--job-name=shoestring-run",
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=4",
+        "--cpus-per-task=16",
+        "--time=04:00:00",
+        "--partition=gpu",
+        "--account=acme",
+        "--requeue",
+        "--signal=B:USR1@120",
+        "--open-mode=append",
+        f"--output={run}/slurm-%j.out",
+        f"--error={run}/slurm-%j.err",
+        f"--chdir={tmp_path}",
+        "--mem=64G",
+    ]
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     argv = last_command(script)
     py = [sys.executable, "-m", "shoestring"]
     sep = argv.index("--")
     # The batch shell becomes `shoestring run` (exec, no srun on one node), so the B:
     # signal reaches it, and only it, and it forwards the signal once.
-    assert argv[:sep] == ["exec", *py, "run", "--nproc-per-node", "4", "--max-restarts", "3",
-                          "--run-dir", str(run)]
-    assert argv[sep + 1:] == [*py, "finetune", "--config", str(tmp_path / "cfg.yaml"),
-                              "--train.max_steps", "50", "--output_dir", str(run)]
+    assert argv[:sep] == [
+        "exec",
+        *py,
+        "run",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "3",
+        "--run-dir",
+        str(run),
+    ]
+    assert argv[sep + 1 :] == [
+        *py,
+        "finetune",
+        "--config",
+        str(tmp_path / "cfg.yaml"),
+        "--train.max_steps",
+        "50",
+        "--output_dir",
+        str(run),
+    ]
     assert script.count("exec ") == 1 and "\ntrap " not in script and "exec srun" not in script
 
 
-def test_multi_node_script_and_rendezvous(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_multi_node_script_and_rendezvous(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     script = render(tmp_path, capsys, monkeypatch, "--nodes", "2", "--gpus-per-node", "8")
     assert "--nodes=2" in directives(script) and "--gpus-per-node=8" in directives(script)
     argv = last_command(script)
-    assert argv[:6] == ["exec", "srun", "--nodes=2", "--ntasks-per-node=1",
-                        "--kill-on-bad-exit=0", "--gpus-per-node=8"]
+    assert argv[:6] == [
+        "exec",
+        "srun",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=0",
+        "--gpus-per-node=8",
+    ]
     # What each node's `shoestring run` then starts, given the variables srun sets there.
     sep = argv.index("--")
-    env = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
-           "SLURM_JOB_ID": "4242"}
-    torchrun = launch_argv(LaunchSpec(tuple(argv[sep + 1:]), nproc_per_node=8), env)
+    env = {
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_ID": "4242",
+    }
+    torchrun = launch_argv(LaunchSpec(tuple(argv[sep + 1 :]), nproc_per_node=8), env)
     joined = " ".join(torchrun)
-    for part in ("--nproc-per-node 8", "--nnodes 2", "--node-rank 1",
-                 "--rdzv-endpoint gpu07:29400", "--rdzv-id 4242", "--no-python"):
+    for part in (
+        "--nproc-per-node 8",
+        "--nnodes 2",
+        "--node-rank 1",
+        "--rdzv-endpoint gpu07:29400",
+        "--rdzv-id 4242",
+        "--no-python",
+    ):
         assert part in joined
 
 
-def test_signal_follows_preempt_config(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    script = render(tmp_path, capsys, monkeypatch, "--preempt.signal", "SIGUSR2",
-                    "--grace", "300")
+def test_signal_follows_preempt_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = render(tmp_path, capsys, monkeypatch, "--preempt.signal", "SIGUSR2", "--grace", "300")
     assert "--signal=B:USR2@300" in directives(script)
     assert last_command(script)[-4:-2] == ["--preempt.signal", "SIGUSR2"]
     assert main(["slurm", "--config", "cfg.yaml", "--preempt.signal", "none"]) == exitcodes.USAGE
     assert "preempt.signal is 'none'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, error", [
-    (["--time", "00:01:30"], "warning would come before the job starts"),
-    (["--time", "4h"], "not a Slurm time limit"),
-    (["--nodes", "0"], "--nodes: 'nodes' must be >= 1"),
-    (["--train.lr", "fast"], "train.lr"),
-])
-def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                          monkeypatch: pytest.MonkeyPatch, flags: list[str], error: str) -> None:
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--time", "00:01:30"], "warning would come before the job starts"),
+        (["--time", "4h"], "not a Slurm time limit"),
+        (["--nodes", "0"], "--nodes: 'nodes' must be >= 1"),
+        (["--train.lr", "fast"], "train.lr"),
+    ],
+)
+def test_bad_flags_exit_2(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    error: str,
+) -> None:
     (tmp_path / "cfg.yaml").write_text(CONFIG)
     monkeypatch.chdir(tmp_path)
     assert main(["slurm", "--config", "cfg.yaml", *flags]) == exitcodes.USAGE
@@ -127,13 +197,15 @@ def test_bad_flags_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
 
 
 def test_time_limits() -> None:
-    assert [time_limit_s(t) for t in ("90", "1:30", "04:00:00", "1-12", "1-0:30",
-                                      "2-00:00:10", "UNLIMITED")] == \
-        [5400, 90, 14400, 129600, 88200, 172810, None]
+    assert [
+        time_limit_s(t)
+        for t in ("90", "1:30", "04:00:00", "1-12", "1-0:30", "2-00:00:10", "UNLIMITED")
+    ] == [5400, 90, 14400, 129600, 88200, 172810, None]
 
 
-def test_grace_from_measured_saves(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grace_from_measured_saves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert grace_from_events([])[0] == 120
     steps = [{"event": "step", "step_ms": 2000.0}]
     ckpt = [{"event": "checkpoint", "blocking_ms": 500.0, "background_ms": 40000.0}]
@@ -144,8 +216,9 @@ def test_grace_from_measured_saves(tmp_path: Path, capsys: pytest.CaptureFixture
     # The CLI reads the run directory's log from an earlier run.
     run = tmp_path / "run"
     run.mkdir()
-    (run / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + ckpt)
-                                      + '{"torn')
+    (run / "events.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in steps + ckpt) + '{"torn'
+    )
     script = render(tmp_path, capsys, monkeypatch)
     assert "--signal=B:USR1@115" in directives(script)
     assert "step + save took up to 42.5 s" in script
@@ -161,32 +234,51 @@ class FakeScontrol:
     def __call__(self, argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         self.calls.append(argv[1:])
         out = self.show if argv[1] == "show" else ""
-        return subprocess.CompletedProcess(argv, self.rc if argv[1] == "requeue" else 0, out,
-                                           "requeue refused" if self.rc else "")
+        return subprocess.CompletedProcess(
+            argv, self.rc if argv[1] == "requeue" else 0, out, "requeue refused" if self.rc else ""
+        )
 
 
 SLURM = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "2"}
 
 
-@pytest.mark.parametrize("policy, env, sig, rc, show, requeued, event", [
-    ("auto", SLURM, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=1", True, "requeue"),
-    ("auto", SLURM, signal.SIGUSR2, 76, "Requeue=1 BatchFlag=1", True, "requeue"),
-    ("auto", SLURM, signal.SIGTERM, 75, "Requeue=1 BatchFlag=1", False, "no_requeue"),
-    ("auto", SLURM, signal.SIGUSR1, 1, "Requeue=1 BatchFlag=1", True, "requeue"),  # torchrun
-    ("auto", SLURM, signal.SIGUSR1, 2, "Requeue=1 BatchFlag=1", False, "no_requeue"),
-    ("auto", SLURM, signal.SIGUSR1, 75, "Requeue=0 BatchFlag=1", False, "no_requeue"),
-    ("auto", SLURM, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=0", False, "no_requeue"),
-    ("never", SLURM, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=1", False, None),
-    ("auto", {}, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=1", False, None),
-    ("auto", {**SLURM, "SLURM_PROCID": "1"}, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=1",
-     False, None),
-])
-def test_requeue_decision(policy: str, env: dict[str, str], sig: int, rc: int, show: str,
-                          requeued: bool, event: str | None) -> None:
+@pytest.mark.parametrize(
+    "policy, env, sig, rc, show, requeued, event",
+    [
+        ("auto", SLURM, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=1", True, "requeue"),
+        ("auto", SLURM, signal.SIGUSR2, 76, "Requeue=1 BatchFlag=1", True, "requeue"),
+        ("auto", SLURM, signal.SIGTERM, 75, "Requeue=1 BatchFlag=1", False, "no_requeue"),
+        ("auto", SLURM, signal.SIGUSR1, 1, "Requeue=1 BatchFlag=1", True, "requeue"),  # torchrun
+        ("auto", SLURM, signal.SIGUSR1, 2, "Requeue=1 BatchFlag=1", False, "no_requeue"),
+        ("auto", SLURM, signal.SIGUSR1, 75, "Requeue=0 BatchFlag=1", False, "no_requeue"),
+        ("auto", SLURM, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=0", False, "no_requeue"),
+        ("never", SLURM, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=1", False, None),
+        ("auto", {}, signal.SIGUSR1, 75, "Requeue=1 BatchFlag=1", False, None),
+        (
+            "auto",
+            {**SLURM, "SLURM_PROCID": "1"},
+            signal.SIGUSR1,
+            75,
+            "Requeue=1 BatchFlag=1",
+            False,
+            None,
+        ),
+    ],
+)
+def test_requeue_decision(
+    policy: str,
+    env: dict[str, str],
+    sig: int,
+    rc: int,
+    show: str,
+    requeued: bool,
+    event: str | None,
+) -> None:
     fake = FakeScontrol(show)
     events: list[tuple[str, dict[str, Any]]] = []
-    got = requeue_after_signal(policy, env, sig, rc, emit=lambda e, **f: events.append((e, f)),
-                               run=fake)
+    got = requeue_after_signal(
+        policy, env, sig, rc, emit=lambda e, **f: events.append((e, f)), run=fake
+    )
     assert got is requeued
     assert (["requeue", "7"] in fake.calls) is requeued
     assert [e for e, _ in events] == ([event] if event else [])
@@ -196,8 +288,14 @@ def test_requeue_decision(policy: str, env: dict[str, str], sig: int, rc: int, s
 
 def test_refused_requeue_is_recorded() -> None:
     events: list[tuple[str, dict[str, Any]]] = []
-    assert not requeue_after_signal("auto", SLURM, signal.SIGUSR1, 75, run=FakeScontrol(rc=1),
-                                    emit=lambda e, **f: events.append((e, f)))
+    assert not requeue_after_signal(
+        "auto",
+        SLURM,
+        signal.SIGUSR1,
+        75,
+        run=FakeScontrol(rc=1),
+        emit=lambda e, **f: events.append((e, f)),
+    )
     assert [e for e, _ in events] == ["requeue", "no_requeue"]
     assert events[1][1]["scontrol_rc"] == 1 and "requeue refused" in events[1][1]["reason"]
 
@@ -216,17 +314,38 @@ def test_supervisor_requeues_after_warning(tmp_path: Path) -> None:
     bindir, out, ready = tmp_path / "bin", tmp_path / "run", tmp_path / "ready"
     bindir.mkdir()
     calls = tmp_path / "scontrol.calls"
-    (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n'
-                                     '[ "$1" = show ] && echo "JobId=31 Requeue=1 BatchFlag=1"\n'
-                                     'exit 0\n')
+    (bindir / "scontrol").write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        '[ "$1" = show ] && echo "JobId=31 Requeue=1 BatchFlag=1"\n'
+        "exit 0\n"
+    )
     (bindir / "scontrol").chmod(0o755)
     (tmp_path / "child.py").write_text(CHILD)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "31",
-           "SLURM_PROCID": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "shoestring", "run", "--no-watch",
-                             "--run-dir", str(out), "--", sys.executable,
-                             str(tmp_path / "child.py"), str(ready)], env=env,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "31",
+        "SLURM_PROCID": "0",
+        "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shoestring",
+            "run",
+            "--no-watch",
+            "--run-dir",
+            str(out),
+            "--",
+            sys.executable,
+            str(tmp_path / "child.py"),
+            str(ready),
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
@@ -236,13 +355,15 @@ def test_supervisor_requeues_after_warning(tmp_path: Path) -> None:
     assert proc.returncode == exitcodes.PREEMPTED, err
     assert calls.read_text().splitlines() == ["show job -o 31", "requeue 31"], err
     req = [e for e in read_events(out) if e["event"] == "requeue"]
-    assert [(e["job_id"], e["signal"], e["exit_code"], e["rank"]) for e in req] == \
-        [("31", "SIGUSR1", 75, -1)]
+    assert [(e["job_id"], e["signal"], e["exit_code"], e["rank"]) for e in req] == [
+        ("31", "SIGUSR1", 75, -1)
+    ]
 
 
 @pytest.mark.parametrize("flags, policy", [([], "auto"), (["--slurm-requeue", "never"], "never")])
-def test_run_flag_reaches_the_supervisor(monkeypatch: pytest.MonkeyPatch, flags: list[str],
-                                         policy: str) -> None:
+def test_run_flag_reaches_the_supervisor(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], policy: str
+) -> None:
     from shoestring.supervise.supervisor import Supervisor
 
     seen: list[str] = []
@@ -263,19 +384,40 @@ def _wait(what: str, cond: Any, cluster: SlurmCluster, timeout: float = 180) -> 
     raise AssertionError(f"timed out waiting for {what}\n{cluster.logs()}")
 
 
-def test_real_slurm_requeue_resumes_exactly(slurm_cluster: SlurmCluster,  # noqa: F811
-                                            cli: CLI, reference: dict[str, str],
-                                            tmp_path: Path) -> None:
+def test_real_slurm_requeue_resumes_exactly(
+    slurm_cluster: SlurmCluster,  # noqa: F811
+    cli: CLI,
+    reference: dict[str, str],
+    tmp_path: Path,
+) -> None:
     cluster = slurm_cluster
     (tmp_path / "cfg.yaml").write_text("output_dir: run\n")
     # FAST's 12 steps, each forward made 4x slower (a sleep: the numbers do not change)
     # so that the signal surely lands mid-run; sbatch passes the environment on.
-    env = cli.env(SLURM_CONF=cluster.env["SLURM_CONF"],
-                  SHOESTRING_FAULTS="step.forward@1:slow300")
-    sub = subprocess.run([sys.executable, "-m", "shoestring", "slurm", "--config", "cfg.yaml",
-                          "--gpus-per-node", "0", "--cpus-per-task", "1", "--time", "10",
-                          "--submit", *FAST], env=env, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=60)
+    env = cli.env(SLURM_CONF=cluster.env["SLURM_CONF"], SHOESTRING_FAULTS="step.forward@1:slow300")
+    sub = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shoestring",
+            "slurm",
+            "--config",
+            "cfg.yaml",
+            "--gpus-per-node",
+            "0",
+            "--cpus-per-task",
+            "1",
+            "--time",
+            "10",
+            "--submit",
+            *FAST,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip()
     out = tmp_path / "run"
@@ -298,8 +440,9 @@ def test_real_slurm_requeue_resumes_exactly(slurm_cluster: SlurmCluster,  # noqa
         restarts = info.get("Restarts", info.get("RestartCnt"))  # renamed in later Slurm
         if restarts == "1" and info["JobState"] == "PENDING":
             return info
-        assert info["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), \
+        assert info["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), (
             f"{info}\n{log()}"
+        )
         return None
 
     info = _wait("the requeue", requeued, cluster, timeout=60)
@@ -312,28 +455,51 @@ def test_real_slurm_requeue_resumes_exactly(slurm_cluster: SlurmCluster,  # noqa
     _wait("the node to be idle", lambda: cluster.node_state() == "idle", cluster, timeout=60)
     time.sleep(max(0.0, math.floor(seen) + 1.1 - time.time()))
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-    done = _wait("the job to finish",
-                 lambda: cluster.job(job) if cluster.job(job)["JobState"] not in
-                 ("PENDING", "RUNNING", "COMPLETING") else None, cluster)
-    assert (done["JobState"], done["ExitCode"], done.get("Restarts", done.get("RestartCnt"))) \
-        == ("COMPLETED", "0:0", "1"), f"{done}\n{log()}"
+    done = _wait(
+        "the job to finish",
+        lambda: (
+            cluster.job(job)
+            if cluster.job(job)["JobState"] not in ("PENDING", "RUNNING", "COMPLETING")
+            else None
+        ),
+        cluster,
+    )
+    assert (done["JobState"], done["ExitCode"], done.get("Restarts", done.get("RestartCnt"))) == (
+        "COMPLETED",
+        "0:0",
+        "1",
+    ), f"{done}\n{log()}"
 
     ev = read_events(out)
     kinds = [e["event"] for e in ev]
-    assert (kinds.count("preempt"), kinds.count("requeue"), kinds.count("resume"),
-            kinds.count("no_requeue")) == (1, 1, 1, 0)
+    assert (
+        kinds.count("preempt"),
+        kinds.count("requeue"),
+        kinds.count("resume"),
+        kinds.count("no_requeue"),
+    ) == (1, 1, 1, 0)
     preempt = next(e for e in ev if e["event"] == "preempt")
     assert preempt["reason"] == "SIGUSR1" and preempt["saved"] and preempt["step"] < 12
     assert [e["exit_code"] for e in ev if e["event"] == "attempt_end"] == [75, 0]
     req = next(e for e in ev if e["event"] == "requeue")
-    assert (req["job_id"], req["signal"], req["exit_code"], req["restart_count"]) == \
-        (job, "SIGUSR1", 75, 0)
+    assert (req["job_id"], req["signal"], req["exit_code"], req["restart_count"]) == (
+        job,
+        "SIGUSR1",
+        75,
+        0,
+    )
     resume = next(e for e in ev if e["event"] == "resume")
     assert resume["from_step"] == preempt["step"] and resume["steps_lost"] == 0
-    assert kinds.index("preempt") < kinds.index("requeue") < kinds.index("resume") \
+    assert (
+        kinds.index("preempt")
+        < kinds.index("requeue")
+        < kinds.index("resume")
         < kinds.index("run_end")
+    )
     # One log, appended across the requeue: both starts of the same job id.
     banners = [line.split() for line in log().splitlines() if line.startswith("shoestring: job ")]
     assert [b[2:5] for b in banners] == [[job, "start", "0"], [job, "start", "1"]]
-    assert sha256(out / "final" / "adapter_model.safetensors") == \
-        reference["final/adapter_model.safetensors"]
+    assert (
+        sha256(out / "final" / "adapter_model.safetensors")
+        == reference["final/adapter_model.safetensors"]
+    )

@@ -61,8 +61,9 @@ def _ddp_grads(ddp: DDPStrategy, rank: int) -> list[float]:
 
 @pytest.mark.e2e
 def test_strategies_agree_share_and_sync_across_two_gloo_ranks(tmp_path: Path) -> None:
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["loss"] == r1["loss"] == 1.5 + 2.5  # the global loss: a sum over ranks
     assert not r0["stop_before"] and not r1["stop_before"]

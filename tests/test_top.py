@@ -18,16 +18,28 @@ NOW = 1_800_000_000.0
 
 
 def rec(event: str, ts: float, rank: int = 0, **fields: Any) -> str:
-    return json.dumps({"v": 1, "ts": ts, "event": event, "run_id": "r1", "rank": rank,
-                       **fields}) + "\n"
+    return (
+        json.dumps({"v": 1, "ts": ts, "event": event, "run_id": "r1", "rank": rank, **fields})
+        + "\n"
+    )
 
 
 def live(run: Path, rank: int, **snap: Any) -> None:
     d = run / "ranks" / f"rank{rank}"
     d.mkdir(parents=True, exist_ok=True)
-    base = {"rank": rank, "world_size": 2, "pid": 1, "host": "h", "status": "running",
-            "step": 0, "phase": "idle", "phase_start": NOW, "open_collectives": [],
-            "stats": {}, "totals": {}}
+    base = {
+        "rank": rank,
+        "world_size": 2,
+        "pid": 1,
+        "host": "h",
+        "status": "running",
+        "step": 0,
+        "phase": "idle",
+        "phase_start": NOW,
+        "open_collectives": [],
+        "stats": {},
+        "totals": {},
+    }
     (d / "live.json").write_text(json.dumps({**base, **snap}))
 
 
@@ -36,21 +48,49 @@ def run(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     (run / "ranks" / "rank1").mkdir(parents=True)
     t = NOW - 60
-    lines = [rec("attempt_start", t, -1, attempt=0),
-             rec("run_start", t + 1, 0, step=0, max_steps=100, model="/m/tiny", world_size=2,
-                 strategy="ddp")]
-    lines += [rec("step", t + 2 + i, 0, step=i + 1, step_ms=ms) for i, ms in
-              enumerate([100.0, 300.0, 200.0])]
+    lines = [
+        rec("attempt_start", t, -1, attempt=0),
+        rec(
+            "run_start",
+            t + 1,
+            0,
+            step=0,
+            max_steps=100,
+            model="/m/tiny",
+            world_size=2,
+            strategy="ddp",
+        ),
+    ]
+    lines += [
+        rec("step", t + 2 + i, 0, step=i + 1, step_ms=ms)
+        for i, ms in enumerate([100.0, 300.0, 200.0])
+    ]
     lines += [rec("checkpoint", t + 5, 0, step=3, reason="steps")]
-    lines += [rec("hang", NOW - 0.5, -1, kind="stuck_rank", culprits=[1],
-                  summary="rank 1 in data for 12.0s",
-                  collective={"seq": 42, "op": "allreduce[ddp]"})]
+    lines += [
+        rec(
+            "hang",
+            NOW - 0.5,
+            -1,
+            kind="stuck_rank",
+            culprits=[1],
+            summary="rank 1 in data for 12.0s",
+            collective={"seq": 42, "op": "allreduce[ddp]"},
+        )
+    ]
     (run / "events.jsonl").write_text("".join(lines))
     (run / "ranks" / "rank1" / "events.jsonl").write_text(
-        rec("run_start", t + 1, 1, step=0, world_size=2) + rec("step", t + 2, 1, step=1,
-                                                               step_ms=110.0))
-    live(run, 0, ts=NOW - 0.2, step=3, phase="train_step", phase_start=NOW - 1.5,
-         open_collectives=[{"seq": 42, "op": "allreduce[ddp]", "start": NOW - 1.2}])
+        rec("run_start", t + 1, 1, step=0, world_size=2)
+        + rec("step", t + 2, 1, step=1, step_ms=110.0)
+    )
+    live(
+        run,
+        0,
+        ts=NOW - 0.2,
+        step=3,
+        phase="train_step",
+        phase_start=NOW - 1.5,
+        open_collectives=[{"seq": 42, "op": "allreduce[ddp]", "start": NOW - 1.2}],
+    )
     live(run, 1, ts=NOW - 8, step=1, phase="data", phase_start=NOW - 12)
     return run
 
@@ -65,8 +105,11 @@ def test_frame_shows_phase_step_times_collective_and_alarm(run: Path) -> None:
     top.poll()
     frame = top.frame(NOW, width=200)
     r0, r1 = row(frame, 0), row(frame, 1)
-    assert re.search(r"running\s+train_step 1\.5s\s+3\s+200\s+200\s+56\.0s\s+"
-                     r"allreduce\[ddp\] #42 1\.2s", r0), r0
+    assert re.search(
+        r"running\s+train_step 1\.5s\s+3\s+200\s+200\s+56\.0s\s+"
+        r"allreduce\[ddp\] #42 1\.2s",
+        r0,
+    ), r0
     # Rank 1's snapshot is 8 s old while the job runs: stale, frozen at its last word.
     assert re.search(r"stale\s+data 4\.0s\s+1\s+110\s+110\s+-\s+hang/stuck_rank$", r1), r1
     assert "attempt 0 | restarts 0" in frame and "step 3/100" in frame
@@ -78,10 +121,12 @@ def test_median_covers_the_current_attempt_only(run: Path) -> None:
     top = Top(run)
     top.poll()
     with open(run / "events.jsonl", "a") as f:
-        f.write(rec("restart", NOW + 1, -1, attempt=1, reason="hang")
-                + rec("attempt_start", NOW + 2, -1, attempt=1)
-                + rec("run_start", NOW + 20, 0, step=3, max_steps=100, world_size=2)
-                + rec("step", NOW + 21, 0, step=4, step_ms=1000.0))
+        f.write(
+            rec("restart", NOW + 1, -1, attempt=1, reason="hang")
+            + rec("attempt_start", NOW + 2, -1, attempt=1)
+            + rec("run_start", NOW + 20, 0, step=3, max_steps=100, world_size=2)
+            + rec("step", NOW + 21, 0, step=4, step_ms=1000.0)
+        )
     top.poll()
     frame = top.frame(NOW + 22, width=200)
     assert "attempt 1 | restarts 1 (last: hang)" in frame
@@ -110,8 +155,9 @@ def test_clip_counts_visible_characters_only() -> None:
     assert _clip("plain text", 5) == "plain"
 
 
-def test_cli_once_colour_switch_and_bad_dir(run: Path, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_once_colour_switch_and_bad_dir(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["top", str(run), "--once", "--color", "always"]) == 0
     assert "\x1b[31m" in capsys.readouterr().out  # the alarm in red
     assert main(["top", str(run), "--once", "--color", "never"]) == 0
@@ -132,8 +178,19 @@ def test_live_loop_redraws_until_interrupted(run: Path) -> None:
         if len(naps) == 3:
             raise KeyboardInterrupt
 
-    assert run_top(run, once=False, interval_s=0.5, color=False, width=lambda: 100, out=out,
-                   clock=lambda: NOW, sleep=sleep) == 0
+    assert (
+        run_top(
+            run,
+            once=False,
+            interval_s=0.5,
+            color=False,
+            width=lambda: 100,
+            out=out,
+            clock=lambda: NOW,
+            sleep=sleep,
+        )
+        == 0
+    )
     text = out.getvalue()
     assert naps == [0.5, 0.5, 0.5] and text.count("\x1b[H\x1b[2J") == 3
     assert text.startswith("\x1b[?25l") and text.endswith("\x1b[?25h")  # cursor restored

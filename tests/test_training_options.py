@@ -10,8 +10,9 @@ from pathlib import Path
 from conftest import CLI, FAST, read_events, state_digest
 
 
-def test_gradient_checkpointing_matches_plain_run(cli: CLI, tmp_path: Path,
-                                                  reference: dict[str, str]) -> None:
+def test_gradient_checkpointing_matches_plain_run(
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     out = tmp_path / "gc"
     r = cli.run(out, *FAST, "--model.gradient_checkpointing", "true")
     assert r.returncode == 0, r.stderr
@@ -25,25 +26,45 @@ def test_packing_text_data_with_grad_accum_resumes_exactly(cli: CLI, tmp_path: P
     with open(data, "w") as f:
         for i in range(300):
             f.write(json.dumps({"text": " ".join(words[(i * k) % 8] for k in range(1, 9))}) + "\n")
-    args = [*FAST, "--data.train", str(data), "--data.packing", "true", "--train.batch_size", "8",
-            "--train.micro_batch_size", "4"]
+    args = [
+        *FAST,
+        "--data.train",
+        str(data),
+        "--data.packing",
+        "true",
+        "--train.batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "4",
+    ]
     ref = tmp_path / "ref"
     assert cli.run(ref, *args).returncode == 0
     steps = [e for e in read_events(ref) if e["event"] == "step"]
     assert all(e["tokens"] == 8 * 32 for e in steps)  # packed blocks, no padding
     out = tmp_path / "run"
-    assert cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@6:kill"}).returncode == \
-        -signal.SIGKILL
+    assert (
+        cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@6:kill"}).returncode
+        == -signal.SIGKILL
+    )
     r = cli.run(out, *args)
     assert r.returncode == 0, r.stderr
     assert state_digest(out, 12) == state_digest(ref, 12)
 
 
-def test_time_based_saves_and_resume_from_path(cli: CLI, tmp_path: Path,
-                                               reference: dict[str, str]) -> None:
+def test_time_based_saves_and_resume_from_path(
+    cli: CLI, tmp_path: Path, reference: dict[str, str]
+) -> None:
     out = tmp_path / "run"
-    r = cli.run(out, *FAST, "--checkpoint.every_steps", "0", "--checkpoint.every_seconds",
-                "0.000001", "--checkpoint.keep", "20")
+    r = cli.run(
+        out,
+        *FAST,
+        "--checkpoint.every_steps",
+        "0",
+        "--checkpoint.every_seconds",
+        "0.000001",
+        "--checkpoint.keep",
+        "20",
+    )
     assert r.returncode == 0, r.stderr
     ck = [e for e in read_events(out) if e["event"] == "checkpoint"]
     assert [e["step"] for e in ck] == list(range(1, 13))

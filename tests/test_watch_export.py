@@ -49,19 +49,28 @@ def prom_query(port: int, query: str) -> list[dict[str, Any]]:
     return list(body["data"]["result"])
 
 
-@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus (apt-get install "
-                    "prometheus; .ci/run installs it)")
+@pytest.mark.skipif(
+    PROMETHEUS is None,
+    reason="needs Debian's prometheus (apt-get install prometheus; .ci/run installs it)",
+)
 def test_degradation_alarms_reach_log_webhook_and_prometheus(cli: CLI, tmp_path: Path) -> None:
     assert PROMETHEUS is not None
     exporter, web = free_port(), free_port()
     (tmp_path / "prom.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n  - job_name: shoestring\n    honor_labels: true\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{exporter}']}}]\n")
-    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prom.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{web}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        f"    static_configs: [{{targets: ['127.0.0.1:{exporter}']}}]\n"
+    )
+    prom = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prom.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     Receiver.got = []
     hook = HTTPServer(("127.0.0.1", 0), Receiver)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
@@ -69,21 +78,50 @@ def test_degradation_alarms_reach_log_webhook_and_prometheus(cli: CLI, tmp_path:
     # From step 100 on, every forward of both ranks takes 3x as long (throughput drops)
     # and rank 1's gradient all-reduces (2 buckets a step) complete 100 ms later.
     env = cli.env(SHOESTRING_FAULTS="step.forward@200:slow200,comm.ddp@200:delay100:rank1")
-    cmd = [sys.executable, "-m", "shoestring", "run", "--nproc-per-node", "2", "--run-dir",
-           str(out), "--job-id", "deg-1", "--window", "1", "--metrics-interval", "1",
-           "--prometheus-port", str(exporter),
-           "--alert-webhook", f"http://127.0.0.1:{hook.server_port}/hook", "--",
-           sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out), *DIST,
-           "--train.max_steps", "160", "--checkpoint.every_steps", "1000"]
-    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "shoestring",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--run-dir",
+        str(out),
+        "--job-id",
+        "deg-1",
+        "--window",
+        "1",
+        "--metrics-interval",
+        "1",
+        "--prometheus-port",
+        str(exporter),
+        "--alert-webhook",
+        f"http://127.0.0.1:{hook.server_port}/hook",
+        "--",
+        sys.executable,
+        "-m",
+        "shoestring",
+        "finetune",
+        "--output_dir",
+        str(out),
+        *DIST,
+        "--train.max_steps",
+        "160",
+        "--checkpoint.every_steps",
+        "1000",
+    ]
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: dict[str, list[dict[str, Any]]] = {}
     try:
         while job.poll() is None:
             time.sleep(1.0)
             try:
-                for q in ("shoestring_step", "shoestring_process_resident_bytes",
-                          "shoestring_tokens_per_second", "shoestring_alarms_total"):
+                for q in (
+                    "shoestring_step",
+                    "shoestring_process_resident_bytes",
+                    "shoestring_tokens_per_second",
+                    "shoestring_alarms_total",
+                ):
                     res = prom_query(web, q)
                     if res:
                         seen[q] = res
@@ -112,16 +150,16 @@ def test_degradation_alarms_reach_log_webhook_and_prometheus(cli: CLI, tmp_path:
         drop = [a for a in alarms if a["kind"] == "throughput_drop" and a["rank"] == rank][-1]
         late = [w for w in windows if w["rank"] == rank and w["t0"] > drop["ts"]]
         late_after = [w for w in late if w["t0"] >= t101]
-        assert late_after and all(w["tokens_per_s"] < 0.95 * drop["baseline"]
-                                  for w in late_after)  # still below: the episode goes on
+        assert late_after and all(
+            w["tokens_per_s"] < 0.95 * drop["baseline"] for w in late_after
+        )  # still below: the episode goes on
         assert min(w["tokens_per_s"] for w in late_after) < 0.6 * drop["baseline"]
     # Rank 1's communication episode (opened by the injected +2 x 100 ms per step, or
     # already open from drift, as in one CI run where it opened at step 92) stays open
     # through the injected delay: every later window is above the alarm's baseline.
     comm = [a for a in alarms if a["kind"] == "comm_degraded" and a["rank"] == 1][-1]
     comm_after = [w for w in windows if w["rank"] == 1 and w["t0"] >= max(t101, comm["ts"])]
-    assert comm_after and all(w["comm_s_per_step"] > 1.10 * comm["baseline"]
-                              for w in comm_after)
+    assert comm_after and all(w["comm_s_per_step"] > 1.10 * comm["baseline"] for w in comm_after)
     assert min(w["comm_s_per_step"] for w in comm_after) > comm["baseline"] + 0.1
     windows = [e for e in ev if e["event"] == "window"]
     assert {w["rank"] for w in windows} == {0, 1}
@@ -135,8 +173,9 @@ def test_degradation_alarms_reach_log_webhook_and_prometheus(cli: CLI, tmp_path:
     # The same alarms, posted to the webhook with a Slack-compatible text line.
     posted = {(b["kind"], b.get("rank")) for b in Receiver.got}
     assert kinds <= posted, (kinds, posted)
-    assert all(b["text"].startswith("shoestring deg-1: ") and b["job"] == "deg-1"
-               for b in Receiver.got)
+    assert all(
+        b["text"].startswith("shoestring deg-1: ") and b["job"] == "deg-1" for b in Receiver.got
+    )
 
     # A real Prometheus server scraped the endpoint; its query API returns our series.
     assert {r["metric"]["rank"] for r in seen["shoestring_step"]} == {"0", "1"}
@@ -144,5 +183,6 @@ def test_degradation_alarms_reach_log_webhook_and_prometheus(cli: CLI, tmp_path:
     assert max(float(r["value"][1]) for r in seen["shoestring_step"]) > 0
     assert all(float(r["value"][1]) > 50e6 for r in seen["shoestring_process_resident_bytes"])
     assert seen.get("shoestring_tokens_per_second")
-    assert {r["metric"]["kind"] for r in seen.get("shoestring_alarms_total", [])} >= \
-        {"throughput_drop"}
+    assert {r["metric"]["kind"] for r in seen.get("shoestring_alarms_total", [])} >= {
+        "throughput_drop"
+    }

@@ -12,13 +12,21 @@ import pytest
 from conftest import CLI, DIST, read_events, run_job, sha256
 
 
-@pytest.mark.parametrize("fault,culprit,frame", [
-    ("step.end@6:hang:rank1:once", 1, "in hit"),    # a rank that stops after a step
-    pytest.param("step.data@13:hang:rank0:once", 0, "in hit",  # stuck loading data (step 7)
-                 marks=pytest.mark.slow),
-])
-def test_hang_is_caught_named_and_restarted(cli: CLI, tmp_path: Path, ddp_ref: Path,
-                                            fault: str, culprit: int, frame: str) -> None:
+@pytest.mark.parametrize(
+    "fault,culprit,frame",
+    [
+        ("step.end@6:hang:rank1:once", 1, "in hit"),  # a rank that stops after a step
+        pytest.param(
+            "step.data@13:hang:rank0:once",
+            0,
+            "in hit",  # stuck loading data (step 7)
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_hang_is_caught_named_and_restarted(
+    cli: CLI, tmp_path: Path, ddp_ref: Path, fault: str, culprit: int, frame: str
+) -> None:
     out = tmp_path / "run"
     r = run_job(cli, out, 2, *DIST, restarts=1, env={"SHOESTRING_FAULTS": fault})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -38,19 +46,27 @@ def test_hang_is_caught_named_and_restarted(cli: CLI, tmp_path: Path, ddp_ref: P
     assert "in train_step" in verdict["ranks"][str(other)]["stacks"]
     (restart,) = [e for e in ev if e["event"] == "restart"]
     assert restart["reason"] == "hang"
-    assert sha256(out / "final" / "adapter_model.safetensors") == \
-        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+    assert sha256(out / "final" / "adapter_model.safetensors") == sha256(
+        ddp_ref / "final" / "adapter_model.safetensors"
+    )
 
 
-def test_rank_that_never_joins_is_named_and_restarted(cli: CLI, tmp_path: Path,
-                                                     ddp_ref: Path) -> None:
+def test_rank_that_never_joins_is_named_and_restarted(
+    cli: CLI, tmp_path: Path, ddp_ref: Path
+) -> None:
     # Rank 1 is stuck before it joins the process group (the first attempt only); rank 0
     # has announced itself and waits in init_process_group. No collective timeout, no
     # step: named after the first-phase timeout (20 s here), then the job restarts.
     out = tmp_path / "run"
-    r = run_job(cli, out, 2, *DIST, restarts=1,
-                env={"SHOESTRING_FAULTS": "start.init@1:hang:rank1:once"},
-                run_args=("--first-phase-timeout", "20"))
+    r = run_job(
+        cli,
+        out,
+        2,
+        *DIST,
+        restarts=1,
+        env={"SHOESTRING_FAULTS": "start.init@1:hang:rank1:once"},
+        run_args=("--first-phase-timeout", "20"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     (hang,) = [e for e in ev if e["event"] == "hang"]
@@ -64,16 +80,19 @@ def test_rank_that_never_joins_is_named_and_restarted(cli: CLI, tmp_path: Path,
     assert "in init_process_group" in verdict["ranks"]["0"]["stacks"]
     (restart,) = [e for e in ev if e["event"] == "restart"]
     assert restart["reason"] == "hang"
-    assert sha256(out / "final" / "adapter_model.safetensors") == \
-        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+    assert sha256(out / "final" / "adapter_model.safetensors") == sha256(
+        ddp_ref / "final" / "adapter_model.safetensors"
+    )
 
 
-def test_mismatched_collective_is_named_and_restarted(cli: CLI, tmp_path: Path,
-                                                      ddp_ref: Path) -> None:
+def test_mismatched_collective_is_named_and_restarted(
+    cli: CLI, tmp_path: Path, ddp_ref: Path
+) -> None:
     # Rank 1 issues an extra, mis-shaped all_reduce (float64 of 3) during step 5.
     out = tmp_path / "run"
-    r = run_job(cli, out, 2, *DIST, restarts=1,
-                env={"SHOESTRING_FAULTS": "step.agree@5:extra:rank1:once"})
+    r = run_job(
+        cli, out, 2, *DIST, restarts=1, env={"SHOESTRING_FAULTS": "step.agree@5:extra:rank1:once"}
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     (hang,) = [e for e in ev if e["event"] == "hang"]
@@ -81,8 +100,9 @@ def test_mismatched_collective_is_named_and_restarted(cli: CLI, tmp_path: Path,
     assert hang["collective"]["op"] == "all_reduce" and hang["collective"]["shapes"] == [[3]]
     assert "rank 1: all_reduce" in hang["summary"]
     assert hang["detected_after_s"] <= hang["ranks"]["1"]["budget_s"] + 3.0
-    assert sha256(out / "final" / "adapter_model.safetensors") == \
-        sha256(ddp_ref / "final" / "adapter_model.safetensors")
+    assert sha256(out / "final" / "adapter_model.safetensors") == sha256(
+        ddp_ref / "final" / "adapter_model.safetensors"
+    )
 
 
 def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_path: Path) -> None:
@@ -98,21 +118,60 @@ def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_pa
     # still fails if the judgement counts them.
     out = tmp_path / "run"
     data = tmp_path / "small.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{w} ->", "completion": f" {w[::-1]}"}) + "\n"
-                            for w in ["spot", "gpu", "cheap", "resume", "adapter", "token",
-                                      "shard", "bucket", "slurm", "node", "rank", "step"] * 4))
-    r = run_job(cli, out, 2, *DIST, "--train.max_steps", "40", "--data.train", str(data),
-                "--data.eval", "builtin:reverse", "--eval.max_samples", "48",
-                "--eval.every_steps", "10", "--checkpoint.every_steps", "5",
-                run_args=("--hang-floor", "2", "--first-phase-timeout", "60",
-                          "--straggler-threshold", "0.25"))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{w} ->", "completion": f" {w[::-1]}"}) + "\n"
+            for w in [
+                "spot",
+                "gpu",
+                "cheap",
+                "resume",
+                "adapter",
+                "token",
+                "shard",
+                "bucket",
+                "slurm",
+                "node",
+                "rank",
+                "step",
+            ]
+            * 4
+        )
+    )
+    r = run_job(
+        cli,
+        out,
+        2,
+        *DIST,
+        "--train.max_steps",
+        "40",
+        "--data.train",
+        str(data),
+        "--data.eval",
+        "builtin:reverse",
+        "--eval.max_samples",
+        "48",
+        "--eval.every_steps",
+        "10",
+        "--checkpoint.every_steps",
+        "5",
+        run_args=(
+            "--hang-floor",
+            "2",
+            "--first-phase-timeout",
+            "60",
+            "--straggler-threshold",
+            "0.25",
+        ),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     assert not [e for e in ev if e["event"] in ("hang", "straggler", "restart")]
     evals = [e for e in ev if e["event"] == "eval"]
     steps = [e for e in ev if e["event"] == "step"]
-    assert len(evals) == 5 and max(e["eval_ms"] for e in evals) > 3 * max(e["step_ms"]
-                                                                           for e in steps)
+    assert len(evals) == 5 and max(e["eval_ms"] for e in evals) > 3 * max(
+        e["step_ms"] for e in steps
+    )
     assert steps[-1]["epoch"] >= 4  # 48 samples, 8 per step: several epoch boundaries
     # The straggler check did judge this run (enough quiet steps on every rank).
     for r in (0, 1):
@@ -120,12 +179,15 @@ def test_healthy_run_with_saves_and_rank0_evals_raises_no_alarm(cli: CLI, tmp_pa
         assert len(live["work"]["forward"]) >= 20
 
 
-@pytest.mark.parametrize("slow", [
-    "slow20",
-    # The issue's 10 %: flagged in 3 of 3 runs here (steps 39-40, measured 11-13 % slower),
-    # but that is at the threshold, so CI runs the 20 % case (measured 20-22 %).
-    pytest.param("slow10", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "slow",
+    [
+        "slow20",
+        # The issue's 10 %: flagged in 3 of 3 runs here (steps 39-40, measured 11-13 % slower),
+        # but that is at the threshold, so CI runs the 20 % case (measured 20-22 %).
+        pytest.param("slow10", marks=pytest.mark.slow),
+    ],
+)
 def test_slow_rank_is_flagged_with_its_slow_phase(cli: CLI, tmp_path: Path, slow: str) -> None:
     out = tmp_path / "run"
     # Every forward pass of rank 1 takes 20 % (10 %) longer from the first step on.
@@ -133,8 +195,17 @@ def test_slow_rank_is_flagged_with_its_slow_phase(cli: CLI, tmp_path: Path, slow
     # save) on every rank, and a report the same verdict as of 10 steps in a row, all
     # seen in one published snapshot (published every second, so a few steps late).
     # Saves every 10 steps (not DIST's 4: each drops the steps its writer overlaps).
-    r = run_job(cli, out, 2, *DIST, "--train.max_steps", "50", "--checkpoint.every_steps", "10",
-                env={"SHOESTRING_FAULTS": f"step.forward@1:{slow}:rank1"})
+    r = run_job(
+        cli,
+        out,
+        2,
+        *DIST,
+        "--train.max_steps",
+        "50",
+        "--checkpoint.every_steps",
+        "10",
+        env={"SHOESTRING_FAULTS": f"step.forward@1:{slow}:rank1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     (alarm,) = [e for e in ev if e["event"] == "straggler"]

@@ -17,8 +17,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from shoestring.checkpoint import (CheckpointSaveError, FaultPlan, FileWriter, PublishError,
-                                   RemoteStore, SaveRequest, Writer, make_snapshot, verify_dir)
+from shoestring.checkpoint import (
+    CheckpointSaveError,
+    FaultPlan,
+    FileWriter,
+    PublishError,
+    RemoteStore,
+    SaveRequest,
+    Writer,
+    make_snapshot,
+    verify_dir,
+)
 from shoestring.checkpoint.commit import publish_and_prune, run_commit
 from shoestring.checkpoint.local import commit_local, committed_steps, step_dirname
 from shoestring.checkpoint.sharded import ShardedWriter, is_sharded
@@ -30,22 +39,33 @@ CKPT_SRC = Path(__file__).resolve().parent.parent / "src" / "shoestring" / "chec
 
 def _snap(step: int, n: int = 1000) -> Any:
     g = torch.Generator().manual_seed(step)
-    return make_snapshot(step, {"w.safetensors": {"w": torch.randn(n, generator=g)}},
-                         {"state.json": {"step": step}}, {"kind": "test"})
+    return make_snapshot(
+        step,
+        {"w.safetensors": {"w": torch.randn(n, generator=g)}},
+        {"state.json": {"step": step}},
+        {"kind": "test"},
+    )
 
 
 def _events(tmp: Path, name: str = "checkpoint") -> list[dict[str, Any]]:
     return [e for e in read_events(tmp / "events.jsonl") if e["event"] == name]
 
 
-def _file_writer(tmp: Path, mode: str, *, keep: int = 2, faults: str = "",
-                 remote: RemoteStore | None = None) -> FileWriter:
-    return FileWriter(tmp / "ck", keep=keep, mode=mode,
-                      events=EventLog(tmp / "events.jsonl", run_id="t"), remote=remote,
-                      faults=FaultPlan.parse(faults))
+def _file_writer(
+    tmp: Path, mode: str, *, keep: int = 2, faults: str = "", remote: RemoteStore | None = None
+) -> FileWriter:
+    return FileWriter(
+        tmp / "ck",
+        keep=keep,
+        mode=mode,
+        events=EventLog(tmp / "events.jsonl", run_id="t"),
+        remote=remote,
+        faults=FaultPlan.parse(faults),
+    )
 
 
 # ---------------------------------------------------------------- the file writer
+
 
 @pytest.mark.parametrize("mode", ["thread", "process", "off"])
 def test_file_writer_commits_prunes_and_accounts_blocking(tmp_path: Path, mode: str) -> None:
@@ -67,9 +87,20 @@ def test_file_writer_commits_prunes_and_accounts_blocking(tmp_path: Path, mode: 
     assert [e["step"] for e in ev] == [1, 2, 3]
     assert [e["deleted"] for e in ev] == [[], [], [1]]
     # The event's fields and their order are the file writer's (docs/events.md).
-    assert list(ev[0])[5:] == ["step", "path", "bytes", "serialize_ms", "write_ms", "upload_ms",
-                               "background_ms", "deleted", "reason", "blocking_ms", "mode",
-                               "storage"]
+    assert list(ev[0])[5:] == [
+        "step",
+        "path",
+        "bytes",
+        "serialize_ms",
+        "write_ms",
+        "upload_ms",
+        "background_ms",
+        "deleted",
+        "reason",
+        "blocking_ms",
+        "mode",
+        "storage",
+    ]
     for e, ret in zip(ev, returned):
         assert e["reason"] == "steps" and e["mode"] == mode and e["storage"] == ""
         assert e["blocking_ms"] >= 7.0  # the caller's capture time counts as blocking
@@ -98,8 +129,9 @@ def test_a_file_writer_refuses_a_sharded_request(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_background_failure_surfaces_at_check_naming_the_intact_step(tmp_path: Path,
-                                                                      mode: str) -> None:
+def test_background_failure_surfaces_at_check_naming_the_intact_step(
+    tmp_path: Path, mode: str
+) -> None:
     # Each save writes 2 files: the 3rd file write is save 2's first.
     w = _file_writer(tmp_path, mode, faults="ckpt.after_file@3:enospc")
     try:
@@ -111,8 +143,11 @@ def test_background_failure_surfaces_at_check_naming_the_intact_step(tmp_path: P
         with pytest.raises(CheckpointSaveError) as ei:
             w.check()
         # (process mode: the worker's OSError text gets a second "[Errno 28]" prefix)
-        assert re.match(rf"saving checkpoint step 2 under {re.escape(str(root))} failed: "
-                        r"OSError: (\[Errno 28\] )+No space left on device", str(ei.value))
+        assert re.match(
+            rf"saving checkpoint step 2 under {re.escape(str(root))} failed: "
+            r"OSError: (\[Errno 28\] )+No space left on device",
+            str(ei.value),
+        )
         assert str(ei.value).endswith("; step 1 is intact")
         assert getattr(ei.value.__cause__, "errno", None) == 28
         w.check()  # reported once
@@ -126,8 +161,11 @@ def test_background_failure_surfaces_at_check_naming_the_intact_step(tmp_path: P
 
 def test_failure_without_earlier_checkpoint_says_so(tmp_path: Path) -> None:
     w = _file_writer(tmp_path, "off", faults="ckpt.before_rename:enospc")
-    with pytest.raises(CheckpointSaveError, match=r"step 1 under .* failed: OSError: .*; "
-                                                  r"no earlier checkpoint exists$"):
+    with pytest.raises(
+        CheckpointSaveError,
+        match=r"step 1 under .* failed: OSError: .*; "
+        r"no earlier checkpoint exists$",
+    ):
         w.submit(SaveRequest.files(_snap(1)), reason="t")
 
 
@@ -146,13 +184,18 @@ class _Gated(FileWriter):
 
 
 def test_busy_wait_and_one_save_in_flight(tmp_path: Path) -> None:
-    w = _Gated(tmp_path / "ck", keep=5, mode="thread",
-               events=EventLog(tmp_path / "events.jsonl", run_id="t"))
+    w = _Gated(
+        tmp_path / "ck",
+        keep=5,
+        mode="thread",
+        events=EventLog(tmp_path / "events.jsonl", run_id="t"),
+    )
     w.submit(SaveRequest.files(_snap(1)), reason="t")
     assert w.busy()
     w.check()  # nothing to report while the save runs
-    second = threading.Thread(target=w.submit, args=(SaveRequest.files(_snap(2)),),
-                              kwargs={"reason": "t"})
+    second = threading.Thread(
+        target=w.submit, args=(SaveRequest.files(_snap(2)),), kwargs={"reason": "t"}
+    )
     second.start()
     second.join(0.3)
     assert second.is_alive() and w.started == [1]  # the next save waits for the previous
@@ -168,16 +211,20 @@ class _Toy(Writer):
     """The smallest back-end: the template alone decides events and blocking."""
 
     def __init__(self, tmp: Path, mode: str, tail_ms: float, fail: bool = False) -> None:
-        super().__init__(tmp / "ck", keep=1, mode=mode,
-                         events=EventLog(tmp / "events.jsonl", run_id="t"))
+        super().__init__(
+            tmp / "ck", keep=1, mode=mode, events=EventLog(tmp / "events.jsonl", run_id="t")
+        )
         self.tail_ms, self.fail = tail_ms, fail
 
     def _start(self, req: SaveRequest, background: bool) -> Finish:
         def finish() -> Committed:
             if self.fail:
                 raise RuntimeError("boom")
-            return Committed({"step": req.step, "reason": None, "blocking_ms": None,
-                              "background": background}, self.tail_ms)
+            return Committed(
+                {"step": req.step, "reason": None, "blocking_ms": None, "background": background},
+                self.tail_ms,
+            )
+
         return finish
 
 
@@ -197,15 +244,19 @@ def test_template_fills_reason_and_blocking(tmp_path: Path, mode: str, sync: boo
 def test_template_reports_failure_once_with_the_common_text(tmp_path: Path) -> None:
     w = _Toy(tmp_path, "thread", tail_ms=0.0, fail=True)
     w.submit(SaveRequest(step=9), reason="t")
-    with pytest.raises(CheckpointSaveError, match=rf"^saving checkpoint step 9 under "
-                                                  rf"{re.escape(str(tmp_path / 'ck'))} failed: "
-                                                  r"RuntimeError: boom; no earlier"):
+    with pytest.raises(
+        CheckpointSaveError,
+        match=rf"^saving checkpoint step 9 under "
+        rf"{re.escape(str(tmp_path / 'ck'))} failed: "
+        r"RuntimeError: boom; no earlier",
+    ):
         w.wait()
     w.close()  # the error was consumed: close does not raise it again
     assert [e["error"] for e in _events(tmp_path, "checkpoint_failed")] == ["RuntimeError: boom"]
 
 
 # ---------------------------------------------------------------- the shared commit pipeline
+
 
 def test_publish_failure_message_and_local_copy_kept(tmp_path: Path) -> None:
     remote = RemoteStore(str(tmp_path / "remote"))
@@ -217,9 +268,11 @@ def test_publish_failure_message_and_local_copy_kept(tmp_path: Path) -> None:
     local = tmp_path / "ck" / step_dirname(1)
     cause = ei.value.__cause__
     assert isinstance(cause, PublishError)
-    assert str(cause) == (f"publishing step 1 to {remote.url} failed (OSError: [Errno 28] No "
-                          f"space left on device (fault upload.before_manifest)); the local "
-                          f"copy {local} is committed")
+    assert str(cause) == (
+        f"publishing step 1 to {remote.url} failed (OSError: [Errno 28] No "
+        f"space left on device (fault upload.before_manifest)); the local "
+        f"copy {local} is committed"
+    )
     assert str(ei.value).endswith("; step 1 is intact")  # the local commit did happen
     assert committed_steps(tmp_path / "ck") == [1] and remote.committed_steps() == []
 
@@ -253,33 +306,55 @@ def test_remote_store_publish_committed_steps_retention(tmp_path: Path, scheme: 
         w.submit(SaveRequest.files(_snap(step)), reason="t")
     w.close()
     assert remote.committed_steps() == [4, 3]
-    assert sorted(p.name for p in (tmp_path / "remote").iterdir()) == [step_dirname(3),
-                                                                       step_dirname(4)]
+    assert sorted(p.name for p in (tmp_path / "remote").iterdir()) == [
+        step_dirname(3),
+        step_dirname(4),
+    ]
     ev = _events(tmp_path)
     assert all(e["storage"] == remote.url and e["upload_ms"] > 0 for e in ev)
     assert ev[-1]["deleted"] == [2]
     assert remote.read_manifest(4) == verify_dir(tmp_path / "ck" / step_dirname(4), deep=True)
     fetched = remote.fetch(4, tmp_path / "cache")
-    assert (fetched / "w.safetensors").read_bytes() == \
-        (tmp_path / "ck" / step_dirname(4) / "w.safetensors").read_bytes()
+    assert (fetched / "w.safetensors").read_bytes() == (
+        tmp_path / "ck" / step_dirname(4) / "w.safetensors"
+    ).read_bytes()
 
 
 # ---------------------------------------------------------------- the sharded (DCP) writer
 
+
 def _dcp_request(step: int, rank: int = 0) -> SaveRequest:
     g = torch.Generator().manual_seed(step * 10 + rank)
     state = {"model": {"w": torch.randn(64, generator=g)}, "optim": {"m": torch.ones(8) * step}}
-    return SaveRequest.sharded(step, state, {f"rng_rank{rank}.json": b"{}"}, {"kind": "dcp"},
-                               capture_ms=1.0)
+    return SaveRequest.sharded(
+        step, state, {f"rng_rank{rank}.json": b"{}"}, {"kind": "dcp"}, capture_ms=1.0
+    )
 
 
-def _sharded(tmp: Path, mode: str, *, rank: int = 0, group: Any = None, keep: int = 2,
-             faults: str = "", remote: RemoteStore | None = None) -> ShardedWriter:
-    return ShardedWriter(tmp / "ck", rank=rank, group=group, keep=keep, mode=mode,
-                         events=EventLog(tmp / ("events.jsonl" if rank == 0 else
-                                                f"events.rank{rank}.jsonl"), run_id="t",
-                                         rank=rank),
-                         remote=remote, faults=FaultPlan.parse(faults))
+def _sharded(
+    tmp: Path,
+    mode: str,
+    *,
+    rank: int = 0,
+    group: Any = None,
+    keep: int = 2,
+    faults: str = "",
+    remote: RemoteStore | None = None,
+) -> ShardedWriter:
+    return ShardedWriter(
+        tmp / "ck",
+        rank=rank,
+        group=group,
+        keep=keep,
+        mode=mode,
+        events=EventLog(
+            tmp / ("events.jsonl" if rank == 0 else f"events.rank{rank}.jsonl"),
+            run_id="t",
+            rank=rank,
+        ),
+        remote=remote,
+        faults=FaultPlan.parse(faults),
+    )
 
 
 @pytest.mark.parametrize("mode", ["thread", "off"])
@@ -299,8 +374,20 @@ def test_sharded_writer_in_one_process(tmp_path: Path, mode: str) -> None:
     m = verify_dir(root / step_dirname(3), deep=True)
     assert is_sharded(m.files) and "rng_rank0.json" in m.files and m.meta == {"kind": "dcp"}
     ev = _events(tmp_path)
-    assert list(ev[0])[5:] == ["step", "path", "bytes", "reason", "mode", "format", "shards",
-                               "blocking_ms", "seal_ms", "upload_ms", "storage", "deleted"]
+    assert list(ev[0])[5:] == [
+        "step",
+        "path",
+        "bytes",
+        "reason",
+        "mode",
+        "format",
+        "shards",
+        "blocking_ms",
+        "seal_ms",
+        "upload_ms",
+        "storage",
+        "deleted",
+    ]
     assert [e["deleted"] for e in ev] == [[], [], [1]]
     for e in ev:
         assert e["format"] == "dcp" and e["shards"] == 1 and e["mode"] == mode
@@ -327,9 +414,12 @@ def test_sharded_seal_failure_names_rank_and_intact_step(tmp_path: Path) -> None
             w.wait()
     w.close()
     root = tmp_path / "ck"
-    assert re.fullmatch(rf"saving checkpoint step 2 under {re.escape(str(root))} failed on rank "
-                        r"0: OSError: \[Errno 28\] No space left on device \(fault "
-                        r"ckpt.before_manifest\); step 1 is intact", str(ei.value))
+    assert re.fullmatch(
+        rf"saving checkpoint step 2 under {re.escape(str(root))} failed on rank "
+        r"0: OSError: \[Errno 28\] No space left on device \(fault "
+        r"ckpt.before_manifest\); step 1 is intact",
+        str(ei.value),
+    )
     assert [e["step"] for e in _events(tmp_path, "checkpoint_failed")] == [2]
     assert committed_steps(root) == [1]
 
@@ -375,8 +465,9 @@ def _dcp_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.e2e
 def test_sharded_writer_two_gloo_ranks(tmp_path: Path) -> None:
-    mp.start_processes(_dcp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _dcp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
     root = tmp_path / "ck"
     assert committed_steps(root) == [2]  # keep=1: step 1 pruned after step 2 was sealed
     m = verify_dir(root / step_dirname(2), deep=True)
@@ -388,6 +479,7 @@ def test_sharded_writer_two_gloo_ranks(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- the package's shape
 
+
 def _imports(path: Path) -> set[str]:
     """checkpoint/ modules that ``path`` imports, at top level or inside functions."""
     out: set[str] = set()
@@ -397,25 +489,34 @@ def _imports(path: Path) -> set[str]:
             if parts[:2] == ["shoestring", "checkpoint"]:
                 out |= {parts[2]} if len(parts) > 2 else {a.name for a in node.names}
         elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[2] for a in node.names
-                    if a.name.startswith("shoestring.checkpoint.")}
+            out |= {
+                a.name.split(".")[2]
+                for a in node.names
+                if a.name.startswith("shoestring.checkpoint.")
+            }
     return out
 
 
 def test_checkpoint_package_has_no_import_cycle() -> None:
-    graph = {p.stem: _imports(p) - {"__init__"} for p in CKPT_SRC.glob("*.py")
-             if p.stem != "__init__"}
+    graph = {
+        p.stem: _imports(p) - {"__init__"} for p in CKPT_SRC.glob("*.py") if p.stem != "__init__"
+    }
     assert "writer" not in graph["procworker"] and "commit" in graph["procworker"]
 
     def reaches(a: str, b: str, seen: frozenset[str] = frozenset()) -> bool:
-        return any(n == b or (n not in seen and reaches(n, b, seen | {n}))
-                   for n in graph.get(a, ()))
+        return any(
+            n == b or (n not in seen and reaches(n, b, seen | {n})) for n in graph.get(a, ())
+        )
+
     assert [m for m in graph if reaches(m, m)] == []
 
 
 def test_no_function_in_checkpoint_is_over_60_lines() -> None:
-    long = [f"{p.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)"  # type: ignore[operator]
-            for p in CKPT_SRC.glob("*.py") for n in ast.walk(ast.parse(p.read_text()))
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and n.end_lineno - n.lineno + 1 > 60]  # type: ignore[operator]
+    long = [
+        f"{p.name}:{n.name} ({n.end_lineno - n.lineno + 1} lines)"  # type: ignore[operator]
+        for p in CKPT_SRC.glob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.end_lineno - n.lineno + 1 > 60
+    ]  # type: ignore[operator]
     assert long == []

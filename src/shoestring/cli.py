@@ -18,13 +18,22 @@ import logging
 import os
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from shoestring import __version__, exitcodes
-from shoestring.config import (ArgSpec, ConfigError, Invocation, build, help_table, iter_fields,
-                               parse_command_line, read_yaml)
+from shoestring.config import (
+    ArgSpec,
+    ConfigError,
+    Invocation,
+    build,
+    help_table,
+    iter_fields,
+    parse_command_line,
+    read_yaml,
+)
 from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
 from shoestring.report.cli import ReportConfig, TopConfig
 from shoestring.supervise.config import SLURM_EPILOG, RunConfig, SlurmConfig
@@ -96,20 +105,34 @@ def _finetune(cfg: FinetuneConfig, call: Invocation) -> int:
 
     resume = _finetune_options(call).resume
     if resume == "never" and committed_steps(Path(cfg.output_dir) / "checkpoints"):
-        raise ConfigError(f"--resume never: {cfg.output_dir} already has checkpoints; "
-                          "choose another output_dir or delete them yourself")
+        raise ConfigError(
+            f"--resume never: {cfg.output_dir} already has checkpoints; "
+            "choose another output_dir or delete them yourself"
+        )
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise ConfigError(f"--resume: {resume} is not a checkpoint directory")
     env = call.env
     dist = DistEnv.from_environ(env)
     try:
-        faults = FaultPlan.parse(env.get("SHOESTRING_FAULTS", ""), rank=dist.rank,
-                                 once_dir=Path(cfg.output_dir) / ".faults-fired")
+        faults = FaultPlan.parse(
+            env.get("SHOESTRING_FAULTS", ""),
+            rank=dist.rank,
+            once_dir=Path(cfg.output_dir) / ".faults-fired",
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from e
     cache = Path(env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
-    return finetune(cfg, RunOptions(resume=resume, faults=faults, cache_dir=cache,
-                                    dist=dist, preflight=preflight_event, ledger=run_ledger))
+    return finetune(
+        cfg,
+        RunOptions(
+            resume=resume,
+            faults=faults,
+            cache_dir=cache,
+            dist=dist,
+            preflight=preflight_event,
+            ledger=run_ledger,
+        ),
+    )
 
 
 def _finetune_options(call: Invocation) -> FinetuneOptions:
@@ -119,59 +142,78 @@ def _finetune_options(call: Invocation) -> FinetuneOptions:
 
 VERBS: dict[str, Verb | ArgparseVerb] = {
     "finetune": Verb(
-        FinetuneConfig, _finetune, options=FinetuneOptions,
+        FinetuneConfig,
+        _finetune,
+        options=FinetuneOptions,
         help="LoRA fine-tuning that survives preemption and resumes exactly",
         description="LoRA fine-tuning of a local Hugging Face causal LM. With no arguments, "
-                    "trains the built-in tiny model on the bundled task and prints "
-                    "before/after.", epilog=FINETUNE_EPILOG),
+        "trains the built-in tiny model on the bundled task and prints "
+        "before/after.",
+        epilog=FINETUNE_EPILOG,
+    ),
     "run": Verb(
-        RunConfig, "shoestring.supervise.supervisor:supervise",
+        RunConfig,
+        "shoestring.supervise.supervisor:supervise",
         help="launch a job (torchrun for several processes) and restart it on failure",
         description="Run COMMAND, through torchrun when --nproc-per-node > 1 (or under a "
-                    "multi-node Slurm allocation), and restart the whole job after a crash, a "
-                    "killed rank or a preemption exit, so it continues from its last "
-                    "checkpoint. A signal to this process is forwarded to the job and ends "
-                    "the run without a restart.",
-        epilog=RUN_EPILOG, args=ArgSpec(command="command")),
+        "multi-node Slurm allocation), and restart the whole job after a crash, a "
+        "killed rank or a preemption exit, so it continues from its last "
+        "checkpoint. A signal to this process is forwarded to the job and ends "
+        "the run without a restart.",
+        epilog=RUN_EPILOG,
+        args=ArgSpec(command="command"),
+    ),
     "plan": Verb(
-        PlanConfig, "shoestring.plan.cli:run_plan",
+        PlanConfig,
+        "shoestring.plan.cli:run_plan",
         help="predict peak GPU memory, time and cost of a fine-tune before running it",
         description="Predict whether a fine-tune fits a GPU (memory breakdown by component), "
-                    "the largest micro-batch and sequence that fit, what to change if it does "
-                    "not, and time and cost on demand and on spot. Nothing is loaded or "
-                    "downloaded.",
-        epilog=PLAN_EPILOG, args=ArgSpec(config_flag="--plan-config")),
+        "the largest micro-batch and sequence that fit, what to change if it does "
+        "not, and time and cost on demand and on spot. Nothing is loaded or "
+        "downloaded.",
+        epilog=PLAN_EPILOG,
+        args=ArgSpec(config_flag="--plan-config"),
+    ),
     "infer": ArgparseVerb(
-        "shoestring.infer.cli", "add_parser", "run",
-        help="batch inference of models larger than memory, streamed layer by layer"),
+        "shoestring.infer.cli",
+        "add_parser",
+        "run",
+        help="batch inference of models larger than memory, streamed layer by layer",
+    ),
     "report": Verb(
-        ReportConfig, "shoestring.report.cli:run_report",
+        ReportConfig,
+        "shoestring.report.cli:run_report",
         help="write one self-contained HTML report of a run directory",
         description="Merge the event logs of every rank and attempt in RUN_DIR and write one "
-                    "HTML file (inline SVG plots, no network needed to view it): summary, "
-                    "timeline of attempts, restarts, preemptions, checkpoints and alarms, step "
-                    "time per rank, communication share, loss, alarms and hang verdicts, "
-                    "checkpoints, host/GPU metrics when sampled.",
-        args=ArgSpec(positional="run_dir", aliases={"-o": "output"})),
+        "HTML file (inline SVG plots, no network needed to view it): summary, "
+        "timeline of attempts, restarts, preemptions, checkpoints and alarms, step "
+        "time per rank, communication share, loss, alarms and hang verdicts, "
+        "checkpoints, host/GPU metrics when sampled.",
+        args=ArgSpec(positional="run_dir", aliases={"-o": "output"}),
+    ),
     "top": Verb(
-        TopConfig, "shoestring.report.cli:run_top",
+        TopConfig,
+        "shoestring.report.cli:run_top",
         help="live terminal view of a run: ranks, phases, step times, alarms",
         description="Follow RUN_DIR (events.jsonl and the ranks' live.json) and redraw every "
-                    "INTERVAL seconds: per rank its status, phase, step, step time (last and "
-                    "median), time since its last step, the collective it waits in and its "
-                    "alarms; the job's attempt, restarts and last checkpoint. Reads files "
-                    "only; never touches the training processes. Ctrl-C to leave.",
-        args=ArgSpec(positional="run_dir")),
+        "INTERVAL seconds: per rank its status, phase, step, step time (last and "
+        "median), time since its last step, the collective it waits in and its "
+        "alarms; the job's attempt, restarts and last checkpoint. Reads files "
+        "only; never touches the training processes. Ctrl-C to leave.",
+        args=ArgSpec(positional="run_dir"),
+    ),
     "slurm": Verb(
-        SlurmConfig, "shoestring.supervise.slurm:run_slurm",
+        SlurmConfig,
+        "shoestring.supervise.slurm:run_slurm",
         help="write (and submit) an sbatch script that checkpoints and requeues itself "
-             "before the time limit",
+        "before the time limit",
         description="Write an sbatch script for a fine-tune: nodes, GPUs per node, time "
-                    "limit, --requeue, a warning signal before the time limit, and shoestring "
-                    "run (through srun and torchrun across nodes). Printed on stdout, written "
-                    "with --output, submitted with --submit.",
+        "limit, --requeue, a warning signal before the time limit, and shoestring "
+        "run (through srun and torchrun across nodes). Printed on stdout, written "
+        "with --output, submitted with --submit.",
         epilog=SLURM_EPILOG,
-        args=ArgSpec(passthrough=FinetuneConfig, config_flag="--slurm-config")),
+        args=ArgSpec(passthrough=FinetuneConfig, config_flag="--slurm-config"),
+    ),
 }
 
 
@@ -198,18 +240,31 @@ def _usage(name: str, verb: Verb) -> str:
 def verb_help(name: str, verb: Verb) -> str:
     """``shoestring VERB --help``: usage, description, every key with its help, epilog."""
     a, flat = verb.args, all("." not in k for k, _f, _tp in iter_fields(verb.config))
-    out = [_usage(name, verb), "", textwrap.fill(verb.description, 88, break_on_hyphens=False),
-           "", "options:",
-           "  -h, --help  show this help and exit"]
+    out = [
+        _usage(name, verb),
+        "",
+        textwrap.fill(verb.description, 88, break_on_hyphens=False),
+        "",
+        "options:",
+        "  -h, --help  show this help and exit",
+    ]
     if a.config_flag:
-        out.append(f"  {a.config_flag} FILE.yaml  the keys below in YAML "
-                   f"({'key: value' if flat else 'nested sections'}); flags override it")
+        out.append(
+            f"  {a.config_flag} FILE.yaml  the keys below in YAML "
+            f"({'key: value' if flat else 'nested sections'}); flags override it"
+        )
     if verb.options is not None:
         out.append(help_table(verb.options, width=88))
     how = "--key VALUE or --key=VALUE" + (", dashes or underscores" if flat else "")
-    out += ["", textwrap.fill(f"keys (in {a.config_flag or 'flags'}; as flags {how}; a boolean "
-                              "alone means true, --no-KEY false):", 88),
-            help_table(verb.config, dashes=flat, width=88)]
+    out += [
+        "",
+        textwrap.fill(
+            f"keys (in {a.config_flag or 'flags'}; as flags {how}; a boolean "
+            "alone means true, --no-KEY false):",
+            88,
+        ),
+        help_table(verb.config, dashes=flat, width=88),
+    ]
     if verb.epilog:
         out += ["", verb.epilog.rstrip()]
     return "\n".join(out)
@@ -217,9 +272,11 @@ def verb_help(name: str, verb: Verb) -> str:
 
 def main_help() -> str:
     rows = "\n".join(f"  {name:<9} {v.help}" for name, v in VERBS.items())
-    return (f"usage: shoestring [-h] [--version] COMMAND ...\n\n"
-            f"Fine-tune and run LLMs on cheap, unreliable GPUs.\n\ncommands:\n{rows}\n\n"
-            "`shoestring COMMAND --help` lists the command's keys.")
+    return (
+        f"usage: shoestring [-h] [--version] COMMAND ...\n\n"
+        f"Fine-tune and run LLMs on cheap, unreliable GPUs.\n\ncommands:\n{rows}\n\n"
+        "`shoestring COMMAND --help` lists the command's keys."
+    )
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -239,20 +296,25 @@ def run_verb(name: str, verb: Verb, args: list[str], env: dict[str, str]) -> int
     if parsed.help:
         print(verb_help(name, verb))
         raise SystemExit(exitcodes.OK)
-    layers = read_yaml(parsed.config_file, verb.args.config_flag or "--config") \
-        if parsed.config_file else []
+    layers = (
+        read_yaml(parsed.config_file, verb.args.config_flag or "--config")
+        if parsed.config_file
+        else []
+    )
     option_keys = {k for k, _f, _tp in iter_fields(verb.options)} if verb.options else set()
     layers += [layer for layer in parsed.layers if layer[0] not in option_keys]
     cfg: Any = build(verb.config, layers)
-    options = build(verb.options, [layer for layer in parsed.layers
-                                   if layer[0] in option_keys]) if verb.options else None
+    options = (
+        build(verb.options, [layer for layer in parsed.layers if layer[0] in option_keys])
+        if verb.options
+        else None
+    )
     call = Invocation(env=env, rest=tuple(parsed.rest), options=options)
     code: int = _resolve(verb.runner)(cfg, call)
     return code
 
 
-def _run_argparse_verb(name: str, verb: ArgparseVerb, args: list[str],
-                       env: dict[str, str]) -> int:
+def _run_argparse_verb(name: str, verb: ArgparseVerb, args: list[str], env: dict[str, str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="shoestring")
@@ -274,9 +336,12 @@ def dispatch(argv: list[str], env: dict[str, str]) -> int:
     verb = VERBS.get(name)
     if verb is None:
         hint = difflib.get_close_matches(name, VERBS, n=1)
-        print(f"shoestring: error: unknown command {name!r}"
-              + (f" (did you mean {hint[0]!r}?)" if hint else "")
-              + f"; commands: {', '.join(VERBS)}", file=sys.stderr)
+        print(
+            f"shoestring: error: unknown command {name!r}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + f"; commands: {', '.join(VERBS)}",
+            file=sys.stderr,
+        )
         return exitcodes.USAGE
     if isinstance(verb, ArgparseVerb):
         return _run_argparse_verb(name, verb, args, env)
@@ -284,8 +349,9 @@ def dispatch(argv: list[str], env: dict[str, str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[shoestring] %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="[shoestring] %(levelname)s %(message)s", stream=sys.stderr
+    )
     for noisy in ("transformers", "peft", "botocore", "s3fs", "aiobotocore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = sys.argv[1:] if argv is None else list(argv)

@@ -22,9 +22,10 @@ import difflib
 import textwrap
 import types
 import typing
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Literal, Mapping, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -36,8 +37,14 @@ class ConfigError(ValueError):
     """A configuration problem that names the key and its source."""
 
 
-def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
-         check: Check | None = None, repeat: bool = False) -> Any:
+def knob(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    check: Check | None = None,
+    repeat: bool = False,
+) -> Any:
     """A config field: default value, help text, optional check.
 
     ``check`` returns an error string (without the key) or ``None``; it is not
@@ -53,8 +60,10 @@ def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
     if repeat:
         meta["repeat"] = True
     if isinstance(default, (list, dict)):
+
         def copy_of() -> Any:  # a fresh list/dict per instance
             return type(default)(default)
+
         return field(default_factory=copy_of, metadata=meta)
     return field(default=default, metadata=meta)
 
@@ -194,8 +203,11 @@ def _yaml_leaves(node: yaml.Node, path: str, prefix: str = "") -> Iterator[Layer
         raise ConfigError(f"{where}: expected a mapping of config keys")
     for k_node, v_node in node.value:
         key = f"{prefix}{k_node.value}"
-        raw = v_node.value if isinstance(v_node, yaml.ScalarNode) and v_node.tag != \
-            "tag:yaml.org,2002:null" else None
+        raw = (
+            v_node.value
+            if isinstance(v_node, yaml.ScalarNode) and v_node.tag != "tag:yaml.org,2002:null"
+            else None
+        )
         src = Source(f"{path}:{k_node.start_mark.line + 1}", raw)
         if isinstance(v_node, yaml.MappingNode):
             yield from _yaml_leaves(v_node, path, key + ".")
@@ -265,8 +277,13 @@ def _is_bool(text: str) -> bool:
 class _Reader:
     """One pass over argv: flags, switches, a positional, ``-- COMMAND``, passthrough."""
 
-    def __init__(self, args: list[str], switches: Collection[str],
-                 known: Collection[str] | None, spec: ArgSpec) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        switches: Collection[str],
+        known: Collection[str] | None,
+        spec: ArgSpec,
+    ) -> None:
         self.args, self.switches, self.known, self.spec = args, switches, known, spec
         self.passed = switches_of(spec.passthrough) if spec.passthrough else set()
         self.out = Parsed()
@@ -350,8 +367,9 @@ def switches_of(cls: type) -> set[str]:
     return {key for key, _f, tp in iter_fields(cls) if (_optional_of(tp) or tp) is bool}
 
 
-def parse_command_line(args: list[str], cls: type, spec: ArgSpec = ArgSpec(),
-                       also: type | None = None) -> Parsed:
+def parse_command_line(
+    args: list[str], cls: type, spec: ArgSpec = ArgSpec(), also: type | None = None
+) -> Parsed:
     """Read a verb's argv against its config class (and ``also``, a flag-only options
     class). Errors name the flag as typed."""
     classes = [cls] + ([also] if also is not None else [])
@@ -382,8 +400,9 @@ class Invocation:
 def _check(key: str, f: dataclasses.Field[Any], tp: Any, v: Any, src: Source) -> None:
     choices = choices_of(f, tp)
     if choices is not None and v is not None and v not in choices:
-        raise ConfigError(f"{src}: '{key}' must be one of {', '.join(map(str, choices))}; "
-                          f"got {v!r}")
+        raise ConfigError(
+            f"{src}: '{key}' must be one of {', '.join(map(str, choices))}; got {v!r}"
+        )
     check = f.metadata.get("check")
     if check is not None and v is not None:
         problem = check(v)
@@ -475,6 +494,9 @@ def help_table(cls: type, *, dashes: bool = False, width: int | None = None) -> 
         flag = key.replace("_", "-") if dashes else key
         lines.append(f"  --{flag} {_type_name(f, tp)}  (default: {defaults[key]!r})")
         text = f.metadata.get("help", "")
-        lines += textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6) \
-            if width else [f"      {text}"]
+        lines += (
+            textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+            if width
+            else [f"      {text}"]
+        )
     return "\n".join(lines)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import datetime
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -38,18 +39,26 @@ class DistEnv:
         return self.rank == 0
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str]) -> "DistEnv":
+    def from_environ(cls, env: Mapping[str, str]) -> DistEnv:
         if "RANK" in env and "WORLD_SIZE" in env:
-            return cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                       local_rank=int(env.get("LOCAL_RANK", "0")), source="torchrun")
+            return cls(
+                rank=int(env["RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                local_rank=int(env.get("LOCAL_RANK", "0")),
+                source="torchrun",
+            )
         ntasks = int(env.get("SLURM_NTASKS", "1") or 1)
         if ntasks > 1 and "SLURM_PROCID" in env:
             host = first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
             port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
             addr = env.get("MASTER_ADDR") or host or "127.0.0.1"
-            return cls(rank=int(env["SLURM_PROCID"]), world_size=ntasks,
-                       local_rank=int(env.get("SLURM_LOCALID", "0")),
-                       init_method=f"tcp://{addr}:{port}", source="slurm")
+            return cls(
+                rank=int(env["SLURM_PROCID"]),
+                world_size=ntasks,
+                local_rank=int(env.get("SLURM_LOCALID", "0")),
+                init_method=f"tcp://{addr}:{port}",
+                source="slurm",
+            )
         return cls()
 
 
@@ -88,14 +97,18 @@ class ProcessGroups:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.checkpoint_group: Any = None
 
-    def __enter__(self) -> "ProcessGroups":
+    def __enter__(self) -> ProcessGroups:
         import torch.distributed as dist
 
         if self.backend == "nccl":  # pragma: no cover - GPU only
             torch.cuda.set_device(self.env.local_rank)
-        dist.init_process_group(self.backend, init_method=self.env.init_method,
-                                rank=self.env.rank, world_size=self.env.world_size,
-                                timeout=self.timeout)
+        dist.init_process_group(
+            self.backend,
+            init_method=self.env.init_method,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            timeout=self.timeout,
+        )
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
         return self
 

@@ -14,8 +14,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 SCHEMA_VERSION = 1
 
@@ -23,8 +24,9 @@ SCHEMA_VERSION = 1
 class EventLog:
     """Append-only JSONL writer shared by the training thread and the checkpoint writer."""
 
-    def __init__(self, path: str | Path, *, run_id: str, rank: int = 0,
-                 clock: Any = time.time) -> None:
+    def __init__(
+        self, path: str | Path, *, run_id: str, rank: int = 0, clock: Any = time.time
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
@@ -46,8 +48,13 @@ class EventLog:
                     self._fh.flush()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        rec: dict[str, Any] = {"v": SCHEMA_VERSION, "ts": round(self._clock(), 6),
-                               "event": event, "run_id": self.run_id, "rank": self.rank}
+        rec: dict[str, Any] = {
+            "v": SCHEMA_VERSION,
+            "ts": round(self._clock(), 6),
+            "event": event,
+            "run_id": self.run_id,
+            "rank": self.rank,
+        }
         rec.update(fields)
         line = json.dumps(rec, separators=(",", ":"), default=str) + "\n"
         with self._lock:
@@ -59,8 +66,11 @@ class EventLog:
                     # A full or broken log disk must not kill training; say so once.
                     if not self._write_failed:
                         self._write_failed = True
-                        print(f"[shoestring] WARNING cannot write {self.path}: {e}",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"[shoestring] WARNING cannot write {self.path}: {e}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         return rec
 
     def sync(self) -> None:
@@ -74,7 +84,7 @@ class EventLog:
             if not self._fh.closed:
                 self._fh.close()
 
-    def __enter__(self) -> "EventLog":
+    def __enter__(self) -> EventLog:
         return self
 
     def __exit__(self, *exc: object) -> None:

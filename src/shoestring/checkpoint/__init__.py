@@ -13,11 +13,23 @@ from shoestring.checkpoint.manifest import CorruptCheckpoint, Manifest, verify_d
 from shoestring.checkpoint.remote import RemoteStore
 from shoestring.checkpoint.resume import ResumePoint, find_resume_point
 from shoestring.checkpoint.snapshot import Snapshot, load_files, make_snapshot
-from shoestring.checkpoint.writer import (CheckpointSaveError, FileWriter,
-                                          Writer)
+from shoestring.checkpoint.writer import CheckpointSaveError, FileWriter, Writer
 
 __all__ = [
-    "NO_FAULTS", "CheckpointSaveError", "CorruptCheckpoint", "FaultPlan",
-    "FileWriter", "Manifest", "PublishError", "RemoteStore", "ResumePoint", "SaveRequest",
-    "Snapshot", "Writer", "find_resume_point", "load_files", "make_snapshot", "verify_dir",
+    "NO_FAULTS",
+    "CheckpointSaveError",
+    "CorruptCheckpoint",
+    "FaultPlan",
+    "FileWriter",
+    "Manifest",
+    "PublishError",
+    "RemoteStore",
+    "ResumePoint",
+    "SaveRequest",
+    "Snapshot",
+    "Writer",
+    "find_resume_point",
+    "load_files",
+    "make_snapshot",
+    "verify_dir",
 ]

@@ -13,9 +13,10 @@ Imports only local/remote/snapshot/faults/manifest: the writer process
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.local import apply_retention, commit_local
@@ -52,10 +53,22 @@ class SaveRequest:
         return cls(step=snap.step, snapshot=snap, meta=snap.meta, capture_ms=capture_ms)
 
     @classmethod
-    def sharded(cls, step: int, state: dict[str, Any], rank_files: Mapping[str, bytes],
-                meta: Mapping[str, Any], *, capture_ms: float = 0.0) -> SaveRequest:
-        return cls(step=step, state=state, rank_files=dict(rank_files), meta=dict(meta),
-                   capture_ms=capture_ms)
+    def sharded(
+        cls,
+        step: int,
+        state: dict[str, Any],
+        rank_files: Mapping[str, bytes],
+        meta: Mapping[str, Any],
+        *,
+        capture_ms: float = 0.0,
+    ) -> SaveRequest:
+        return cls(
+            step=step,
+            state=state,
+            rank_files=dict(rank_files),
+            meta=dict(meta),
+            capture_ms=capture_ms,
+        )
 
 
 @dataclass
@@ -74,9 +87,15 @@ def ms_since(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 3)
 
 
-def publish_and_prune(path: Path, manifest: Manifest, *, root: Path, keep: int,
-                      remote: RemoteStore | None,
-                      faults: FaultPlan = NO_FAULTS) -> tuple[float, list[int]]:
+def publish_and_prune(
+    path: Path,
+    manifest: Manifest,
+    *,
+    root: Path,
+    keep: int,
+    remote: RemoteStore | None,
+    faults: FaultPlan = NO_FAULTS,
+) -> tuple[float, list[int]]:
     """Publish a locally committed checkpoint, then apply retention (local, then remote).
 
     Returns the upload time in ms and the deleted steps. A publish failure is a
@@ -88,9 +107,11 @@ def publish_and_prune(path: Path, manifest: Manifest, *, root: Path, keep: int,
         try:
             remote.publish(path, manifest, faults)
         except Exception as e:
-            raise PublishError(f"publishing step {manifest.step} to {remote.url} failed "
-                               f"({type(e).__name__}: {e}); the local copy {path} is "
-                               "committed") from e
+            raise PublishError(
+                f"publishing step {manifest.step} to {remote.url} failed "
+                f"({type(e).__name__}: {e}); the local copy {path} is "
+                "committed"
+            ) from e
         upload_ms = ms_since(t0)
     deleted = apply_retention(root, keep, faults)
     if remote is not None:
@@ -98,8 +119,9 @@ def publish_and_prune(path: Path, manifest: Manifest, *, root: Path, keep: int,
     return upload_ms, deleted
 
 
-def run_commit(snap: Snapshot, root: Path, keep: int, remote: RemoteStore | None,
-               faults: FaultPlan = NO_FAULTS) -> CommitResult:
+def run_commit(
+    snap: Snapshot, root: Path, keep: int, remote: RemoteStore | None, faults: FaultPlan = NO_FAULTS
+) -> CommitResult:
     """Serialize → local commit → remote publish → retention. Runs in the background."""
     t0 = time.perf_counter()
     files = serialize(snap)
@@ -107,7 +129,16 @@ def run_commit(snap: Snapshot, root: Path, keep: int, remote: RemoteStore | None
     t1 = time.perf_counter()
     path, manifest = commit_local(root, snap.step, files, snap.meta, faults)
     write_ms = ms_since(t1)
-    upload_ms, deleted = publish_and_prune(path, manifest, root=root, keep=keep, remote=remote,
-                                           faults=faults)
-    return CommitResult(snap.step, str(path), manifest.total_bytes, serialize_ms, write_ms,
-                        upload_ms, ms_since(t0), deleted)
+    upload_ms, deleted = publish_and_prune(
+        path, manifest, root=root, keep=keep, remote=remote, faults=faults
+    )
+    return CommitResult(
+        snap.step,
+        str(path),
+        manifest.total_bytes,
+        serialize_ms,
+        write_ms,
+        upload_ms,
+        ms_since(t0),
+        deleted,
+    )

@@ -27,20 +27,34 @@ so a supervisor that restarts the job does not meet the same fault again.
 from __future__ import annotations
 
 import errno
-import re
 import os
+import re
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-POINTS = frozenset({
-    "ckpt.after_file", "ckpt.partial_file", "ckpt.before_manifest", "ckpt.before_rename",
-    "ckpt.after_rename", "ckpt.retention", "upload.after_file", "upload.before_manifest",
-    "resume.after_load", "step.end", "step.data", "step.agree", "step.forward",
-    "comm.ddp", "pass.unit", "start.init",
-})
+POINTS = frozenset(
+    {
+        "ckpt.after_file",
+        "ckpt.partial_file",
+        "ckpt.before_manifest",
+        "ckpt.before_rename",
+        "ckpt.after_rename",
+        "ckpt.retention",
+        "upload.after_file",
+        "upload.before_manifest",
+        "resume.after_load",
+        "step.end",
+        "step.data",
+        "step.agree",
+        "step.forward",
+        "comm.ddp",
+        "pass.unit",
+        "start.init",
+    }
+)
 #: kill | enospc | hang act here; skip and extra are returned to the call site, which
 #: skips its collective or issues an extra, mis-shaped one (``step.agree``).
 ACTIONS = frozenset({"kill", "enospc", "hang", "term", "skip", "extra"})
@@ -68,8 +82,14 @@ class FaultPlan:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def parse(cls, spec: str, kill_pids: tuple[int, ...] = (), *, rank: int = 0,
-              once_dir: Path | None = None) -> "FaultPlan":
+    def parse(
+        cls,
+        spec: str,
+        kill_pids: tuple[int, ...] = (),
+        *,
+        rank: int = 0,
+        once_dir: Path | None = None,
+    ) -> FaultPlan:
         """Parse ``point[@N][:action[:rankR][:once]]``, comma-separated. Rules for other
         ranks are dropped here, so a plan only holds this process's faults."""
         rules = []
@@ -79,11 +99,15 @@ class FaultPlan:
             action = quals.pop(0) if quals else "kill"
             action = action or "kill"
             if point not in POINTS:
-                raise ValueError(f"SHOESTRING_FAULTS: unknown fault point {point!r}; "
-                                 f"known: {', '.join(sorted(POINTS))}")
+                raise ValueError(
+                    f"SHOESTRING_FAULTS: unknown fault point {point!r}; "
+                    f"known: {', '.join(sorted(POINTS))}"
+                )
             if action not in ACTIONS and not re.fullmatch(r"(slow|delay)\d+", action):
-                raise ValueError(f"SHOESTRING_FAULTS: unknown action {action!r} "
-                                 f"({'|'.join(sorted(ACTIONS))}|slowNN|delayMS)")
+                raise ValueError(
+                    f"SHOESTRING_FAULTS: unknown action {action!r} "
+                    f"({'|'.join(sorted(ACTIONS))}|slowNN|delayMS)"
+                )
             rule = _Rule(point, int(nth or 1), action, text=part)
             for q in quals:
                 if q == "once":
@@ -91,8 +115,9 @@ class FaultPlan:
                 elif q.startswith("rank") and q[4:].isdigit():
                     rule.rank = int(q[4:])
                 else:
-                    raise ValueError(f"SHOESTRING_FAULTS: unknown qualifier {q!r} in {part!r} "
-                                     "(rankN|once)")
+                    raise ValueError(
+                        f"SHOESTRING_FAULTS: unknown qualifier {q!r} in {part!r} (rankN|once)"
+                    )
             if rule.rank is None or rule.rank == rank:
                 rules.append(rule)
         return cls(rules, spec, kill_pids, once_dir)

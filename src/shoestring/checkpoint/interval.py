@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 def daly_interval(delta_s: float, mtbf_s: float) -> float:
@@ -54,8 +54,9 @@ class AutoInterval:
     simulation benchmark drive the same object.
     """
 
-    def __init__(self, policy: IntervalPolicy, *, failures: int = 0,
-                 hours_observed: float = 0.0) -> None:
+    def __init__(
+        self, policy: IntervalPolicy, *, failures: int = 0, hours_observed: float = 0.0
+    ) -> None:
         self.policy = policy
         self.failures = failures
         self.hours_observed = hours_observed
@@ -98,10 +99,13 @@ class AutoInterval:
 
     def explain(self) -> dict[str, float | int | None]:
         t = self.interval_s()
-        return {"delta_ms": None if self.delta_s is None else round(self.delta_s * 1e3, 3),
-                "mtbf_s": round(self.mtbf_s, 3), "failures": self.failures,
-                "hours_observed": round(self.hours_observed, 7),
-                "interval_s": None if t is None else round(t, 3)}
+        return {
+            "delta_ms": None if self.delta_s is None else round(self.delta_s * 1e3, 3),
+            "mtbf_s": round(self.mtbf_s, 3),
+            "failures": self.failures,
+            "hours_observed": round(self.hours_observed, 7),
+            "interval_s": None if t is None else round(t, 3),
+        }
 
 
 def history_from_events(records: Iterable[dict[str, object]]) -> tuple[int, float]:

@@ -17,12 +17,20 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
-from shoestring.checkpoint.manifest import (MANIFEST, CorruptCheckpoint, FileEntry, Manifest,
-                                            read_manifest, sha256_bytes, sha256_file)
+from shoestring.checkpoint.manifest import (
+    MANIFEST,
+    CorruptCheckpoint,
+    FileEntry,
+    Manifest,
+    read_manifest,
+    sha256_bytes,
+    sha256_file,
+)
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
@@ -70,8 +78,13 @@ def replace_dir(tmp: Path, final: Path) -> None:
         fsync_dir(final.parent)
 
 
-def commit_local(root: Path, step: int, files: Mapping[str, bytes | memoryview],
-                 meta: dict[str, Any], faults: FaultPlan = NO_FAULTS) -> tuple[Path, Manifest]:
+def commit_local(
+    root: Path,
+    step: int,
+    files: Mapping[str, bytes | memoryview],
+    meta: dict[str, Any],
+    faults: FaultPlan = NO_FAULTS,
+) -> tuple[Path, Manifest]:
     """Write ``files`` as checkpoint ``step`` under ``root`` with the commit protocol."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{step_dirname(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -88,8 +101,14 @@ def commit_local(root: Path, step: int, files: Mapping[str, bytes | memoryview],
         raise
 
 
-def seal(tmp: Path, root: Path, step: int, meta: dict[str, Any], faults: FaultPlan = NO_FAULTS,
-         entries: dict[str, FileEntry] | None = None) -> tuple[Path, Manifest]:
+def seal(
+    tmp: Path,
+    root: Path,
+    step: int,
+    meta: dict[str, Any],
+    faults: FaultPlan = NO_FAULTS,
+    entries: dict[str, FileEntry] | None = None,
+) -> tuple[Path, Manifest]:
     """Commit a temp dir whose data files are durable: manifest last, fsync, rename.
 
     ``entries`` (size + sha256 per file) is computed from the files on disk when
@@ -100,8 +119,7 @@ def seal(tmp: Path, root: Path, step: int, meta: dict[str, Any], faults: FaultPl
         entries = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file() and p.name != MANIFEST:
-                entries[p.relative_to(tmp).as_posix()] = FileEntry(p.stat().st_size,
-                                                                   sha256_file(p))
+                entries[p.relative_to(tmp).as_posix()] = FileEntry(p.stat().st_size, sha256_file(p))
     manifest = Manifest(step=step, files=entries, meta=dict(meta))
     faults.hit("ckpt.before_manifest")
     write_file_durably(tmp / MANIFEST, manifest.to_json().encode())

@@ -40,7 +40,7 @@ class Manifest:
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, where: str) -> "Manifest":
+    def from_json(cls, text: str, where: str) -> Manifest:
         try:
             d = json.loads(text)
             if d.get("format") != FORMAT:

@@ -37,7 +37,9 @@ class ShmStager:
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
 
-    def stage(self, snap: Snapshot) -> tuple[torch.Tensor, list[tuple[str, str, str, list[int], int, int]]]:
+    def stage(
+        self, snap: Snapshot
+    ) -> tuple[torch.Tensor, list[tuple[str, str, str, list[int], int, int]]]:
         items = [(f, k, t) for f, d in sorted(snap.tensors.items()) for k, t in sorted(d.items())]
         total, layout = 0, []
         for f, k, t in items:
@@ -51,16 +53,17 @@ class ShmStager:
             src = t.detach()
             if src.device.type != "cpu":
                 src = src.to("cpu")
-            self.buf[off:off + n].view(src.dtype).view(src.shape).copy_(src)
+            self.buf[off : off + n].view(src.dtype).view(src.shape).copy_(src)
             index.append((f, k, str(src.dtype).removeprefix("torch."), list(src.shape), off, n))
         return self.buf, index
 
 
-def unstage(buf: torch.Tensor, index: list[tuple[str, str, str, list[int], int, int]]
-            ) -> dict[str, dict[str, torch.Tensor]]:
+def unstage(
+    buf: torch.Tensor, index: list[tuple[str, str, str, list[int], int, int]]
+) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for f, k, dtype, shape, off, n in index:
-        out.setdefault(f, {})[k] = buf[off:off + n].view(getattr(torch, dtype)).view(shape)
+        out.setdefault(f, {})[k] = buf[off : off + n].view(getattr(torch, dtype)).view(shape)
     return out
 
 
@@ -72,8 +75,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def worker_main(jobs: Any, results: Any, root: str, keep: int, remote_url: str,
-                fault_spec: str) -> None:
+def worker_main(
+    jobs: Any, results: Any, root: str, keep: int, remote_url: str, fault_spec: str
+) -> None:
     """Entry point of the writer process: one job at a time until ``None``."""
     _die_with_parent()
     torch.set_num_threads(1)
@@ -91,8 +95,12 @@ def worker_main(jobs: Any, results: Any, root: str, keep: int, remote_url: str,
             res = run_commit(snap, Path(root), keep, remote, faults)
             results.put(("ok", asdict(res)))
         except BaseException as e:  # noqa: BLE001 - sent back to the training process
-            results.put(("error", (type(e).__name__, str(e), getattr(e, "errno", None),
-                                   traceback.format_exc())))
+            results.put(
+                (
+                    "error",
+                    (type(e).__name__, str(e), getattr(e, "errno", None), traceback.format_exc()),
+                )
+            )
         del buf
 
 
@@ -103,17 +111,24 @@ class ProcessBackend:
         ctx = torch.multiprocessing.get_context("spawn")
         self.jobs = ctx.Queue()
         self.results = ctx.Queue()
-        self.proc = ctx.Process(target=worker_main, name="shoestring-ckpt-writer", daemon=True,
-                                args=(self.jobs, self.results, str(root), keep, remote_url,
-                                      fault_spec))
+        self.proc = ctx.Process(
+            target=worker_main,
+            name="shoestring-ckpt-writer",
+            daemon=True,
+            args=(self.jobs, self.results, str(root), keep, remote_url, fault_spec),
+        )
         self.proc.start()
         self.stager = ShmStager()
         self._ready = False
 
     def stage(self, snap: Snapshot) -> Snapshot:
         buf, index = self.stager.stage(snap)
-        return Snapshot(step=snap.step, tensors={"__shm__": {"buf": buf}}, documents=snap.documents,
-                        meta={"__index__": index, **snap.meta})
+        return Snapshot(
+            step=snap.step,
+            tensors={"__shm__": {"buf": buf}},
+            documents=snap.documents,
+            meta={"__index__": index, **snap.meta},
+        )
 
     def run(self, staged: Snapshot) -> dict[str, Any]:
         if not self._ready:
@@ -121,16 +136,18 @@ class ProcessBackend:
             self._ready = kind == "ready"
         meta = dict(staged.meta)
         index = meta.pop("__index__")
-        self.jobs.put((staged.step, staged.tensors["__shm__"]["buf"], index, staged.documents,
-                       meta))
+        self.jobs.put(
+            (staged.step, staged.tensors["__shm__"]["buf"], index, staged.documents, meta)
+        )
         while True:
             try:
                 kind, payload = self.results.get(timeout=1.0)
                 break
             except Exception:  # queue.Empty
                 if not self.proc.is_alive():
-                    raise RuntimeError(f"checkpoint writer process died "
-                                       f"(exit {self.proc.exitcode})") from None
+                    raise RuntimeError(
+                        f"checkpoint writer process died (exit {self.proc.exitcode})"
+                    ) from None
         if kind == "ok":
             return dict(payload)
         name, msg, err, tb = payload

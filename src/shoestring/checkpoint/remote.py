@@ -39,12 +39,15 @@ class RemoteStore:
             proto = url.split("://", 1)[0]
             hint = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
             pkg = hint.get(proto, f"the fsspec backend for {proto}://")
-            raise RuntimeError(f"checkpoint.storage={url!r} needs {pkg}: "
-                               f"pip install 'shoestring[s3]' (or pip install {pkg})") from e
+            raise RuntimeError(
+                f"checkpoint.storage={url!r} needs {pkg}: "
+                f"pip install 'shoestring[s3]' (or pip install {pkg})"
+            ) from e
         self.url = url
         self.root = root.rstrip("/")
-        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
-                                   else (self.fs.protocol,))
+        self.is_local = "file" in (
+            self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        )
 
     def check(self) -> None:
         """Fail early (before any training) if the storage cannot be reached or written."""
@@ -99,8 +102,9 @@ class RemoteStore:
         self.fs.put_file(str(local_dir / MANIFEST), f"{dest}/{MANIFEST}")
         self.fs.invalidate_cache()
 
-    def _publish_local(self, local_dir: Path, name: str, manifest: Manifest,
-                       faults: FaultPlan) -> None:
+    def _publish_local(
+        self, local_dir: Path, name: str, manifest: Manifest, faults: FaultPlan
+    ) -> None:
         root = Path(self.root)
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

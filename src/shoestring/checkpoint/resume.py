@@ -28,8 +28,9 @@ class ResumePoint:
     source: str  # "local", "remote" or "path"
 
 
-def find_resume_point(resume: str, root: Path, remote: RemoteStore | None, *, verify: bool,
-                      events: EventLog) -> ResumePoint | None:
+def find_resume_point(
+    resume: str, root: Path, remote: RemoteStore | None, *, verify: bool, events: EventLog
+) -> ResumePoint | None:
     if resume == "never":
         return None
     if resume != "auto":
@@ -51,10 +52,19 @@ def find_resume_point(resume: str, root: Path, remote: RemoteStore | None, *, ve
                 return ResumePoint(step, path, verify_dir(path, deep=verify), "local")
             except CorruptCheckpoint as e:
                 moved = quarantine(path)
-                log.warning("checkpoint step %d is invalid (%s); moved to %s, falling back",
-                            step, e, moved.name)
-                events.emit("checkpoint_invalid", step=step, path=str(path), error=str(e),
-                            quarantined=str(moved))
+                log.warning(
+                    "checkpoint step %d is invalid (%s); moved to %s, falling back",
+                    step,
+                    e,
+                    moved.name,
+                )
+                events.emit(
+                    "checkpoint_invalid",
+                    step=step,
+                    path=str(path),
+                    error=str(e),
+                    quarantined=str(moved),
+                )
         if step in remote_steps and remote is not None:
             try:
                 path = remote.fetch(step, root, deep=verify)
@@ -62,6 +72,10 @@ def find_resume_point(resume: str, root: Path, remote: RemoteStore | None, *, ve
                 return ResumePoint(step, path, m, "remote")
             except (CorruptCheckpoint, OSError) as e:
                 log.warning("remote checkpoint step %d is invalid (%s), falling back", step, e)
-                events.emit("checkpoint_invalid", step=step, path=f"{remote.url}/"
-                            f"{step_dirname(step)}", error=str(e))
+                events.emit(
+                    "checkpoint_invalid",
+                    step=step,
+                    path=f"{remote.url}/{step_dirname(step)}",
+                    error=str(e),
+                )
     return None

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save
@@ -30,14 +31,20 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for d in self.tensors.values() for t in d.values())
 
 
-def make_snapshot(step: int, tensors: Mapping[str, Mapping[str, torch.Tensor]],
-                  documents: Mapping[str, Any], meta: Mapping[str, Any]) -> Snapshot:
+def make_snapshot(
+    step: int,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    documents: Mapping[str, Any],
+    meta: Mapping[str, Any],
+) -> Snapshot:
     """A snapshot that still references the live tensors; the writer copies them
     (into host memory or shared memory) before training may continue."""
-    return Snapshot(step=step,
-                    tensors={f: dict(d) for f, d in tensors.items()},
-                    documents=copy.deepcopy(dict(documents)),
-                    meta=copy.deepcopy(dict(meta)))
+    return Snapshot(
+        step=step,
+        tensors={f: dict(d) for f, d in tensors.items()},
+        documents=copy.deepcopy(dict(documents)),
+        meta=copy.deepcopy(dict(meta)),
+    )
 
 
 def serialize(snap: Snapshot) -> dict[str, bytes]:
@@ -50,8 +57,9 @@ def serialize(snap: Snapshot) -> dict[str, bytes]:
     return files
 
 
-def load_files(ckpt_dir: Path, names: list[str]) -> tuple[dict[str, dict[str, torch.Tensor]],
-                                                         dict[str, Any]]:
+def load_files(
+    ckpt_dir: Path, names: list[str]
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     docs: dict[str, Any] = {}
     for name in names:

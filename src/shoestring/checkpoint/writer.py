@@ -23,14 +23,20 @@ import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from shoestring.checkpoint.commit import (CommitResult, PublishError, SaveRequest, ms_since,
-                                          run_commit)
+from shoestring.checkpoint.commit import (
+    CommitResult,
+    PublishError,
+    SaveRequest,
+    ms_since,
+    run_commit,
+)
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.local import committed_steps
 from shoestring.checkpoint.procworker import ProcessBackend
@@ -38,8 +44,16 @@ from shoestring.checkpoint.remote import RemoteStore
 from shoestring.checkpoint.snapshot import Snapshot
 from shoestring.events import EventLog
 
-__all__ = ["CheckpointSaveError", "Committed", "FileWriter", "HostBuffers",
-           "PublishError", "SaveRequest", "Writer", "run_commit"]
+__all__ = [
+    "CheckpointSaveError",
+    "Committed",
+    "FileWriter",
+    "HostBuffers",
+    "PublishError",
+    "SaveRequest",
+    "Writer",
+    "run_commit",
+]
 
 
 class CheckpointSaveError(RuntimeError):
@@ -88,8 +102,16 @@ class Writer(ABC):
     reports = True  # whether this writer logs events (a sharded writer: rank 0 only)
     where = ""  # said after "failed" in CheckpointSaveError (a sharded writer: " on rank N")
 
-    def __init__(self, root: Path, *, keep: int, mode: str, events: EventLog,
-                 remote: RemoteStore | None = None, faults: FaultPlan = NO_FAULTS) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        keep: int,
+        mode: str,
+        events: EventLog,
+        remote: RemoteStore | None = None,
+        faults: FaultPlan = NO_FAULTS,
+    ) -> None:
         self.root, self.keep, self.mode = root, keep, mode
         self.events, self.remote, self.faults = events, remote, faults
         self._thread: threading.Thread | None = None
@@ -101,7 +123,7 @@ class Writer(ABC):
         """The blocking part of a save (copy out of the live state); returns the rest,
         which runs in the background thread, or right away for a synchronous save."""
 
-    def _release(self) -> None:
+    def _release(self) -> None:  # noqa: B027 - an optional hook: most back-ends hold nothing
         """Free what the back-end holds (called by :meth:`close`)."""
 
     def submit(self, req: SaveRequest, *, reason: str, sync: bool = False) -> float:
@@ -121,8 +143,12 @@ class Writer(ABC):
             ms = self._job(req.step, finish, blocking, reason)
             self.check()
             return ms
-        self._thread = threading.Thread(target=self._job, args=(req.step, finish, blocking, reason),
-                                        name=f"{self.thread_name}-{req.step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._job,
+            args=(req.step, finish, blocking, reason),
+            name=f"{self.thread_name}-{req.step}",
+            daemon=True,
+        )
         self._thread.start()
         blocking.set(ms_since(t0) + req.capture_ms)
         return blocking.ms
@@ -142,8 +168,9 @@ class Writer(ABC):
     def _fail(self, step: int, reason: str, e: BaseException) -> None:
         self._error, self._failed_step = e, step
         if self.reports:
-            self.events.emit("checkpoint_failed", step=step, reason=reason,
-                             error=f"{type(e).__name__}: {e}")
+            self.events.emit(
+                "checkpoint_failed", step=step, reason=reason, error=f"{type(e).__name__}: {e}"
+            )
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -161,9 +188,11 @@ class Writer(ABC):
         self._error = None
         intact = committed_steps(self.root)
         keep = f"step {intact[0]} is intact" if intact else "no earlier checkpoint exists"
-        raise CheckpointSaveError(f"saving checkpoint step {step} under {self.root} "
-                                  f"failed{self.where}: {type(err).__name__}: {err}; "
-                                  f"{keep}") from err
+        raise CheckpointSaveError(
+            f"saving checkpoint step {step} under {self.root} "
+            f"failed{self.where}: {type(err).__name__}: {err}; "
+            f"{keep}"
+        ) from err
 
     def close(self) -> None:
         try:
@@ -191,8 +220,7 @@ class HostBuffers:
         return buf
 
     def _copy_stream(self, tensors: dict[str, dict[str, torch.Tensor]]) -> Any:
-        device = next((t.device for d in tensors.values() for t in d.values() if t.is_cuda),
-                      None)
+        device = next((t.device for d in tensors.values() for t in d.values() if t.is_cuda), None)
         if device is None:
             return None
         if device not in self._streams:
@@ -201,7 +229,9 @@ class HostBuffers:
         stream.wait_stream(torch.cuda.current_stream(device))
         return stream
 
-    def stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    def stage(
+        self, tensors: dict[str, dict[str, torch.Tensor]]
+    ) -> dict[str, dict[str, torch.Tensor]]:
         stream = self._copy_stream(tensors)
         out: dict[str, dict[str, torch.Tensor]] = {}
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -223,8 +253,16 @@ class FileWriter(Writer):
     through shared memory, see :mod:`shoestring.checkpoint.procworker`) or ``off``.
     """
 
-    def __init__(self, root: Path, *, keep: int, mode: str, events: EventLog,
-                 remote: RemoteStore | None = None, faults: FaultPlan = NO_FAULTS) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        keep: int,
+        mode: str,
+        events: EventLog,
+        remote: RemoteStore | None = None,
+        faults: FaultPlan = NO_FAULTS,
+    ) -> None:
         if mode not in ("thread", "process", "off"):
             raise ValueError(f"checkpoint.async_mode: unknown mode {mode!r}")
         super().__init__(root, keep=keep, mode=mode, events=events, remote=remote, faults=faults)
@@ -235,8 +273,9 @@ class FileWriter(Writer):
 
     def _start(self, req: SaveRequest, background: bool) -> Finish:
         if req.snapshot is None:
-            raise TypeError("FileWriter: the SaveRequest has no snapshot (a sharded save "
-                            "goes to ShardedWriter)")
+            raise TypeError(
+                "FileWriter: the SaveRequest has no snapshot (a sharded save goes to ShardedWriter)"
+            )
         staged = self._stage(req.snapshot)
         return lambda: self._commit(staged)
 
@@ -244,8 +283,12 @@ class FileWriter(Writer):
         """The blocking copy: reused host buffers (thread/off) or the shared buffer (process)."""
         if self._proc is not None:
             return self._proc.stage(snap)
-        return Snapshot(step=snap.step, tensors=self._host.stage(snap.tensors),
-                        documents=snap.documents, meta=snap.meta)
+        return Snapshot(
+            step=snap.step,
+            tensors=self._host.stage(snap.tensors),
+            documents=snap.documents,
+            meta=snap.meta,
+        )
 
     def _commit(self, staged: Snapshot) -> Committed:
         if self._proc is not None:
@@ -253,13 +296,15 @@ class FileWriter(Writer):
         else:
             res = run_commit(staged, self.root, self.keep, self.remote, self.faults)
         fields: dict[str, Any] = asdict(res)
-        fields.update(reason=None, blocking_ms=None, mode=self.mode,
-                      storage=self.remote.url if self.remote else "")
+        fields.update(
+            reason=None,
+            blocking_ms=None,
+            mode=self.mode,
+            storage=self.remote.url if self.remote else "",
+        )
         return Committed(fields, res.background_ms)
 
     def _release(self) -> None:
         if self._proc is not None:
             self._proc.close()
             self._proc = None
-
-

@@ -28,12 +28,16 @@ class LoraDelta:
         cfg_path = adapter_dir / "adapter_config.json"
         weights = adapter_dir / "adapter_model.safetensors"
         if not cfg_path.is_file() or not weights.is_file():
-            raise ConfigError(f"model.adapter: {adapter_dir} has no adapter_config.json and "
-                              "adapter_model.safetensors (expected a finetune OUTPUT/final/)")
+            raise ConfigError(
+                f"model.adapter: {adapter_dir} has no adapter_config.json and "
+                "adapter_model.safetensors (expected a finetune OUTPUT/final/)"
+            )
         cfg = json.loads(cfg_path.read_text())
         if cfg.get("peft_type", "LORA") != "LORA":
-            raise ConfigError(f"model.adapter: {cfg_path}: peft_type {cfg.get('peft_type')!r} "
-                              "is not supported (only LORA)")
+            raise ConfigError(
+                f"model.adapter: {cfg_path}: peft_type {cfg.get('peft_type')!r} "
+                "is not supported (only LORA)"
+            )
         r = int(cfg["r"])
         alpha = float(cfg.get("lora_alpha", r))
         self.scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
@@ -50,8 +54,10 @@ class LoraDelta:
     def check(self, keys: set[str]) -> None:
         missing = sorted(set(self.pairs) - keys)
         if missing:
-            raise ConfigError(f"model.adapter: the adapter targets {missing[0]!r}, which the "
-                              "base model does not have (adapter for another model?)")
+            raise ConfigError(
+                f"model.adapter: the adapter targets {missing[0]!r}, which the "
+                "base model does not have (adapter for another model?)"
+            )
 
     def merge_(self, key: str, w: torch.Tensor) -> torch.Tensor:
         """Add the adapter's delta to ``w`` in place (a no-op for untargeted keys)."""

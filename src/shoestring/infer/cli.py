@@ -16,10 +16,13 @@ short flags (each is the config key on its right):
 config keys (set in --config YAML as nested sections, or as --section.key VALUE):
 {table}
 
-input JSONL, one object per line:
-  generate:  {{"prompt": "...", "id": ...}}          -> {{"index", "id", "completion", "tokens", "finish"}}
-  score:     {{"prompt": "...", "completion": "..."}} -> {{"index", "logprob", "tokens", "greedy"}}
-             {{"prompt": "...", "choices": [...]}}    -> {{"index", "choice", "label", "logprobs", "tokens"}}
+input JSONL, one object per line (-> output fields):
+  generate:  {{"prompt": "...", "id": ...}}
+               -> {{"index", "id", "completion", "tokens", "finish"}}
+  score:     {{"prompt": "...", "completion": "..."}}
+               -> {{"index", "logprob", "tokens", "greedy"}}
+             {{"prompt": "...", "choices": [...]}}
+               -> {{"index", "choice", "label", "logprobs", "tokens"}}
 
 resume: the job commits its output in chunks to OUTPUT.run/chunks/; rerunning the
 same command after any kill computes only the missing chunks, and OUTPUT ends
@@ -38,16 +41,19 @@ environment (read here only):
 """
 
 
-def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
-               ) -> argparse.ArgumentParser:
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     aliases = "\n".join(f"  {flag:<18} {key}" for flag, key in ALIASES.items())
     p: argparse.ArgumentParser = sub.add_parser(
-        "infer", help="batch inference of models larger than memory, streamed layer by layer",
+        "infer",
+        help="batch inference of models larger than memory, streamed layer by layer",
         description="Greedy generation or likelihood scoring of a JSONL file with a local "
-                    "Hugging Face decoder model, streaming its layers from the safetensors "
-                    "shards within a memory budget. Preemptible: rerun to resume.",
+        "Hugging Face decoder model, streaming its layers from the safetensors "
+        "shards within a memory budget. Preemptible: rerun to resume.",
         epilog=EPILOG.format(aliases=aliases, table=help_table(InferConfig)),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", metavar="FILE.yaml", help="YAML config; flags override it")
     return p
 
@@ -67,11 +73,16 @@ def run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
     from shoestring.infer.job import default_run_dir, run_infer
 
     cfg = load_config(args.config, rest)
-    run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else (
-        default_run_dir(Path(cfg.io.output)) if cfg.io.output else None)
+    run_dir = (
+        Path(cfg.io.run_dir)
+        if cfg.io.run_dir
+        else (default_run_dir(Path(cfg.io.output)) if cfg.io.output else None)
+    )
     try:
-        faults = FaultPlan.parse(env.get("SHOESTRING_FAULTS", ""),
-                                 once_dir=run_dir / ".faults-fired" if run_dir else None)
+        faults = FaultPlan.parse(
+            env.get("SHOESTRING_FAULTS", ""),
+            once_dir=run_dir / ".faults-fired" if run_dir else None,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return run_infer(cfg, faults=faults, stream=sys.stderr)

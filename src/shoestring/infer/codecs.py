@@ -19,11 +19,26 @@ Scheme = Literal["int8", "nf4"]
 
 #: Inputs per nf4 absmax.
 GROUP = 64
-NF4_CODE = torch.tensor([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+NF4_CODE = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ]
+)
 
 #: Both NF4 values of every code byte (high nibble first): one lookup per byte.
 _NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=-1)
@@ -35,7 +50,7 @@ def quantize(w: torch.Tensor, scheme: Scheme, rows: int = 256) -> dict[str, torc
     Works ``rows`` rows at a time, so the fp32 temporaries stay a few MB even for a
     huge matrix (compression runs under the same memory budget as inference)."""
     if w.shape[0] > rows:
-        parts = [_quantize(w[i:i + rows], scheme) for i in range(0, w.shape[0], rows)]
+        parts = [_quantize(w[i : i + rows], scheme) for i in range(0, w.shape[0], rows)]
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return _quantize(w, scheme)
 
@@ -60,8 +75,7 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def dequantize(parts: dict[str, torch.Tensor], out: torch.Tensor, rows: int = 512
-               ) -> torch.Tensor:
+def dequantize(parts: dict[str, torch.Tensor], out: torch.Tensor, rows: int = 512) -> torch.Tensor:
     """Write the weight back into ``out`` (its final dtype and shape).
 
     Phrased for speed on one CPU thread, where it runs beside the compute:
@@ -79,30 +93,33 @@ def dequantize(parts: dict[str, torch.Tensor], out: torch.Tensor, rows: int = 51
     return _dequantize_nf4(parts["q4"], parts["a"], out, rows)
 
 
-def _dequantize_int8(q8: torch.Tensor, s: torch.Tensor, out: torch.Tensor, rows: int
-                     ) -> torch.Tensor:
+def _dequantize_int8(
+    q8: torch.Tensor, s: torch.Tensor, out: torch.Tensor, rows: int
+) -> torch.Tensor:
     if out.dtype == s.dtype:
         return out.copy_(q8).mul_(s)
     flat_q, flat_s = q8.reshape(-1, q8.shape[-1]), s.reshape(-1, 1)
     dst = out.view(-1, q8.shape[-1])
-    tmp = torch.empty((min(rows, flat_q.shape[0]), flat_q.shape[1]), dtype=s.dtype,
-                      device=q8.device)
+    tmp = torch.empty(
+        (min(rows, flat_q.shape[0]), flat_q.shape[1]), dtype=s.dtype, device=q8.device
+    )
     for i in range(0, flat_q.shape[0], rows):
         n = min(rows, flat_q.shape[0] - i)
-        dst[i:i + n].copy_(tmp[:n].copy_(flat_q[i:i + n]).mul_(flat_s[i:i + n]))
+        dst[i : i + n].copy_(tmp[:n].copy_(flat_q[i : i + n]).mul_(flat_s[i : i + n]))
     return out
 
 
-def _dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, rows: int
-                    ) -> torch.Tensor:
+def _dequantize_nf4(
+    packed: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor, rows: int
+) -> torch.Tensor:
     pairs = _NF4_PAIRS.to(device=packed.device)
     groups = absmax.shape[1]
     flat = out.view(packed.shape[0], -1)
     for i in range(0, packed.shape[0], rows):
-        vals = torch.nn.functional.embedding(packed[i:i + rows].long(), pairs)
-        dst = flat[i:i + rows].view(-1, groups, GROUP)
+        vals = torch.nn.functional.embedding(packed[i : i + rows].long(), pairs)
+        dst = flat[i : i + rows].view(-1, groups, GROUP)
         if out.dtype == torch.float32:
-            torch.mul(vals.view(-1, groups, GROUP), absmax[i:i + rows].unsqueeze(-1), out=dst)
+            torch.mul(vals.view(-1, groups, GROUP), absmax[i : i + rows].unsqueeze(-1), out=dst)
         else:
-            dst.copy_(vals.view(-1, groups, GROUP).mul_(absmax[i:i + rows].unsqueeze(-1)))
+            dst.copy_(vals.view(-1, groups, GROUP).mul_(absmax[i : i + rows].unsqueeze(-1)))
     return out

@@ -9,8 +9,18 @@ from typing import Any
 from shoestring.config import knob, non_negative, positive
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -32,82 +42,140 @@ def _size_check(v: Any) -> str | None:
 
 @dataclass
 class InferModelConfig:
-    path: str = knob("", "Local Hugging Face causal LM directory (config.json, safetensors "
-                     "shards, tokenizer).")
-    adapter: str = knob("", "LoRA adapter to apply: a shoestring finetune OUTPUT/final/ dir "
-                        "(peft format). Empty: none.")
-    device: str = knob("auto", "Where layers are computed ('auto': cuda if available).",
-                       choices=("auto", "cpu", "cuda"))
-    dtype: str = knob("auto", "Compute dtype of weights, activations and KV cache. 'auto': "
-                      "the checkpoint's dtype (exact), except with --compress on a float32 "
-                      "checkpoint (already inexact): bfloat16 where a bf16 matmul measures "
-                      "faster on this device. The resolved choice is pinned in run.json.",
-                      choices=("auto", "float32", "bfloat16", "float16"))
+    path: str = knob(
+        "", "Local Hugging Face causal LM directory (config.json, safetensors shards, tokenizer)."
+    )
+    adapter: str = knob(
+        "",
+        "LoRA adapter to apply: a shoestring finetune OUTPUT/final/ dir "
+        "(peft format). Empty: none.",
+    )
+    device: str = knob(
+        "auto",
+        "Where layers are computed ('auto': cuda if available).",
+        choices=("auto", "cpu", "cuda"),
+    )
+    dtype: str = knob(
+        "auto",
+        "Compute dtype of weights, activations and KV cache. 'auto': "
+        "the checkpoint's dtype (exact), except with --compress on a float32 "
+        "checkpoint (already inexact): bfloat16 where a bf16 matmul measures "
+        "faster on this device. The resolved choice is pinned in run.json.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
 
 
 @dataclass
 class IOConfig:
-    input: str = knob("", "Input JSONL: one {\"prompt\": ...} object per line; in score mode "
-                      "also \"completion\" (a string) or \"choices\" (a list of strings).")
-    output: str = knob("", "Output JSONL, one line per input line, in input order. Written "
-                       "once, when every chunk is committed.")
-    run_dir: str = knob("", "Run directory (events.jsonl, chunk ledger, compressed weights). "
-                        "Empty: OUTPUT.run next to the output file.")
+    input: str = knob(
+        "",
+        'Input JSONL: one {"prompt": ...} object per line; in score mode '
+        'also "completion" (a string) or "choices" (a list of strings).',
+    )
+    output: str = knob(
+        "",
+        "Output JSONL, one line per input line, in input order. Written "
+        "once, when every chunk is committed.",
+    )
+    run_dir: str = knob(
+        "",
+        "Run directory (events.jsonl, chunk ledger, compressed weights). "
+        "Empty: OUTPUT.run next to the output file.",
+    )
 
 
 @dataclass
 class GenerateConfig:
-    mode: str = knob("generate", "'generate': greedy continuation; 'score': log-likelihood of "
-                     "the given completion(s), prefill only.", choices=("generate", "score"))
+    mode: str = knob(
+        "generate",
+        "'generate': greedy continuation; 'score': log-likelihood of "
+        "the given completion(s), prefill only.",
+        choices=("generate", "score"),
+    )
     max_new_tokens: int = knob(32, "Tokens to generate per prompt (greedy).", check=positive)
     stop_at_eos: bool = knob(True, "Stop a sequence at the tokenizer's EOS token.")
 
 
 @dataclass
 class MemoryConfig:
-    budget: str = knob("4GB", "Total process memory (RSS) to stay within: runtime, read-ahead "
-                       "buffers, activations, KV cache and resident layers.", check=_size_check)
-    runtime_reserve: str = knob("400MB", "Part of the budget taken by Python, torch and "
-                                "transformers themselves.", check=_size_check)
-    prefetch_depth: int = knob(1, "Units read ahead while the current one computes (1 keeps "
-                               "the disk busy whenever reading is the bottleneck).",
-                               check=positive)
-    batch_size: int = knob(64, "Sequences in flight at once (the job batch): each layer is "
-                           "read once per decode step for all of them. Lowered to what the "
-                           "budget fits.", check=positive)
-    micro_batch_tokens: int = knob(512, "Tokens per forward call inside a layer (prefill "
-                                   "micro-batches); bounds activation memory.", check=positive)
-    resident: int = knob(-1, "Layers kept resident in memory (-1: as many as the budget "
-                         "allows after the batch and KV cache).")
-    kv_bits: int = knob(16, "KV cache precision: 16 keeps the model dtype; 8 stores int8 "
-                        "keys/values with a scale per token and head (~1/4 of fp32, 1/2 of "
-                        "bf16), so a bigger batch fits; outputs drift slightly.",
-                        check=lambda v: None if v in (8, 16) else "must be 8 or 16")
+    budget: str = knob(
+        "4GB",
+        "Total process memory (RSS) to stay within: runtime, read-ahead "
+        "buffers, activations, KV cache and resident layers.",
+        check=_size_check,
+    )
+    runtime_reserve: str = knob(
+        "400MB",
+        "Part of the budget taken by Python, torch and transformers themselves.",
+        check=_size_check,
+    )
+    prefetch_depth: int = knob(
+        1,
+        "Units read ahead while the current one computes (1 keeps "
+        "the disk busy whenever reading is the bottleneck).",
+        check=positive,
+    )
+    batch_size: int = knob(
+        64,
+        "Sequences in flight at once (the job batch): each layer is "
+        "read once per decode step for all of them. Lowered to what the "
+        "budget fits.",
+        check=positive,
+    )
+    micro_batch_tokens: int = knob(
+        512,
+        "Tokens per forward call inside a layer (prefill micro-batches); bounds activation memory.",
+        check=positive,
+    )
+    resident: int = knob(
+        -1,
+        "Layers kept resident in memory (-1: as many as the budget "
+        "allows after the batch and KV cache).",
+    )
+    kv_bits: int = knob(
+        16,
+        "KV cache precision: 16 keeps the model dtype; 8 stores int8 "
+        "keys/values with a scale per token and head (~1/4 of fp32, 1/2 of "
+        "bf16), so a bigger batch fits; outputs drift slightly.",
+        check=lambda v: None if v in (8, 16) else "must be 8 or 16",
+    )
 
 
 @dataclass
 class CompressConfig:
-    scheme: str = knob("none", "Weight compression of the decoder layers' linear weights: "
-                       "int8 (per-channel) or nf4 (4-bit, group 64). Compressed once into "
-                       "the run directory, then fewer bytes are read per pass.",
-                       choices=("none", "int8", "nf4"))
+    scheme: str = knob(
+        "none",
+        "Weight compression of the decoder layers' linear weights: "
+        "int8 (per-channel) or nf4 (4-bit, group 64). Compressed once into "
+        "the run directory, then fewer bytes are read per pass.",
+        choices=("none", "int8", "nf4"),
+    )
 
 
 @dataclass
 class JobConfig:
-    chunk_size: int = knob(0, "Prompts per committed chunk (0: the job batch size).",
-                           check=non_negative)
-    num_threads: int = knob(0, "torch intra-op threads (0: torch's default).",
-                            check=non_negative)
-    progress: str = knob("auto", "Progress display: bar on a terminal, plain lines otherwise.",
-                         choices=("auto", "bar", "plain", "off"))
-    preempt_signal: str = knob("SIGUSR1", "Extra signal meaning 'commit and exit' besides "
-                               "SIGTERM and SIGINT.", choices=("SIGUSR1", "SIGUSR2", "none"))
-    save_every_s: float = knob(600.0, "Also save a running chunk's generation state (tokens "
-                               "and KV cache, at a pass boundary) every S seconds, so a kill "
-                               "without notice loses at most about S seconds of a long chunk; "
-                               "0: only when asked to stop. A stop signal always saves it.",
-                               check=non_negative)
+    chunk_size: int = knob(
+        0, "Prompts per committed chunk (0: the job batch size).", check=non_negative
+    )
+    num_threads: int = knob(0, "torch intra-op threads (0: torch's default).", check=non_negative)
+    progress: str = knob(
+        "auto",
+        "Progress display: bar on a terminal, plain lines otherwise.",
+        choices=("auto", "bar", "plain", "off"),
+    )
+    preempt_signal: str = knob(
+        "SIGUSR1",
+        "Extra signal meaning 'commit and exit' besides SIGTERM and SIGINT.",
+        choices=("SIGUSR1", "SIGUSR2", "none"),
+    )
+    save_every_s: float = knob(
+        600.0,
+        "Also save a running chunk's generation state (tokens "
+        "and KV cache, at a pass boundary) every S seconds, so a kill "
+        "without notice loses at most about S seconds of a long chunk; "
+        "0: only when asked to stop. A stop signal always saves it.",
+        check=non_negative,
+    )
 
 
 @dataclass
@@ -123,15 +191,31 @@ class InferConfig:
 #: The issue's short flags -> config keys (they are rewritten before parsing, so errors
 #: still name the flag the user typed).
 ALIASES: dict[str, str] = {
-    "--model": "model.path", "--adapter": "model.adapter", "--device": "model.device",
-    "--input": "io.input", "--output": "io.output", "--run-dir": "io.run_dir",
-    "--mode": "generate.mode", "--max-new-tokens": "generate.max_new_tokens",
-    "--memory-budget": "memory.budget", "--batch-size": "memory.batch_size",
-    "--compress": "compress.scheme", "--threads": "job.num_threads",
-    "--kv-bits": "memory.kv_bits", "--dtype": "model.dtype",
+    "--model": "model.path",
+    "--adapter": "model.adapter",
+    "--device": "model.device",
+    "--input": "io.input",
+    "--output": "io.output",
+    "--run-dir": "io.run_dir",
+    "--mode": "generate.mode",
+    "--max-new-tokens": "generate.max_new_tokens",
+    "--memory-budget": "memory.budget",
+    "--batch-size": "memory.batch_size",
+    "--compress": "compress.scheme",
+    "--threads": "job.num_threads",
+    "--kv-bits": "memory.kv_bits",
+    "--dtype": "model.dtype",
 }
 
 #: Keys whose change would change the output bytes: a resume refuses if they differ.
-OUTPUT_KEYS: tuple[str, ...] = ("model.path", "model.adapter", "io.input", "generate.mode",
-                                "generate.max_new_tokens", "generate.stop_at_eos",
-                                "compress.scheme", "memory.kv_bits", "model.dtype")
+OUTPUT_KEYS: tuple[str, ...] = (
+    "model.path",
+    "model.adapter",
+    "io.input",
+    "generate.mode",
+    "generate.max_new_tokens",
+    "generate.stop_at_eos",
+    "compress.scheme",
+    "memory.kv_bits",
+    "model.dtype",
+)

@@ -9,8 +9,8 @@ so the same job always computes the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -43,8 +43,8 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     mask = torch.zeros((len(seqs), t), dtype=torch.long)
     for r, s in enumerate(seqs):
         if s:
-            ids[r, t - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[r, t - len(s):] = 1
+            ids[r, t - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[r, t - len(s) :] = 1
     return ids, mask
 
 
@@ -62,31 +62,50 @@ class GenState:
     step: int = 0  # passes completed (0: prefill still to do)
 
 
-def start(engine: StreamingCausalLM, prompts: list[list[int]], *, pad_id: int,
-          micro_tokens: int) -> GenState:
+def start(
+    engine: StreamingCausalLM, prompts: list[list[int]], *, pad_id: int, micro_tokens: int
+) -> GenState:
     """The state before the prefill: prompts grouped and left-padded, empty caches."""
     groups = group([len(p) for p in prompts], micro_tokens)
     mbs = []
     for g in groups:
         ids, mask = _left_pad([prompts[i] for i in g], pad_id)
         mbs.append(MicroBatch(ids, mask, cache=engine.new_cache()))
-    return GenState(groups, mbs, [Generated([], "length") for _ in prompts],
-                    [False] * len(prompts))
+    return GenState(groups, mbs, [Generated([], "length") for _ in prompts], [False] * len(prompts))
 
 
-def generate(engine: StreamingCausalLM, prompts: list[list[int]], *, max_new_tokens: int,
-             eos_ids: set[int], pad_id: int, micro_tokens: int,
-             on_pass: Callable[[], None] = lambda: None) -> list[Generated]:
+def generate(
+    engine: StreamingCausalLM,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    pad_id: int,
+    micro_tokens: int,
+    on_pass: Callable[[], None] = lambda: None,
+) -> list[Generated]:
     """Greedy continuation of every prompt: one prefill pass, then one pass per token."""
     state = start(engine, prompts, pad_id=pad_id, micro_tokens=micro_tokens)
-    return generate_from(engine, state, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                         pad_id=pad_id, on_pass=on_pass)
+    return generate_from(
+        engine,
+        state,
+        max_new_tokens=max_new_tokens,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        on_pass=on_pass,
+    )
 
 
-def generate_from(engine: StreamingCausalLM, state: GenState, *, max_new_tokens: int,
-                  eos_ids: set[int], pad_id: int,
-                  on_pass: Callable[[], None] = lambda: None,
-                  stop: Callable[[], bool] | None = None) -> list[Generated]:
+def generate_from(
+    engine: StreamingCausalLM,
+    state: GenState,
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    pad_id: int,
+    on_pass: Callable[[], None] = lambda: None,
+    stop: Callable[[], bool] | None = None,
+) -> list[Generated]:
     """Greedy continuation from ``state``: a prefill pass (if not done yet), then one pass
     per token. ``on_pass`` runs after each pass, with ``state`` complete for it (it may
     raise to stop; the state can then be saved and generation resumed from it).
@@ -107,8 +126,7 @@ def generate_from(engine: StreamingCausalLM, state: GenState, *, max_new_tokens:
             break
         marks = _cache_marks(state.mbs) if stop is not None else None
         try:
-            picks = engine.forward_pass(state.mbs, last_token,
-                                        stop if marks is not None else None)
+            picks = engine.forward_pass(state.mbs, last_token, stop if marks is not None else None)
         except PassStopped:
             assert marks is not None
             _cut_back(state.mbs, marks)
@@ -124,7 +142,8 @@ def generate_from(engine: StreamingCausalLM, state: GenState, *, max_new_tokens:
             nxt = torch.tensor([[pad_id if done[i] else int(tok[r])] for r, i in enumerate(g)])
             mb.input_ids = nxt
             mb.attention_mask = torch.cat(
-                [mb.attention_mask, torch.ones((len(g), 1), dtype=torch.long)], dim=1)
+                [mb.attention_mask, torch.ones((len(g), 1), dtype=torch.long)], dim=1
+            )
         if step == 0:
             state.groups, state.mbs = _merge_for_decode(engine, state.groups, state.mbs)
         state.step = step + 1
@@ -138,8 +157,9 @@ def _cache_marks(mbs: list[MicroBatch]) -> list[list[int]] | None:
     such as a sliding window)."""
     marks = []
     for mb in mbs:
-        if mb.cache is None or any(type(layer) not in (DynamicLayer, Int8KVLayer)
-                                   for layer in mb.cache.layers):
+        if mb.cache is None or any(
+            type(layer) not in (DynamicLayer, Int8KVLayer) for layer in mb.cache.layers
+        ):
             return None
         marks.append([layer.get_seq_length() for layer in mb.cache.layers])
     return marks
@@ -151,8 +171,9 @@ def _cut_back(mbs: list[MicroBatch], marks: list[list[int]]) -> None:
             layer.crop(n - layer.get_seq_length())
 
 
-def _merge_for_decode(engine: StreamingCausalLM, groups: list[list[int]],
-                      mbs: list[MicroBatch]) -> tuple[list[list[int]], list[MicroBatch]]:
+def _merge_for_decode(
+    engine: StreamingCausalLM, groups: list[list[int]], mbs: list[MicroBatch]
+) -> tuple[list[list[int]], list[MicroBatch]]:
     """After the prefill, one micro-batch for all sequences.
 
     Micro-batches bound prefill activations; a decode pass feeds one token per
@@ -170,9 +191,12 @@ def _merge_for_decode(engine: StreamingCausalLM, groups: list[list[int]],
     if cache is None:
         return groups, mbs
     width = max(mb.attention_mask.shape[1] for mb in mbs)
-    mask = torch.cat([torch.nn.functional.pad(mb.attention_mask,
-                                              (width - mb.attention_mask.shape[1], 0))
-                      for mb in mbs])
+    mask = torch.cat(
+        [
+            torch.nn.functional.pad(mb.attention_mask, (width - mb.attention_mask.shape[1], 0))
+            for mb in mbs
+        ]
+    )
     ids = torch.cat([mb.input_ids for mb in mbs])
     return [[i for g in groups for i in g]], [MicroBatch(ids, mask, cache=cache)]
 
@@ -184,8 +208,14 @@ class Scored:
     greedy: bool  # every completion token is the argmax
 
 
-def score(engine: StreamingCausalLM, seqs: list[tuple[list[int], int]], *, pad_id: int,
-          micro_tokens: int, on_pass: Callable[[], None] = lambda: None) -> list[Scored]:
+def score(
+    engine: StreamingCausalLM,
+    seqs: list[tuple[list[int], int]],
+    *,
+    pad_id: int,
+    micro_tokens: int,
+    on_pass: Callable[[], None] = lambda: None,
+) -> list[Scored]:
     """Log-likelihood of ``tokens[start:]`` given ``tokens[:start]`` for each (tokens, start).
 
     One prefill pass, no KV cache; the lm_head runs only on the positions that
@@ -204,8 +234,9 @@ def score(engine: StreamingCausalLM, seqs: list[tuple[list[int], int]], *, pad_i
             logp = torch.log_softmax(engine.logits(h[r, pos]), dim=-1)
             target = torch.tensor(toks[start:], device=h.device)
             lp = logp.gather(-1, target[:, None])[:, 0]
-            res.append(Scored(float(lp.double().sum()), n - start,
-                              bool((logp.argmax(-1) == target).all())))
+            res.append(
+                Scored(float(lp.double().sum()), n - start, bool((logp.argmax(-1) == target).all()))
+            )
         return res
 
     it = iter(groups)
@@ -221,6 +252,5 @@ def score(engine: StreamingCausalLM, seqs: list[tuple[list[int], int]], *, pad_i
 def prompt_logits(engine: StreamingCausalLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """fp32 logits at every position of each prompt, one micro-batch per prompt (no
     padding): what a check against an in-memory reference model compares."""
-    mbs = [MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long))
-           for p in prompts]
+    mbs = [MicroBatch(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long)) for p in prompts]
     return engine.forward_pass(mbs, lambda mb, h: engine.logits(h)[0])

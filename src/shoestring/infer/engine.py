@@ -17,17 +17,24 @@ import ctypes
 import ctypes.util
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from shoestring.infer.kvcache import int8_cache
-from shoestring.infer.shards import (ReadPlan, ShardError, TensorRef, generic_key, index_model,
-                                     plan_reads)
+from shoestring.infer.shards import (
+    ReadPlan,
+    ShardError,
+    TensorRef,
+    generic_key,
+    index_model,
+    plan_reads,
+)
 from shoestring.infer.stream import LayerStreamer, Prepare, Slot
 
 
@@ -74,8 +81,10 @@ def _decoder_layers(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and name.endswith("layers"):
             return name, mod
-    raise ShardError(f"{type(model).__name__}: no decoder-layer list of {n_layers} modules; "
-                     "this architecture is not supported by the streaming engine")
+    raise ShardError(
+        f"{type(model).__name__}: no decoder-layer list of {n_layers} modules; "
+        "this architecture is not supported by the streaming engine"
+    )
 
 
 def stored_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
@@ -100,7 +109,7 @@ def make_units(model: Any, config: Any, refs: dict[str, TensorRef]) -> list[Unit
         if key.startswith(embed_name + "."):
             groups["embed"][key] = target
         elif key.startswith(layers_name + "."):
-            idx = key[len(layers_name) + 1:].split(".", 1)[0]
+            idx = key[len(layers_name) + 1 :].split(".", 1)[0]
             groups[f"layers.{idx}"][key] = target
         else:
             groups["head"][key] = target
@@ -110,16 +119,25 @@ def make_units(model: Any, config: Any, refs: dict[str, TensorRef]) -> list[Unit
         unit_refs = []
         for key in groups[name]:
             ref = refs.get(key)
-            if ref is None and key.endswith("lm_head.weight") and embed_key in refs \
-                    and getattr(config, "tie_word_embeddings", False):
-                ref = TensorRef(key, refs[embed_key].file, refs[embed_key].offset,
-                                refs[embed_key].nbytes, refs[embed_key].dtype,
-                                refs[embed_key].shape)
+            if (
+                ref is None
+                and key.endswith("lm_head.weight")
+                and embed_key in refs
+                and getattr(config, "tie_word_embeddings", False)
+            ):
+                ref = TensorRef(
+                    key,
+                    refs[embed_key].file,
+                    refs[embed_key].offset,
+                    refs[embed_key].nbytes,
+                    refs[embed_key].dtype,
+                    refs[embed_key].shape,
+                )
             if ref is None:
-                raise ShardError(f"checkpoint has no tensor {key!r} that "
-                                 f"{type(model).__name__} needs")
-            unit_refs.append(TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype,
-                                       ref.shape))
+                raise ShardError(
+                    f"checkpoint has no tensor {key!r} that {type(model).__name__} needs"
+                )
+            unit_refs.append(TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype, ref.shape))
         units.append(Unit(name, groups[name], unit_refs))
     return units
 
@@ -133,9 +151,15 @@ def _bind(unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
 class StreamingCausalLM:
     """Runs passes of a causal LM over micro-batches, streaming units from disk."""
 
-    def __init__(self, model_dir: Path, *, device: torch.device,
-                 refs: dict[str, TensorRef] | None = None, kv_bits: int = 16,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: torch.device,
+        refs: dict[str, TensorRef] | None = None,
+        kv_bits: int = 16,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.device = device
         self.kv_bits = kv_bits  # 8: caches from new_cache() hold int8 K/V (infer.kvcache)
@@ -156,16 +180,25 @@ class StreamingCausalLM:
         self.streamer: LayerStreamer | None = None
         self.passes = 0
 
-    def start(self, resident: int | set[int] = 0, depth: int = 2,
-              prepare: Prepare | None = None, direct_io: bool = True) -> "StreamingCausalLM":
+    def start(
+        self,
+        resident: int | set[int] = 0,
+        depth: int = 2,
+        prepare: Prepare | None = None,
+        direct_io: bool = True,
+    ) -> StreamingCausalLM:
         """Read the resident units and start the read-ahead thread."""
         chosen = resident if isinstance(resident, set) else self.pick_resident(resident)
         user = prepare or (lambda i, t, s: t)
-        self.streamer = LayerStreamer([u.plan for u in self.units], chosen, depth=depth,
-                                      device=self.device,
-                                      prepare=lambda i, t, s: self._cast(user(i, t, s), s),
-                                      direct_io=direct_io,
-                                      drop_raw={i for i in chosen if not self.raw_kept(i)})
+        self.streamer = LayerStreamer(
+            [u.plan for u in self.units],
+            chosen,
+            depth=depth,
+            device=self.device,
+            prepare=lambda i, t, s: self._cast(user(i, t, s), s),
+            direct_io=direct_io,
+            drop_raw={i for i in chosen if not self.raw_kept(i)},
+        )
         return self
 
     def raw_kept(self, i: int) -> bool:
@@ -176,7 +209,8 @@ class StreamingCausalLM:
         buffer and costs only its prepared tensors. On CUDA the raw copy is kept."""
         return self.device.type == "cuda" or any(
             "::" not in r.key and not (r.dtype.is_floating_point and r.dtype != self.dtype)
-            for r in self.units[i].refs)
+            for r in self.units[i].refs
+        )
 
     def _cast(self, tensors: dict[str, torch.Tensor], slot: Slot) -> dict[str, torch.Tensor]:
         """Float tensors not in the compute dtype, cast into the slot's scratch buffers."""
@@ -189,17 +223,18 @@ class StreamingCausalLM:
             name = "cast:" + generic_key(key)
             buf = slot.scratch.get(name)
             if buf is None or buf.shape != t.shape:
-                buf = slot.scratch[name] = torch.empty(t.shape, dtype=self.dtype,
-                                                       device=t.device)
+                buf = slot.scratch[name] = torch.empty(t.shape, dtype=self.dtype, device=t.device)
             out[key] = buf.copy_(t)
         return out
 
     def cast_bytes(self, i: int) -> int:
         """Scratch bytes unit ``i`` needs for casts to the compute dtype (plain float
         tensors only: compressed parts are dequantized straight into it)."""
-        return sum(self.dtype.itemsize * (r.nbytes // r.dtype.itemsize)
-                   for r in self.units[i].refs
-                   if r.dtype.is_floating_point and r.dtype != self.dtype and "::" not in r.key)
+        return sum(
+            self.dtype.itemsize * (r.nbytes // r.dtype.itemsize)
+            for r in self.units[i].refs
+            if r.dtype.is_floating_point and r.dtype != self.dtype and "::" not in r.key
+        )
 
     def replace_refs(self, i: int, refs: list[TensorRef]) -> None:
         """Stream unit ``i`` from other tensors (a compressed copy); ``prepare`` maps them back."""
@@ -213,7 +248,7 @@ class StreamingCausalLM:
     def pick_resident(self, n: int) -> set[int]:
         """The ``n`` largest units (ties: later first): most bytes saved per resident slot."""
         order = sorted(range(len(self.units)), key=lambda i: (-self.units[i].plan.nbytes, -i))
-        return set(order[:max(n, 0)])
+        return set(order[: max(n, 0)])
 
     # ------------------------------------------------------------------ masks and positions
 
@@ -221,18 +256,25 @@ class StreamingCausalLM:
         types = getattr(self.config, "layer_types", None)
         if types:
             return str(types[i])
-        return "sliding_attention" if getattr(self.config, "sliding_window", None) \
+        return (
+            "sliding_attention"
+            if getattr(self.config, "sliding_window", None)
             else "full_attention"
+        )
 
     def _prepare(self, mb: MicroBatch) -> None:
-        from transformers.masking_utils import (create_causal_mask,
-                                                create_sliding_window_causal_mask)
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         t = mb.input_ids.shape[1]
         pos = (mb.attention_mask.long().cumsum(-1) - 1).clamp_(min=0)[:, -t:]
         kinds = {self._mask_kind(i) for i in range(len(self.layers))}
-        kw = dict(config=self.config, inputs_embeds=mb.hidden, attention_mask=mb.attention_mask,
-                  cache=mb.cache, position_ids=pos)
+        kw = dict(
+            config=self.config,
+            inputs_embeds=mb.hidden,
+            attention_mask=mb.attention_mask,
+            cache=mb.cache,
+            position_ids=pos,
+        )
         masks = {}
         if "full_attention" in kinds:
             masks["full_attention"] = create_causal_mask(**kw)
@@ -244,9 +286,12 @@ class StreamingCausalLM:
     # ------------------------------------------------------------------ the pass
 
     @torch.inference_mode()
-    def forward_pass(self, batches: list[MicroBatch],
-                     head: Callable[[MicroBatch, torch.Tensor], Any],
-                     stop: Callable[[], bool] | None = None) -> list[Any]:
+    def forward_pass(
+        self,
+        batches: list[MicroBatch],
+        head: Callable[[MicroBatch, torch.Tensor], Any],
+        stop: Callable[[], bool] | None = None,
+    ) -> list[Any]:
         """One pass of every unit over every micro-batch; ``head(mb, final_hidden)`` is
         called per micro-batch after the final norm, with the lm_head bound (call
         :meth:`logits`). Returns the head results in micro-batch order.
@@ -275,10 +320,14 @@ class StreamingCausalLM:
                     li = i - 1
                     layer = self.layers[li]
                     for mb in batches:
-                        mb.hidden = layer(mb.hidden, attention_mask=mb.extras["masks"][
-                            self._mask_kind(li)], position_ids=mb.extras["pos"],
-                            cache=mb.cache, use_cache=mb.cache is not None,
-                            position_embeddings=mb.extras["rot"])
+                        mb.hidden = layer(
+                            mb.hidden,
+                            attention_mask=mb.extras["masks"][self._mask_kind(li)],
+                            position_ids=mb.extras["pos"],
+                            cache=mb.cache,
+                            use_cache=mb.cache is not None,
+                            position_embeddings=mb.extras["rot"],
+                        )
             finally:
                 self.streamer.release(i)
         self.passes += 1

@@ -14,11 +14,22 @@ import torch
 ARCHS = ("llama", "mistral", "qwen2")
 
 
-def build_random_model(target: Path, arch: str = "llama", *, hidden: int = 128,
-                       layers: int = 4, ffn: int = 256, heads: int = 4, kv_heads: int = 2,
-                       dtype: torch.dtype = torch.float32, shard: str = "200KB",
-                       init_std: float = 0.2, seed: int = 0, tie: bool = False,
-                       **extra: Any) -> Path:
+def build_random_model(
+    target: Path,
+    arch: str = "llama",
+    *,
+    hidden: int = 128,
+    layers: int = 4,
+    ffn: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    dtype: torch.dtype = torch.float32,
+    shard: str = "200KB",
+    init_std: float = 0.2,
+    seed: int = 0,
+    tie: bool = False,
+    **extra: Any,
+) -> Path:
     """Write a random ``arch`` model with the byte tokenizer into ``target``.
 
     ``init_std`` well above the usual 0.02 makes the logits peaked, so greedy
@@ -27,16 +38,27 @@ def build_random_model(target: Path, arch: str = "llama", *, hidden: int = 128,
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shoestring.train.builtin import SPECIAL_TOKENS, _build_tokenizer
+    from shoestring.train.builtin import SPECIAL_TOKENS, build_tokenizer
 
-    tok = _build_tokenizer()
+    tok = build_tokenizer()
     pad_id, bos_id, eos_id = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     vocab = -(-len(tok) // 64) * 64
     config = AutoConfig.for_model(
-        arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=1024, initializer_range=init_std, tie_word_embeddings=tie,
-        pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id, **extra)
+        arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        initializer_range=init_std,
+        tie_word_embeddings=tie,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        **extra,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -39,20 +39,33 @@ def read_records(path: Path, mode: str) -> tuple[list[Record], str]:
             raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
-            raise ConfigError(f"{where}: needs a string \"prompt\"")
+            raise ConfigError(f'{where}: needs a string "prompt"')
         completion, choices = obj.get("completion"), obj.get("choices")
         if mode == "score":
             if (completion is None) == (choices is None):
-                raise ConfigError(f"{where}: score mode needs exactly one of \"completion\" "
-                                  "(a string) or \"choices\" (a list of strings)")
+                raise ConfigError(
+                    f'{where}: score mode needs exactly one of "completion" '
+                    '(a string) or "choices" (a list of strings)'
+                )
             if completion is not None and (not isinstance(completion, str) or not completion):
-                raise ConfigError(f"{where}: \"completion\" must be a non-empty string")
-            if choices is not None and (not isinstance(choices, list) or not choices or
-                                        not all(isinstance(c, str) and c for c in choices)):
-                raise ConfigError(f"{where}: \"choices\" must be a non-empty list of "
-                                  "non-empty strings")
-        records.append(Record(n, prompt, completion,
-                              tuple(choices) if choices is not None else None, obj.get("id")))
+                raise ConfigError(f'{where}: "completion" must be a non-empty string')
+            if choices is not None and (
+                not isinstance(choices, list)
+                or not choices
+                or not all(isinstance(c, str) and c for c in choices)
+            ):
+                raise ConfigError(
+                    f'{where}: "choices" must be a non-empty list of non-empty strings'
+                )
+        records.append(
+            Record(
+                n,
+                prompt,
+                completion,
+                tuple(choices) if choices is not None else None,
+                obj.get("id"),
+            )
+        )
     if not records:
         raise ConfigError(f"io.input: {path} has no records")
     return records, hashlib.sha256(data).hexdigest()

@@ -39,9 +39,8 @@ from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.clock import PassClock
 from shoestring.infer.codecs import Scheme
 from shoestring.infer.config import OUTPUT_KEYS, InferConfig, parse_size
-from shoestring.infer.decode import GenState, Generated, Scored, generate_from, score, start
-from shoestring.infer.engine import (PassStopped, StreamingCausalLM, kv_bytes_per_token,
-                                     stored_dtype)
+from shoestring.infer.decode import Generated, GenState, Scored, generate_from, score, start
+from shoestring.infer.engine import PassStopped, StreamingCausalLM, kv_bytes_per_token, stored_dtype
 from shoestring.infer.inputs import read_records
 from shoestring.infer.ledger import ChunkLedger, Pinned, RunRecord
 from shoestring.infer.plan import Plan, make_plan
@@ -62,8 +61,9 @@ def default_run_dir(output: Path) -> Path:
     return output.with_name(output.name + ".run")
 
 
-def run_infer(cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS,
-              stream: TextIO = sys.stderr) -> int:
+def run_infer(
+    cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS, stream: TextIO = sys.stderr
+) -> int:
     """Run (or resume) the job described by ``cfg``; returns an exit code."""
     job = InferJob.prepare(cfg, faults, stream)
     ledger = job.open_ledger()
@@ -122,13 +122,32 @@ class InferJob:
             prior.check(identity)
         scheme = cfg.compress.scheme
         hook, unit_extra = weight_hook(
-            engine, None if scheme == "none" else cast(Scheme, scheme), adapter,
-            run_dir / f"weights-{scheme}", f"{identity['model']}:{identity['adapter']}:{scheme}")
+            engine,
+            None if scheme == "none" else cast(Scheme, scheme),
+            adapter,
+            run_dir / f"weights-{scheme}",
+            f"{identity['model']}:{identity['adapter']}:{scheme}",
+        )
         pinned = prior.pinned if prior is not None else Pinned()
         plan = _plan(cfg, engine, work, unit_extra, pinned, budget, reserve)
         chunk_records = pinned.chunk_records or _chunk_records(cfg, plan, work)
-        return cls(cfg, faults, stream, started, model_dir, output, run_dir, work, tok, engine,
-                   prior, identity, hook, plan, chunk_records)
+        return cls(
+            cfg,
+            faults,
+            stream,
+            started,
+            model_dir,
+            output,
+            run_dir,
+            work,
+            tok,
+            engine,
+            prior,
+            identity,
+            hook,
+            plan,
+            chunk_records,
+        )
 
     @property
     def dtype_name(self) -> str:
@@ -137,42 +156,71 @@ class InferJob:
     @property
     def streamed_bytes(self) -> int:
         """Bytes read from disk per pass: every unit that is not resident."""
-        return sum(u.plan.read_bytes for i, u in enumerate(self.engine.units)
-                   if i not in self.plan.resident)
+        return sum(
+            u.plan.read_bytes
+            for i, u in enumerate(self.engine.units)
+            if i not in self.plan.resident
+        )
 
     def open_ledger(self) -> ChunkLedger:
         """Write run.json on a first attempt, open the ledger, announce the job."""
-        record = self.prior or RunRecord.create(self.run_dir, self.identity, Pinned(
-            self.plan.batch_size, self.plan.micro_tokens, self.chunk_records, self.dtype_name))
-        ledger = ChunkLedger.open(self.run_dir, record.run_id, len(self.work.records),
-                                  self.chunk_records, faults=self.faults)
+        record = self.prior or RunRecord.create(
+            self.run_dir,
+            self.identity,
+            Pinned(
+                self.plan.batch_size, self.plan.micro_tokens, self.chunk_records, self.dtype_name
+            ),
+        )
+        ledger = ChunkLedger.open(
+            self.run_dir,
+            record.run_id,
+            len(self.work.records),
+            self.chunk_records,
+            faults=self.faults,
+        )
         engine = self.engine
         ledger.log.emit(
-            "infer_start", mode=self.cfg.generate.mode, model=str(self.model_dir),
+            "infer_start",
+            mode=self.cfg.generate.mode,
+            model=str(self.model_dir),
             records=len(self.work.records),
-            chunks=ledger.n_chunks, chunks_done=len(ledger.done),
-            chunk_records=self.chunk_records, device=str(engine.device),
-            compress=self.cfg.compress.scheme, dtype=self.dtype_name, plan=self.plan.to_dict(),
-            units=len(engine.units), model_bytes=sum(engine.unit_bytes),
-            streamed_bytes_per_pass=self.streamed_bytes, pid=os.getpid())
+            chunks=ledger.n_chunks,
+            chunks_done=len(ledger.done),
+            chunk_records=self.chunk_records,
+            device=str(engine.device),
+            compress=self.cfg.compress.scheme,
+            dtype=self.dtype_name,
+            plan=self.plan.to_dict(),
+            units=len(engine.units),
+            model_bytes=sum(engine.unit_bytes),
+            streamed_bytes_per_pass=self.streamed_bytes,
+            pid=os.getpid(),
+        )
         return ledger
 
     def preempted(self, stopped: Stopped, ledger: ChunkLedger) -> int:
         ledger.close()
-        kept = (f", and chunk {stopped.chunk}'s first {stopped.saved_passes} passes"
-                if stopped.saved_passes else "")
-        print(f"shoestring infer: preempted; {len(ledger.done)}/{ledger.n_chunks} chunks "
-              f"committed in {ledger.chunks_root}{kept}. Rerun the same command to continue.",
-              file=self.stream)
+        kept = (
+            f", and chunk {stopped.chunk}'s first {stopped.saved_passes} passes"
+            if stopped.saved_passes
+            else ""
+        )
+        print(
+            f"shoestring infer: preempted; {len(ledger.done)}/{ledger.n_chunks} chunks "
+            f"committed in {ledger.chunks_root}{kept}. Rerun the same command to continue.",
+            file=self.stream,
+        )
         return exitcodes.PREEMPTED
 
     def finish(self, ledger: ChunkLedger, stats: Stats) -> int:
         """Every chunk is committed: write the output, log and print the summary."""
-        summary = summary_of(self.engine, stats, self.plan, self.streamed_bytes,
-                             time.perf_counter() - self.started)
+        summary = summary_of(
+            self.engine, stats, self.plan, self.streamed_bytes, time.perf_counter() - self.started
+        )
         nbytes = ledger.assemble(self.output)
-        ledger.log.emit("infer_end", status="completed", output=str(self.output),
-                        output_bytes=nbytes, **summary)
+        ledger.log.emit(
+            "infer_end", status="completed", output=str(self.output), output_bytes=nbytes, **summary
+        )
         ledger.close()
         print_summary(summary, self.output, self.stream)
         return exitcodes.OK
@@ -180,20 +228,28 @@ class InferJob:
 
 def _model_dir(cfg: InferConfig) -> Path:
     """The model directory, after checking that the required keys are set."""
-    for key, flag in (("model.path", "--model"), ("io.input", "--input"),
-                      ("io.output", "--output")):
+    for key, flag in (
+        ("model.path", "--model"),
+        ("io.input", "--input"),
+        ("io.output", "--output"),
+    ):
         if not to_flat(cfg)[key]:
             raise ConfigError(f"{flag} ({key}) is required")
     model_dir = Path(cfg.model.path).expanduser()
     if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"--model (model.path): {model_dir} is not a Hugging Face model "
-                          "directory (no config.json)")
+        raise ConfigError(
+            f"--model (model.path): {model_dir} is not a Hugging Face model "
+            "directory (no config.json)"
+        )
     return model_dir
 
 
 def _device(cfg: InferConfig) -> torch.device:
-    return torch.device("cuda" if cfg.model.device == "cuda" or (
-        cfg.model.device == "auto" and torch.cuda.is_available()) else "cpu")
+    return torch.device(
+        "cuda"
+        if cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
@@ -203,49 +259,81 @@ def _load_tokenizer(model_dir: Path) -> Any:
     try:
         return load_tokenizer(model_dir)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--model (model.path): cannot load a tokenizer from {model_dir}: "
-                          f"{e}") from e
+        raise ConfigError(
+            f"--model (model.path): cannot load a tokenizer from {model_dir}: {e}"
+        ) from e
 
 
-def _build_engine(cfg: InferConfig, model_dir: Path, device: torch.device,
-                  prior: RunRecord | None) -> StreamingCausalLM:
+def _build_engine(
+    cfg: InferConfig, model_dir: Path, device: torch.device, prior: RunRecord | None
+) -> StreamingCausalLM:
     try:
         refs = index_model(model_dir)
-        dtype = compute_dtype(cfg.model.dtype, stored_dtype(refs), cfg.compress.scheme, device,
-                              pinned=prior.pinned.dtype if prior is not None else None)
-        return StreamingCausalLM(model_dir, device=device, refs=refs,
-                                 kv_bits=cfg.memory.kv_bits, dtype=dtype)
+        dtype = compute_dtype(
+            cfg.model.dtype,
+            stored_dtype(refs),
+            cfg.compress.scheme,
+            device,
+            pinned=prior.pinned.dtype if prior is not None else None,
+        )
+        return StreamingCausalLM(
+            model_dir, device=device, refs=refs, kv_bits=cfg.memory.kv_bits, dtype=dtype
+        )
     except ShardError as e:
         raise ConfigError(f"--model (model.path): {e}") from e
 
 
-def _identity(cfg: InferConfig, input_sha: str, model_dir: Path,
-              adapter: LoraDelta | None) -> dict[str, Any]:
+def _identity(
+    cfg: InferConfig, input_sha: str, model_dir: Path, adapter: LoraDelta | None
+) -> dict[str, Any]:
     """What must not change between attempts of one run directory (run.json)."""
     from shoestring.train.model import fingerprint
 
     flat = to_flat(cfg)
-    return {"input_sha256": input_sha, "model": fingerprint(model_dir),
-            "adapter": adapter.fingerprint if adapter else "",
-            **{k: flat[k] for k in OUTPUT_KEYS if k not in ("model.path", "io.input")
-               and not (k == "memory.kv_bits" and flat[k] == 16)  # older run dirs
-               and not (k == "model.dtype" and flat[k] == "auto")}}  # stay valid
+    return {
+        "input_sha256": input_sha,
+        "model": fingerprint(model_dir),
+        "adapter": adapter.fingerprint if adapter else "",
+        **{
+            k: flat[k]
+            for k in OUTPUT_KEYS
+            if k not in ("model.path", "io.input")
+            and not (k == "memory.kv_bits" and flat[k] == 16)  # older run dirs
+            and not (k == "model.dtype" and flat[k] == "auto")
+        },
+    }  # stay valid
 
 
-def _plan(cfg: InferConfig, engine: StreamingCausalLM, work: Work, unit_extra: list[int],
-          pinned: Pinned, budget: int, reserve: int) -> Plan:
+def _plan(
+    cfg: InferConfig,
+    engine: StreamingCausalLM,
+    work: Work,
+    unit_extra: list[int],
+    pinned: Pinned,
+    budget: int,
+    reserve: int,
+) -> Plan:
     new = cfg.generate.max_new_tokens if cfg.generate.mode == "generate" else 0
     return make_plan(
-        budget=budget, reserve=reserve, unit_bytes=engine.unit_bytes, unit_extra=unit_extra,
-        kv_per_token=kv_bytes_per_token(engine.config, engine.dtype,
-                                        cfg.memory.kv_bits) if new else 0,
-        config=engine.config, itemsize=engine.dtype.itemsize,
+        budget=budget,
+        reserve=reserve,
+        unit_bytes=engine.unit_bytes,
+        unit_extra=unit_extra,
+        kv_per_token=kv_bytes_per_token(engine.config, engine.dtype, cfg.memory.kv_bits)
+        if new
+        else 0,
+        config=engine.config,
+        itemsize=engine.dtype.itemsize,
         prompt_lens=[len(s) for seqs in work.seqs for s in seqs],
-        new_tokens=new, want_batch=cfg.memory.batch_size,
-        micro_tokens=cfg.memory.micro_batch_tokens, depth=cfg.memory.prefetch_depth,
-        want_resident=cfg.memory.resident, pinned_batch=pinned.batch_size,
+        new_tokens=new,
+        want_batch=cfg.memory.batch_size,
+        micro_tokens=cfg.memory.micro_batch_tokens,
+        depth=cfg.memory.prefetch_depth,
+        want_resident=cfg.memory.resident,
+        pinned_batch=pinned.batch_size,
         pinned_micro=pinned.micro_tokens,
-        raw_kept=[engine.raw_kept(i) for i in range(len(engine.units))])
+        raw_kept=[engine.raw_kept(i) for i in range(len(engine.units))],
+    )
 
 
 def _chunk_records(cfg: InferConfig, plan: Plan, work: Work) -> int:
@@ -280,8 +368,9 @@ class ChunkLoop:
     def start(cls, job: InferJob, ledger: ChunkLedger, stats: Stats) -> ChunkLoop:
         """Start the engine (reads the resident units) and the progress display."""
         job.engine.start(set(job.plan.resident), job.plan.depth, job.hook)
-        progress = Progress(len(job.work.records), ledger.records_done(),
-                            job.cfg.job.progress, job.stream)
+        progress = Progress(
+            len(job.work.records), ledger.records_done(), job.cfg.job.progress, job.stream
+        )
         return cls(job, ledger, stats, progress, chunk=ledger.todo[0])
 
     def run(self) -> Stopped | None:
@@ -316,34 +405,52 @@ class ChunkLoop:
         ledger.commit(k, output_lines(job.work, idx, job.cfg.generate.mode, results, job.tok))
         self.state = None
         self.stats.prompts += len(idx)
-        ledger.log.emit("chunk", chunk=k, records=[idx.start, idx.stop],
-                        seconds=round(time.perf_counter() - t0, 4),
-                        bytes_read=self._bytes_read() - read0, committed=len(ledger.done),
-                        of=ledger.n_chunks)
+        ledger.log.emit(
+            "chunk",
+            chunk=k,
+            records=[idx.start, idx.stop],
+            seconds=round(time.perf_counter() - t0, 4),
+            bytes_read=self._bytes_read() - read0,
+            committed=len(ledger.done),
+            of=ledger.n_chunks,
+        )
         self.progress.update(ledger.records_done(), self._bytes_read())
 
     def _generation(self, k: int, flat: list[tuple[int, int]]) -> GenState:
         """Chunk ``k``'s saved generation state, or a fresh one before its prefill."""
         job = self.job
         return self.ledger.load_state(k, job.engine, len(flat)) or start(
-            job.engine, [job.work.seqs[i][j] for i, j in flat], pad_id=job.work.pad_id,
-            micro_tokens=job.plan.micro_tokens)
+            job.engine,
+            [job.work.seqs[i][j] for i, j in flat],
+            pad_id=job.work.pad_id,
+            micro_tokens=job.plan.micro_tokens,
+        )
 
-    def _compute(self, idx: range, flat: list[tuple[int, int]]
-                 ) -> list[list[Generated] | list[Scored]]:
+    def _compute(
+        self, idx: range, flat: list[tuple[int, int]]
+    ) -> list[list[Generated] | list[Scored]]:
         """The chunk's results, per record, per sequence."""
         job, work = self.job, self.job.work
         outs: list[Any]
         if self.state is not None:
             outs = generate_from(
-                job.engine, self.state, max_new_tokens=job.cfg.generate.max_new_tokens,
+                job.engine,
+                self.state,
+                max_new_tokens=job.cfg.generate.max_new_tokens,
                 eos_ids=work.eos_ids if job.cfg.generate.stop_at_eos else set(),
-                pad_id=work.pad_id, on_pass=self._on_pass, stop=self._stop_requested)
+                pad_id=work.pad_id,
+                on_pass=self._on_pass,
+                stop=self._stop_requested,
+            )
             self.stats.tokens += sum(len(o.tokens) for o in outs)
         else:
-            outs = score(job.engine, [(work.seqs[i][j], work.starts[i][j]) for i, j in flat],
-                         pad_id=work.pad_id, micro_tokens=job.plan.micro_tokens,
-                         on_pass=self._on_pass)
+            outs = score(
+                job.engine,
+                [(work.seqs[i][j], work.starts[i][j]) for i, j in flat],
+                pad_id=work.pad_id,
+                micro_tokens=job.plan.micro_tokens,
+                on_pass=self._on_pass,
+            )
             self.stats.tokens += sum(o.tokens for o in outs)
         grouped: list[list[Any]] = [[] for _ in idx]
         for (i, _j), o in zip(flat, outs):
@@ -356,8 +463,11 @@ class ChunkLoop:
         act = self.job.faults.hit("step.forward")  # slowNN: a straggler, for preemption tests
         if act and act.startswith("slow"):
             time.sleep(seconds * int(act[4:]) / 100)
-        if self.state is not None and not self.flag.is_set() \
-                and self.clock.save_due(self.job.cfg.job.save_every_s):
+        if (
+            self.state is not None
+            and not self.flag.is_set()
+            and self.clock.save_due(self.job.cfg.job.save_every_s)
+        ):
             self.ledger.save_state(self.chunk, self.state)
             self.clock.saved()
         self.clock.start_pass()
@@ -375,11 +485,20 @@ class ChunkLoop:
         """Save the state of the chunk in flight (if it has done a pass) and log the stop."""
         reason = str(e) if isinstance(e, Preempted) else self.flag.reason
         notice_ms = round((time.time() - (self.flag.set_at or time.time())) * 1000, 1)
-        saved = self.ledger.save_state(self.chunk, self.state) \
-            if self.state is not None and self.state.step > 0 else 0
-        self.ledger.log.emit("preempt", reason=reason, chunks_done=len(self.ledger.done),
-                             of=self.ledger.n_chunks, notice_to_stop_ms=notice_ms,
-                             partial_passes=saved, mid_pass=isinstance(e, PassStopped))
+        saved = (
+            self.ledger.save_state(self.chunk, self.state)
+            if self.state is not None and self.state.step > 0
+            else 0
+        )
+        self.ledger.log.emit(
+            "preempt",
+            reason=reason,
+            chunks_done=len(self.ledger.done),
+            of=self.ledger.n_chunks,
+            notice_to_stop_ms=notice_ms,
+            partial_passes=saved,
+            mid_pass=isinstance(e, PassStopped),
+        )
         return Stopped(self.chunk, saved)
 
     def _bytes_read(self) -> int:
@@ -388,8 +507,9 @@ class ChunkLoop:
         return streamer.reader.bytes_read
 
 
-def compute_dtype(choice: str, stored: torch.dtype, scheme: str, device: torch.device,
-                  pinned: str | None = None) -> torch.dtype:
+def compute_dtype(
+    choice: str, stored: torch.dtype, scheme: str, device: torch.device, pinned: str | None = None
+) -> torch.dtype:
     """The dtype the job computes in.
 
     A rerun keeps the one its run directory pinned (``pinned``; "stored" for run

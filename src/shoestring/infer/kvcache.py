@@ -36,8 +36,9 @@ class Int8KVLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         self.dtype = key_states.dtype
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._k = self._append(self._k, key_states)
@@ -46,8 +47,9 @@ class Int8KVLayer(DynamicLayer):
         return self._dequantize(self._k), self._dequantize(self._v)
 
     @staticmethod
-    def _append(old: tuple[torch.Tensor, torch.Tensor] | None, new: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _append(
+        old: tuple[torch.Tensor, torch.Tensor] | None, new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         q, s = int8_rows(new)
         if old is None:
             return q, s
@@ -55,8 +57,9 @@ class Int8KVLayer(DynamicLayer):
 
     def _dequantize(self, qs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         q, s = qs
-        return dequantize({"q8": q, "s": s}, torch.empty(q.shape, dtype=self.dtype,
-                                                          device=q.device))
+        return dequantize(
+            {"q8": q, "s": s}, torch.empty(q.shape, dtype=self.dtype, device=q.device)
+        )
 
     def get_seq_length(self) -> int:
         return self.length
@@ -112,8 +115,10 @@ def int8_cache(config: Any, offloading: bool = False) -> DynamicCache:
     cache = DynamicCache(config=config, offloading=offloading)
     other = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
     if other:
-        raise ValueError(f"an 8-bit KV cache supports full-attention layers only; this "
-                         f"model also has {', '.join(sorted(other))}")
+        raise ValueError(
+            f"an 8-bit KV cache supports full-attention layers only; this "
+            f"model also has {', '.join(sorted(other))}"
+        )
     cache.layers = [Int8KVLayer() for _ in cache.layers]
     return cache
 
@@ -124,8 +129,9 @@ def merge_left_padded(caches: list[Any], target: Any) -> Any | None:
     goes, so the extra memory is one layer's worth). Returns ``target``, or None — and
     leaves the sources untouched — when a layer kind cannot be stacked this way
     (sliding-window or other layers that track their own positions)."""
-    kinds = {type(layer) for c in caches for layer in c.layers} | \
-        {type(layer) for layer in target.layers}
+    kinds = {type(layer) for c in caches for layer in c.layers} | {
+        type(layer) for layer in target.layers
+    }
     if not kinds <= {DynamicLayer, Int8KVLayer} or len(kinds) != 1:
         return None
     if any(not layer.is_initialized for c in caches for layer in c.layers):
@@ -133,8 +139,10 @@ def merge_left_padded(caches: list[Any], target: Any) -> Any | None:
     longest = max(c.layers[0].get_seq_length() for c in caches)
 
     def stack(parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-        return torch.cat([torch.nn.functional.pad(p, (0, 0, longest - n, 0))
-                          for p, n in zip(parts, lengths)], dim=0)
+        return torch.cat(
+            [torch.nn.functional.pad(p, (0, 0, longest - n, 0)) for p, n in zip(parts, lengths)],
+            dim=0,
+        )
 
     for i, dst in enumerate(target.layers):
         src = [c.layers[i] for c in caches]

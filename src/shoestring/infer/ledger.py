@@ -21,11 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
-from shoestring.checkpoint.local import (clean_stale, commit_local, committed_steps, fsync_dir,
-                                         quarantine, remove_checkpoint, step_dirname,
-                                         write_file_durably)
-from shoestring.checkpoint.manifest import (MANIFEST, CorruptCheckpoint, read_manifest,
-                                            sha256_bytes)
+from shoestring.checkpoint.local import (
+    clean_stale,
+    commit_local,
+    committed_steps,
+    fsync_dir,
+    quarantine,
+    remove_checkpoint,
+    step_dirname,
+    write_file_durably,
+)
+from shoestring.checkpoint.manifest import MANIFEST, CorruptCheckpoint, read_manifest, sha256_bytes
 from shoestring.config import ConfigError
 from shoestring.events import EventLog
 from shoestring.infer import partial
@@ -46,8 +52,12 @@ class Pinned:
     dtype: str = "stored"  # run dirs from before it was pinned computed in the stored dtype
 
     def to_json(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "dtype": self.dtype,
-                "micro_tokens": self.micro_tokens, "chunk_records": self.chunk_records}
+        return {
+            "batch_size": self.batch_size,
+            "dtype": self.dtype,
+            "micro_tokens": self.micro_tokens,
+            "chunk_records": self.chunk_records,
+        }
 
 
 @dataclass(frozen=True)
@@ -67,17 +77,26 @@ class RunRecord:
             return None
         obj = json.loads(path.read_text())
         p = obj["pinned"]
-        return cls(path, obj["run_id"], obj["identity"],
-                   Pinned(p.get("batch_size"), p.get("micro_tokens"), p.get("chunk_records"),
-                          p.get("dtype", "stored")))
+        return cls(
+            path,
+            obj["run_id"],
+            obj["identity"],
+            Pinned(
+                p.get("batch_size"),
+                p.get("micro_tokens"),
+                p.get("chunk_records"),
+                p.get("dtype", "stored"),
+            ),
+        )
 
     @classmethod
     def create(cls, run_dir: Path, identity: dict[str, Any], pinned: Pinned) -> RunRecord:
         """Write a new ``run.json`` durably (temp file, fsync, rename)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         record = cls(run_dir / RUN_FILE, uuid.uuid4().hex[:12], identity, pinned)
-        write_json_durably(record.path, {"run_id": record.run_id, "identity": identity,
-                                         "pinned": pinned.to_json()})
+        write_json_durably(
+            record.path, {"run_id": record.run_id, "identity": identity, "pinned": pinned.to_json()}
+        )
         return record
 
     def check(self, identity: dict[str, Any]) -> None:
@@ -85,8 +104,10 @@ class RunRecord:
         if self.identity == identity:
             return
         diff = sorted(k for k in identity if self.identity.get(k) != identity[k])
-        raise ConfigError(f"{self.path}: this run directory belongs to a different job "
-                          f"({', '.join(diff)} changed); use another --output or --run-dir")
+        raise ConfigError(
+            f"{self.path}: this run directory belongs to a different job "
+            f"({', '.join(diff)} changed); use another --output or --run-dir"
+        )
 
 
 def write_json_durably(path: Path, obj: Any) -> None:
@@ -109,8 +130,15 @@ class ChunkLedger:
     done: set[int]
 
     @classmethod
-    def open(cls, run_dir: Path, run_id: str, n_records: int, chunk_records: int, *,
-             faults: FaultPlan = NO_FAULTS) -> ChunkLedger:
+    def open(
+        cls,
+        run_dir: Path,
+        run_id: str,
+        n_records: int,
+        chunk_records: int,
+        *,
+        faults: FaultPlan = NO_FAULTS,
+    ) -> ChunkLedger:
         """Open the event log, drop stale temp dirs, verify every committed chunk
         (a bad one is quarantined and redone) and drop saved states of chunks that
         committed after their state was saved (a kill between the two)."""
@@ -144,8 +172,9 @@ class ChunkLedger:
 
     def records(self, chunk: int) -> range:
         """The input records chunk ``chunk`` holds."""
-        return range(chunk * self.chunk_records,
-                     min((chunk + 1) * self.chunk_records, self.n_records))
+        return range(
+            chunk * self.chunk_records, min((chunk + 1) * self.chunk_records, self.n_records)
+        )
 
     def records_done(self) -> int:
         return sum(len(self.records(k)) for k in self.done)
@@ -162,22 +191,27 @@ class ChunkLedger:
                     raise CorruptCheckpoint(f"{path}: {CHUNK_FILE} does not match its manifest")
                 good.add(k)
             except (CorruptCheckpoint, OSError, KeyError) as e:
-                self.log.emit("chunk_invalid", chunk=k, error=str(e),
-                              quarantined=str(quarantine(path)))
+                self.log.emit(
+                    "chunk_invalid", chunk=k, error=str(e), quarantined=str(quarantine(path))
+                )
         return good
 
     def commit(self, chunk: int, lines: bytes) -> None:
         """Commit chunk ``chunk``'s output lines; its saved state is then obsolete."""
         rec = self.records(chunk)
-        commit_local(self.chunks_root, chunk, {CHUNK_FILE: lines},
-                     {"records": [rec.start, rec.stop], "run_id": self.run_id}, self.faults)
+        commit_local(
+            self.chunks_root,
+            chunk,
+            {CHUNK_FILE: lines},
+            {"records": [rec.start, rec.stop], "run_id": self.run_id},
+            self.faults,
+        )
         saved = self.partial_root / step_dirname(chunk)
         if saved.exists():
             remove_checkpoint(saved)
         self.done.add(chunk)
 
-    def load_state(self, chunk: int, engine: StreamingCausalLM, n_seqs: int
-                   ) -> GenState | None:
+    def load_state(self, chunk: int, engine: StreamingCausalLM, n_seqs: int) -> GenState | None:
         """The saved generation state of ``chunk``, or None (none saved, or unusable: then
         it is quarantined and the chunk starts over)."""
         path = self.partial_root / step_dirname(chunk)
@@ -186,8 +220,9 @@ class ChunkLedger:
         try:
             state = partial.load(path, engine, n_seqs)
         except (CorruptCheckpoint, OSError, KeyError, ValueError) as e:
-            self.log.emit("partial_invalid", chunk=chunk, error=str(e),
-                          quarantined=str(quarantine(path)))
+            self.log.emit(
+                "partial_invalid", chunk=chunk, error=str(e), quarantined=str(quarantine(path))
+            )
             return None
         self.log.emit("partial_loaded", chunk=chunk, passes=state.step)
         return state
@@ -199,21 +234,34 @@ class ChunkLedger:
         75) with the committed chunks and any state saved before intact."""
         t0 = time.perf_counter()
         try:
-            path, nbytes = partial.save(self.partial_root, chunk, state,
-                                        {"chunk": chunk, "run_id": self.run_id}, self.faults)
+            path, nbytes = partial.save(
+                self.partial_root,
+                chunk,
+                state,
+                {"chunk": chunk, "run_id": self.run_id},
+                self.faults,
+            )
         except (partial.Unsupported, OSError) as e:
             self.log.emit("partial_skipped", chunk=chunk, passes=state.step, reason=str(e))
             return 0
-        self.log.emit("partial_saved", chunk=chunk, passes=state.step, bytes=nbytes,
-                      seconds=round(time.perf_counter() - t0, 4), path=str(path))
+        self.log.emit(
+            "partial_saved",
+            chunk=chunk,
+            passes=state.step,
+            bytes=nbytes,
+            seconds=round(time.perf_counter() - t0, 4),
+            path=str(path),
+        )
         return state.step
 
     def assemble(self, output: Path) -> int:
         """Write ``output`` from every chunk at once (temp file, fsync, rename); returns
         its bytes. Call only when :attr:`todo` is empty."""
         output.parent.mkdir(parents=True, exist_ok=True)
-        data = b"".join((self.chunks_root / step_dirname(k) / CHUNK_FILE).read_bytes()
-                        for k in range(self.n_chunks))
+        data = b"".join(
+            (self.chunks_root / step_dirname(k) / CHUNK_FILE).read_bytes()
+            for k in range(self.n_chunks)
+        )
         tmp = output.with_name(f".{output.name}.tmp-{uuid.uuid4().hex[:8]}")
         write_file_durably(tmp, data)
         os.replace(tmp, output)

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,14 @@ from transformers.cache_utils import DynamicLayer
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.local import seal, write_file_durably
-from shoestring.checkpoint.manifest import (CorruptCheckpoint, FileEntry, read_manifest,
-                                            sha256_bytes, sha256_file)
-from shoestring.infer.decode import GenState, Generated
+from shoestring.checkpoint.manifest import (
+    CorruptCheckpoint,
+    FileEntry,
+    read_manifest,
+    sha256_bytes,
+    sha256_file,
+)
+from shoestring.infer.decode import Generated, GenState
 from shoestring.infer.engine import MicroBatch, StreamingCausalLM
 from shoestring.infer.kvcache import Int8KVLayer
 
@@ -52,57 +58,82 @@ def _layer_tensors(layer: Any) -> tuple[str, dict[str, torch.Tensor], dict[str, 
         raise Unsupported("a cache layer was never filled")
     if isinstance(layer, Int8KVLayer):
         assert layer._k is not None and layer._v is not None
-        return "int8", {"kq": layer._k[0], "ks": layer._k[1], "vq": layer._v[0],
-                        "vs": layer._v[1]}, {"length": layer.length}
+        return (
+            "int8",
+            {"kq": layer._k[0], "ks": layer._k[1], "vq": layer._v[0], "vs": layer._v[1]},
+            {"length": layer.length},
+        )
     if isinstance(layer, DynamicLayer):  # also the sliding-window layer, a subclass
-        ints = {"cumulative_length": layer.cumulative_length} \
-            if hasattr(layer, "cumulative_length") else {}
+        ints = (
+            {"cumulative_length": layer.cumulative_length}
+            if hasattr(layer, "cumulative_length")
+            else {}
+        )
         assert layer.keys is not None and layer.values is not None  # is_initialized
         return "dense", {"k": layer.keys, "v": layer.values}, ints
     raise Unsupported(f"cache layer {type(layer).__name__}")
 
 
-def save(root: Path, chunk: int, state: GenState, meta: dict[str, Any],
-         faults: FaultPlan = NO_FAULTS) -> tuple[Path, int]:
+def save(
+    root: Path, chunk: int, state: GenState, meta: dict[str, Any], faults: FaultPlan = NO_FAULTS
+) -> tuple[Path, int]:
     """Commit ``state`` as ``root``/step-``chunk``; returns (path, bytes written).
 
     Raises :class:`Unsupported` (nothing written) for a cache it cannot save."""
-    from safetensors.torch import save as st_save
-
     n_layers = len(state.mbs[0].cache.layers)
-    kinds = [[_layer_tensors(mb.cache.layers[i])[0] for i in range(n_layers)]
-             for mb in state.mbs]  # checks every layer before anything is written
+    kinds = [
+        [_layer_tensors(mb.cache.layers[i])[0] for i in range(n_layers)] for mb in state.mbs
+    ]  # checks every layer before anything is written
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-partial-{chunk}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     entries: dict[str, FileEntry] = {}
     try:
+
         def put(name: str, data: bytes) -> None:
             write_file_durably(tmp / name, data, faults)
             entries[name] = FileEntry(len(data), sha256_bytes(data))
             faults.hit("ckpt.after_file")
 
-        ints: list[list[dict[str, int]]] = [[] for _ in state.mbs]
-        put(BATCH, st_save({f"{j}.{name}": getattr(mb, name).contiguous()
-                            for j, mb in enumerate(state.mbs)
-                            for name in ("input_ids", "attention_mask")}))
-        for i in range(n_layers):
-            tensors: dict[str, torch.Tensor] = {}
-            for j, mb in enumerate(state.mbs):
-                _, ts, extra = _layer_tensors(mb.cache.layers[i])
-                tensors.update({f"{j}.{k}": t.detach().to("cpu").contiguous()
-                                for k, t in ts.items()})
-                ints[j].append(extra)
-            put(f"kv-{i:03d}.safetensors", st_save(tensors))
-        put(STATE, json.dumps({
-            "step": state.step, "groups": state.groups,
-            "tokens": [g.tokens for g in state.out], "finish": [g.finish for g in state.out],
-            "done": state.done, "layers": n_layers, "kinds": kinds, "ints": ints}).encode())
+        _write_state(state, n_layers, kinds, put)
         path, _ = seal(tmp, root, chunk, meta, faults, entries)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path, sum(e.size for e in entries.values())
+
+
+def _write_state(
+    state: GenState, n_layers: int, kinds: list[list[str]], put: Callable[[str, bytes], None]
+) -> None:
+    """The batch inputs, one safetensors file of K/V per layer, and the JSON document."""
+    from safetensors.torch import save as st_save
+
+    ints: list[list[dict[str, int]]] = [[] for _ in state.mbs]
+    inputs = {
+        f"{j}.{name}": getattr(mb, name).contiguous()
+        for j, mb in enumerate(state.mbs)
+        for name in ("input_ids", "attention_mask")
+    }
+    put(BATCH, st_save(inputs))
+    for i in range(n_layers):
+        tensors: dict[str, torch.Tensor] = {}
+        for j, mb in enumerate(state.mbs):
+            _, ts, extra = _layer_tensors(mb.cache.layers[i])
+            tensors.update({f"{j}.{k}": t.detach().to("cpu").contiguous() for k, t in ts.items()})
+            ints[j].append(extra)
+        put(f"kv-{i:03d}.safetensors", st_save(tensors))
+    doc = {
+        "step": state.step,
+        "groups": state.groups,
+        "tokens": [g.tokens for g in state.out],
+        "finish": [g.finish for g in state.out],
+        "done": state.done,
+        "layers": n_layers,
+        "kinds": kinds,
+        "ints": ints,
+    }
+    put(STATE, json.dumps(doc).encode())
 
 
 def load(path: Path, engine: StreamingCausalLM, n_seqs: int) -> GenState:
@@ -118,11 +149,14 @@ def load(path: Path, engine: StreamingCausalLM, n_seqs: int) -> GenState:
             raise CorruptCheckpoint(f"{path / name} does not match its manifest")
     st = json.loads((path / STATE).read_text())
     if len(st["tokens"]) != n_seqs or sum(len(g) for g in st["groups"]) != n_seqs:
-        raise CorruptCheckpoint(f"{path}: saved for {len(st['tokens'])} sequences, "
-                                f"this chunk has {n_seqs}")
+        raise CorruptCheckpoint(
+            f"{path}: saved for {len(st['tokens'])} sequences, this chunk has {n_seqs}"
+        )
     batch = load_file(str(path / BATCH))
-    mbs = [MicroBatch(batch[f"{j}.input_ids"], batch[f"{j}.attention_mask"],
-                      cache=engine.new_cache()) for j in range(len(st["groups"]))]
+    mbs = [
+        MicroBatch(batch[f"{j}.input_ids"], batch[f"{j}.attention_mask"], cache=engine.new_cache())
+        for j in range(len(st["groups"]))
+    ]
     if any(len(mb.cache.layers) != st["layers"] for mb in mbs):
         raise CorruptCheckpoint(f"{path}: saved for {st['layers']} cache layers")
     like = torch.empty(0, dtype=engine.dtype, device=engine.device)
@@ -132,8 +166,7 @@ def load(path: Path, engine: StreamingCausalLM, n_seqs: int) -> GenState:
             layer, kind, extra = mb.cache.layers[i], st["kinds"][j][i], st["ints"][j][i]
             if kind == "int8":
                 layer.lazy_initialization(like, like)
-                layer._k, layer._v = (ts[f"{j}.kq"], ts[f"{j}.ks"]), (ts[f"{j}.vq"],
-                                                                     ts[f"{j}.vs"])
+                layer._k, layer._v = (ts[f"{j}.kq"], ts[f"{j}.ks"]), (ts[f"{j}.vq"], ts[f"{j}.vs"])
             else:
                 layer.lazy_initialization(ts[f"{j}.k"], ts[f"{j}.v"])
                 layer.keys, layer.values = ts[f"{j}.k"], ts[f"{j}.v"]

@@ -54,15 +54,41 @@ class _Activations:
     new_tokens: int
 
     def bytes(self, tokens: int, batch: int) -> int:
-        return tokens * self.per_token + (tokens if self.new_tokens == 0 else batch) \
-            * self.logit_row
+        return (
+            tokens * self.per_token + (tokens if self.new_tokens == 0 else batch) * self.logit_row
+        )
 
 
-def make_plan(*, budget: int, reserve: int, unit_bytes: list[int], unit_extra: list[int],
-              kv_per_token: int, config: Any, itemsize: int, prompt_lens: list[int],
-              new_tokens: int, want_batch: int, micro_tokens: int, depth: int,
-              want_resident: int, pinned_batch: int | None = None,
-              pinned_micro: int | None = None, raw_kept: list[bool] | None = None) -> Plan:
+def _unit_costs(
+    unit_bytes: list[int], unit_extra: list[int], raw_kept: list[bool] | None, depth: int
+) -> tuple[list[int], int]:
+    """Bytes each unit holds when resident, and the read-ahead ring (depth + 1 slots of
+    the costliest unit: raw bytes plus scratch)."""
+    cost = [b + e for b, e in zip(unit_bytes, unit_extra)]
+    keep = raw_kept if raw_kept is not None else [True] * len(unit_bytes)
+    held = [c if k else e for c, k, e in zip(cost, keep, unit_extra)]
+    return held, (min(depth, len(unit_bytes)) + 1) * max(cost)
+
+
+def make_plan(
+    *,
+    budget: int,
+    reserve: int,
+    unit_bytes: list[int],
+    unit_extra: list[int],
+    kv_per_token: int,
+    config: Any,
+    itemsize: int,
+    prompt_lens: list[int],
+    new_tokens: int,
+    want_batch: int,
+    micro_tokens: int,
+    depth: int,
+    want_resident: int,
+    pinned_batch: int | None = None,
+    pinned_micro: int | None = None,
+    raw_kept: list[bool] | None = None,
+) -> Plan:
     """Size the job batch, then the prefill micro-batches, then the resident set.
 
     ``unit_extra[i]`` is the scratch unit ``i`` needs once read (its dequantized
@@ -74,20 +100,16 @@ def make_plan(*, budget: int, reserve: int, unit_bytes: list[int], unit_extra: l
     """
     longest = max(prompt_lens) if prompt_lens else 1
     seq = longest + new_tokens
-    n_units = len(unit_bytes)
-    cost = [b + e for b, e in zip(unit_bytes, unit_extra)]
-    keep = raw_kept if raw_kept is not None else [True] * n_units
-    held = [c if k else e for c, k, e in zip(cost, keep, unit_extra)]  # as a resident unit
-    ring = (min(depth, n_units) + 1) * max(cost)
-    act = _Activations(activation_per_token(config, seq, itemsize), config.vocab_size * 8,
-                       new_tokens)
+    held, ring = _unit_costs(unit_bytes, unit_extra, raw_kept, depth)
+    act = _Activations(
+        activation_per_token(config, seq, itemsize), config.vocab_size * 8, new_tokens
+    )
     per_seq = seq * kv_per_token + seq * config.hidden_size * itemsize
     room = budget - reserve - ring
     one = act.bytes(longest, 1)
     if room < per_seq + one:
         raise _too_small(budget, reserve, ring, one, per_seq)
-    batch = _batch_size(int((room - one) // per_seq), want_batch, len(prompt_lens),
-                        pinned_batch)
+    batch = _batch_size(int((room - one) // per_seq), want_batch, len(prompt_lens), pinned_batch)
     left = room - batch * per_seq
     micro = pinned_micro or _micro_tokens(act, micro_tokens, batch, longest, left)
     left -= act.bytes(micro, batch)
@@ -97,19 +119,26 @@ def make_plan(*, budget: int, reserve: int, unit_bytes: list[int], unit_extra: l
     # batch and micro sizes (the numerics) do not depend on it.
     slack = budget // 32
     resident = _resident_set(unit_bytes, held, left - slack, want_resident)
-    parts = {"runtime": reserve, "read_ahead": ring, "activations": act.bytes(micro, batch),
-             "kv_and_hidden": batch * per_seq,
-             "resident": sum(held[i] for i in resident), "slack": slack}
+    parts = {
+        "runtime": reserve,
+        "read_ahead": ring,
+        "activations": act.bytes(micro, batch),
+        "kv_and_hidden": batch * per_seq,
+        "resident": sum(held[i] for i in resident),
+        "slack": slack,
+    }
     return Plan(batch, micro, tuple(sorted(resident)), depth, budget, parts)
 
 
 def _too_small(budget: int, reserve: int, ring: int, act: int, per_seq: int) -> ConfigError:
     need = reserve + ring + per_seq + act
-    return ConfigError(f"memory.budget: {budget / 1e9:.2f} GB is too small for this model "
-                       f"and input: one sequence needs {need / 1e9:.2f} GB (runtime "
-                       f"{reserve / 1e9:.2f} + read-ahead {ring / 1e9:.2f} + activations "
-                       f"{act / 1e9:.3f} + KV {per_seq / 1e9:.3f}); lower "
-                       "memory.prefetch_depth or raise the budget")
+    return ConfigError(
+        f"memory.budget: {budget / 1e9:.2f} GB is too small for this model "
+        f"and input: one sequence needs {need / 1e9:.2f} GB (runtime "
+        f"{reserve / 1e9:.2f} + read-ahead {ring / 1e9:.2f} + activations "
+        f"{act / 1e9:.3f} + KV {per_seq / 1e9:.3f}); lower "
+        "memory.prefetch_depth or raise the budget"
+    )
 
 
 def _batch_size(fits: int, want: int, n_seqs: int, pinned: int | None) -> int:
@@ -118,9 +147,11 @@ def _batch_size(fits: int, want: int, n_seqs: int, pinned: int | None) -> int:
     if pinned is None:
         return min(want, max(n_seqs, 1), fits)
     if pinned > fits:
-        raise ConfigError(f"memory.budget: this job was started with a batch of "
-                          f"{pinned} sequences (see run.json) and the new budget "
-                          f"fits only {fits}; resume with the original budget")
+        raise ConfigError(
+            f"memory.budget: this job was started with a batch of "
+            f"{pinned} sequences (see run.json) and the new budget "
+            f"fits only {fits}; resume with the original budget"
+        )
     return pinned
 
 

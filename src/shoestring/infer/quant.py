@@ -15,16 +15,22 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from shoestring.checkpoint.local import fsync_dir, replace_dir
 from shoestring.infer.codecs import Scheme, dequantize, quantize
 from shoestring.infer.engine import StreamingCausalLM
-from shoestring.infer.shards import (ShardReader, TensorRef, aligned_empty, generic_key,
-                                     read_header, views)
+from shoestring.infer.shards import (
+    ShardReader,
+    TensorRef,
+    aligned_empty,
+    generic_key,
+    read_header,
+    views,
+)
 from shoestring.infer.stream import Prepare, Slot
 
 #: Rewrites one tensor before it is quantized (e.g. merges a LoRA adapter into it).
@@ -35,8 +41,13 @@ def _compressible(key: str, ref: TensorRef) -> bool:
     return len(ref.shape) == 2 and ref.dtype.is_floating_point and key.endswith(".weight")
 
 
-def build_compressed(engine: StreamingCausalLM, dest: Path, scheme: Scheme, source_id: str,
-                     transform: Transform | None = None) -> Path:
+def build_compressed(
+    engine: StreamingCausalLM,
+    dest: Path,
+    scheme: Scheme,
+    source_id: str,
+    transform: Transform | None = None,
+) -> Path:
     """Write ``dest``/layers.N.safetensors for every decoder layer, once.
 
     Committed like a checkpoint: written into a temp dir, fsynced, ``meta.json``
@@ -63,8 +74,9 @@ def build_compressed(engine: StreamingCausalLM, dest: Path, scheme: Scheme, sour
     return dest
 
 
-def _write_layers(engine: StreamingCausalLM, tmp: Path, scheme: Scheme,
-                  transform: Transform | None) -> None:
+def _write_layers(
+    engine: StreamingCausalLM, tmp: Path, scheme: Scheme, transform: Transform | None
+) -> None:
     """Read each decoder layer once and write its compressed copy into ``tmp``."""
     from safetensors.torch import save_file
 
@@ -76,8 +88,9 @@ def _write_layers(engine: StreamingCausalLM, tmp: Path, scheme: Scheme,
                 continue
             reader.read(unit.plan, buf)
             path = tmp / f"{unit.name}.safetensors"
-            save_file(_compress_unit(unit.refs, views(unit.plan, buf), scheme, transform),
-                      str(path))
+            save_file(
+                _compress_unit(unit.refs, views(unit.plan, buf), scheme, transform), str(path)
+            )
             with open(path, "rb") as f:
                 os.fsync(f.fileno())  # then its clean pages can be dropped from the cache
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -85,8 +98,12 @@ def _write_layers(engine: StreamingCausalLM, tmp: Path, scheme: Scheme,
         reader.close()
 
 
-def _compress_unit(refs: list[TensorRef], tensors: dict[str, torch.Tensor], scheme: Scheme,
-                   transform: Transform | None) -> dict[str, torch.Tensor]:
+def _compress_unit(
+    refs: list[TensorRef],
+    tensors: dict[str, torch.Tensor],
+    scheme: Scheme,
+    transform: Transform | None,
+) -> dict[str, torch.Tensor]:
     """One unit's tensors as stored in the copy: compressible weights as their parts
     (``key::q8``/``key::s`` or ``key::q4``/``key::a``), the rest as they are."""
     out: dict[str, torch.Tensor] = {}
@@ -113,11 +130,15 @@ def use_compressed(engine: StreamingCausalLM, src: Path) -> tuple[Prepare, list[
         if not unit.name.startswith("layers."):
             continue
         refs = read_header(src / f"{unit.name}.safetensors")
-        shapes[i] = {r.key: (r.shape, r.dtype) for r in unit.refs if f"{r.key}::q8" in refs
-                     or f"{r.key}::q4" in refs}
+        shapes[i] = {
+            r.key: (r.shape, r.dtype)
+            for r in unit.refs
+            if f"{r.key}::q8" in refs or f"{r.key}::q4" in refs
+        }
         scratch[i] = sum(engine.dtype.itemsize * _numel(s) for s, _ in shapes[i].values())
-        engine.replace_refs(i, [TensorRef(k, r.file, r.offset, r.nbytes, r.dtype, r.shape)
-                                for k, r in refs.items()])
+        engine.replace_refs(
+            i, [TensorRef(k, r.file, r.offset, r.nbytes, r.dtype, r.shape) for k, r in refs.items()]
+        )
 
     def prepare(i: int, tensors: dict[str, torch.Tensor], slot: Slot) -> dict[str, torch.Tensor]:
         if i not in shapes:
@@ -128,10 +149,12 @@ def use_compressed(engine: StreamingCausalLM, src: Path) -> tuple[Prepare, list[
             generic = generic_key(key)
             buf = slot.scratch.get(generic)
             if buf is None or tuple(buf.shape) != shape:
-                buf = slot.scratch[generic] = torch.empty(shape, dtype=engine.dtype,
-                                                          device=device)
-            parts = {s: tensors[f"{key}::{s}"] for s in ("q8", "s", "q4", "a")
-                     if f"{key}::{s}" in tensors}
+                buf = slot.scratch[generic] = torch.empty(shape, dtype=engine.dtype, device=device)
+            parts = {
+                s: tensors[f"{key}::{s}"]
+                for s in ("q8", "s", "q4", "a")
+                if f"{key}::{s}" in tensors
+            }
             out[key] = dequantize(parts, buf)
         return out
 

@@ -27,8 +27,14 @@ class Progress:
         if style != "off" and tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=done, unit="prompt", file=stream,
-                            dynamic_ncols=True, desc="infer")
+            self.bar = tqdm(
+                total=total,
+                initial=done,
+                unit="prompt",
+                file=stream,
+                dynamic_ncols=True,
+                desc="infer",
+            )
         self.total = total
         self._done = done
         self._last = self.t0
@@ -42,8 +48,12 @@ class Progress:
             self.bar.update(done - self.bar.n)
             self.bar.set_postfix_str(f"{rate:,.0f} prompts/h, {mbs:,.0f} MB/s {note}".strip())
         elif self.plain:
-            print(f"[infer] {done}/{self.total} prompts, {rate:,.0f} prompts/h, "
-                  f"{mbs:,.0f} MB/s read {note}".rstrip(), file=self.stream, flush=True)
+            print(
+                f"[infer] {done}/{self.total} prompts, {rate:,.0f} prompts/h, "
+                f"{mbs:,.0f} MB/s read {note}".rstrip(),
+                file=self.stream,
+                flush=True,
+            )
 
     def tick(self, passes: int, bytes_read: int) -> None:
         """After each pass: a long chunk must not look like a hang."""
@@ -51,8 +61,9 @@ class Progress:
         if now - self._last < (1.0 if self.bar is not None else 10.0):
             return
         self._last = now
-        self.update(self.bar.n if self.bar is not None else self._done, bytes_read,
-                    f"pass {passes}")
+        self.update(
+            self.bar.n if self.bar is not None else self._done, bytes_read, f"pass {passes}"
+        )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -84,8 +95,9 @@ class Stats:
         self.chunk_pass += 1
 
 
-def summary(engine: StreamingCausalLM, stats: Stats, plan: Plan, streamed: int,
-             wall: float) -> dict[str, Any]:
+def summary(
+    engine: StreamingCausalLM, stats: Stats, plan: Plan, streamed: int, wall: float
+) -> dict[str, Any]:
     st = engine.streamer
     read = st.reader.bytes_read if st else 0
     read_s = st.reader.read_s if st else 0.0
@@ -93,28 +105,40 @@ def summary(engine: StreamingCausalLM, stats: Stats, plan: Plan, streamed: int,
     # The bandwidth roofline of a pass is its streamed bytes at the read rate we
     # measured ourselves; the fraction says how much of the pass time it explains.
     roof = (stats.passes * streamed / bw) if bw else 0.0
-    return {"prompts": stats.prompts, "tokens": stats.tokens, "passes": stats.passes,
-            "wall_s": round(wall, 3), "pass_s": round(stats.pass_s, 3),
-            "prefill_s": round(stats.prefill_s, 3), "decode_passes": stats.decode_passes,
-            "decode_s_per_pass": round(stats.decode_s / stats.decode_passes, 4)
-            if stats.decode_passes else 0.0,
-            "tokens_per_s": round(stats.tokens / stats.pass_s, 3) if stats.pass_s else 0.0,
-            "prompts_per_hour": round(stats.prompts / stats.pass_s * 3600, 1)
-            if stats.pass_s else 0.0,
-            "bytes_read": read, "bytes_per_pass": streamed,
-            "read_bytes_per_s": round(bw), "io_wait_s": round(st.wait_s, 3) if st else 0.0,
-            "roofline_pct": round(100 * roof / stats.pass_s, 1) if stats.pass_s else 0.0,
-            "peak_rss_bytes": peak_rss(), "budget_bytes": plan.budget,
-            "resident_units": len(plan.resident), "batch_size": plan.batch_size}
+    return {
+        "prompts": stats.prompts,
+        "tokens": stats.tokens,
+        "passes": stats.passes,
+        "wall_s": round(wall, 3),
+        "pass_s": round(stats.pass_s, 3),
+        "prefill_s": round(stats.prefill_s, 3),
+        "decode_passes": stats.decode_passes,
+        "decode_s_per_pass": round(stats.decode_s / stats.decode_passes, 4)
+        if stats.decode_passes
+        else 0.0,
+        "tokens_per_s": round(stats.tokens / stats.pass_s, 3) if stats.pass_s else 0.0,
+        "prompts_per_hour": round(stats.prompts / stats.pass_s * 3600, 1) if stats.pass_s else 0.0,
+        "bytes_read": read,
+        "bytes_per_pass": streamed,
+        "read_bytes_per_s": round(bw),
+        "io_wait_s": round(st.wait_s, 3) if st else 0.0,
+        "roofline_pct": round(100 * roof / stats.pass_s, 1) if stats.pass_s else 0.0,
+        "peak_rss_bytes": peak_rss(),
+        "budget_bytes": plan.budget,
+        "resident_units": len(plan.resident),
+        "batch_size": plan.batch_size,
+    }
 
 
 def print_summary(s: dict[str, Any], output: Path, stream: TextIO) -> None:
-    print(f"shoestring infer: wrote {output}\n"
-          f"  {s['prompts']} prompts, {s['tokens']} tokens in {s['pass_s']:.1f}s of passes "
-          f"({s['tokens_per_s']:.2f} tok/s, {s['prompts_per_hour']:,.0f} prompts/h)\n"
-          f"  read {s['bytes_read'] / 1e9:.2f} GB at {s['read_bytes_per_s'] / 1e6:,.0f} MB/s; "
-          f"{s['bytes_per_pass'] / 1e6:,.1f} MB per pass, {s['passes']} passes; "
-          f"{s['roofline_pct']:.0f}% of the bandwidth roofline\n"
-          f"  peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB of a {s['budget_bytes'] / 1e9:.2f} GB "
-          f"budget; {s['resident_units']} units resident; batch {s['batch_size']}",
-          file=stream)
+    print(
+        f"shoestring infer: wrote {output}\n"
+        f"  {s['prompts']} prompts, {s['tokens']} tokens in {s['pass_s']:.1f}s of passes "
+        f"({s['tokens_per_s']:.2f} tok/s, {s['prompts_per_hour']:,.0f} prompts/h)\n"
+        f"  read {s['bytes_read'] / 1e9:.2f} GB at {s['read_bytes_per_s'] / 1e6:,.0f} MB/s; "
+        f"{s['bytes_per_pass'] / 1e6:,.1f} MB per pass, {s['passes']} passes; "
+        f"{s['roofline_pct']:.0f}% of the bandwidth roofline\n"
+        f"  peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB of a {s['budget_bytes'] / 1e9:.2f} GB "
+        f"budget; {s['resident_units']} units resident; batch {s['batch_size']}",
+        file=stream,
+    )

@@ -20,9 +20,16 @@ from pathlib import Path
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 #: Ranges start and end on this boundary, in the file and in the buffer: what O_DIRECT
 #: needs (and more than any dtype's alignment). Costs < 8 KiB of extra read per range.
@@ -75,8 +82,9 @@ def read_header(path: Path) -> dict[str, TensorRef]:
         if info["dtype"] not in DTYPES:
             raise ShardError(f"{path}: tensor {key} has unsupported dtype {info['dtype']}")
         begin, end = info["data_offsets"]
-        out[key] = TensorRef(key, path, base + begin, end - begin, DTYPES[info["dtype"]],
-                             tuple(info["shape"]))
+        out[key] = TensorRef(
+            key, path, base + begin, end - begin, DTYPES[info["dtype"]], tuple(info["shape"])
+        )
     return out
 
 
@@ -88,9 +96,11 @@ def index_model(model_dir: Path) -> dict[str, TensorRef]:
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise ShardError(f"{model_dir}: no model.safetensors(.index.json); only safetensors "
-                         "checkpoints can be streamed (convert .bin files with "
-                         "transformers' save_pretrained)")
+        raise ShardError(
+            f"{model_dir}: no model.safetensors(.index.json); only safetensors "
+            "checkpoints can be streamed (convert .bin files with "
+            "transformers' save_pretrained)"
+        )
     refs: dict[str, TensorRef] = {}
     for name in files:
         refs.update(read_header(model_dir / name))
@@ -122,8 +132,13 @@ def plan_reads(refs: list[TensorRef]) -> ReadPlan:
     for ref in sorted(refs, key=lambda r: (str(r.file), r.offset)):
         last = ranges[-1] if ranges else None
         item = ref.dtype.itemsize
-        if (last is not None and last.file == ref.file and ref.offset - last.end <= MERGE_GAP
-                and (ref.offset - last.start) % item == 0 and ref.offset >= last.end):
+        if (
+            last is not None
+            and last.file == ref.file
+            and ref.offset - last.end <= MERGE_GAP
+            and (ref.offset - last.start) % item == 0
+            and ref.offset >= last.end
+        ):
             last.end = max(last.end, ref.offset + ref.nbytes)
             last.members.append(ref)
         else:
@@ -147,7 +162,7 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 buffer whose first byte is ALIGN-aligned (O_DIRECT reads land in it)."""
     raw = torch.empty(max(nbytes, 1) + ALIGN, dtype=torch.uint8, pin_memory=pin)
     off = -raw.data_ptr() % ALIGN
-    return raw[off: off + max(nbytes, 1)]
+    return raw[off : off + max(nbytes, 1)]
 
 
 class ShardReader:
@@ -195,7 +210,7 @@ class ShardReader:
         view = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]  # numpy exports the buffer protocol
         for path, offset, length, at, need in plan.ranges:
             # The aligned tail may run past the end of the file: only `need` must arrive.
-            self._pread(path, view[at: at + length], offset, need)
+            self._pread(path, view[at : at + length], offset, need)
             self.bytes_read += length
         self.read_s += time.perf_counter() - t0
 
@@ -212,6 +227,6 @@ def views(plan: ReadPlan, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         n = 1
         for s in shape:
             n *= s
-        raw = buf[at: at + n * dtype.itemsize]
+        raw = buf[at : at + n * dtype.itemsize]
         out[key] = raw.view(dtype).view(shape)
     return out

@@ -16,8 +16,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -35,16 +35,24 @@ class Slot:
     host: torch.Tensor
     device: torch.Tensor | None = None
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
-    ready: "torch.cuda.Event | None" = None  # the device copy is done
-    freed: "torch.cuda.Event | None" = None  # compute no longer reads the device buffer
+    ready: torch.cuda.Event | None = None  # the device copy is done
+    freed: torch.cuda.Event | None = None  # compute no longer reads the device buffer
 
 
 class LayerStreamer:
     """Serves unit tensors in cyclic order; reads ahead ``depth`` streamed units."""
 
-    def __init__(self, plans: list[ReadPlan], resident: set[int], *, depth: int,
-                 device: torch.device, prepare: Prepare, direct_io: bool = True,
-                 drop_raw: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        plans: list[ReadPlan],
+        resident: set[int],
+        *,
+        depth: int,
+        device: torch.device,
+        prepare: Prepare,
+        direct_io: bool = True,
+        drop_raw: set[int] | None = None,
+    ) -> None:
         self.plans = plans
         self.device = device
         self.cuda = device.type == "cuda"
@@ -58,8 +66,7 @@ class LayerStreamer:
             self._resident[i] = self._load(i, slot)
             if drop_raw and i in drop_raw:  # all in scratch: the raw bytes are not needed
                 raw = slot.host.untyped_storage().data_ptr()
-                if any(t.untyped_storage().data_ptr() == raw
-                       for t in self._resident[i].values()):
+                if any(t.untyped_storage().data_ptr() == raw for t in self._resident[i].values()):
                     raise RuntimeError(f"unit {i}: prepared tensors still use its raw buffer")
                 slot.host = torch.empty(0, dtype=torch.uint8)
         self.resident_bytes = sum(plans[i].nbytes for i in resident)
@@ -83,8 +90,9 @@ class LayerStreamer:
             slot.device = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         return slot
 
-    def _load(self, i: int, slot: Slot, stream: "torch.cuda.Stream | None" = None
-              ) -> dict[str, torch.Tensor]:
+    def _load(
+        self, i: int, slot: Slot, stream: torch.cuda.Stream | None = None
+    ) -> dict[str, torch.Tensor]:
         plan = self.plans[i]
         if self.cuda and slot.ready is not None:
             slot.ready.synchronize()  # the last copy out of host is done

@@ -14,8 +14,13 @@ from shoestring.infer.quant import build_compressed, use_compressed
 from shoestring.infer.stream import Prepare, Slot
 
 
-def weight_hook(engine: StreamingCausalLM, scheme: Scheme | None, adapter: LoraDelta | None,
-                compressed_dir: Path, source_id: str) -> tuple[Prepare | None, list[int]]:
+def weight_hook(
+    engine: StreamingCausalLM,
+    scheme: Scheme | None,
+    adapter: LoraDelta | None,
+    compressed_dir: Path,
+    source_id: str,
+) -> tuple[Prepare | None, list[int]]:
     """The ``prepare`` hook for ``engine`` (None: use the tensors as read), and the scratch
     bytes each unit needs for it, including casts to the compute dtype.
 
@@ -44,8 +49,9 @@ def _merged(adapter: LoraDelta) -> Prepare:
     return prepare
 
 
-def _merged_outside_layers(dequantize: Prepare, adapter: LoraDelta,
-                           engine: StreamingCausalLM) -> Prepare:
+def _merged_outside_layers(
+    dequantize: Prepare, adapter: LoraDelta, engine: StreamingCausalLM
+) -> Prepare:
     def prepare(i: int, t: dict[str, torch.Tensor], s: Slot) -> dict[str, torch.Tensor]:
         out = dequantize(i, t, s)
         if not engine.units[i].name.startswith("layers."):

@@ -40,8 +40,10 @@ def tokenize(records: list[Record], tok: Any, mode: str) -> Work:
             starts.append([len(ctx)])
             continue
         if not ctx:
-            raise ConfigError(f"io.input: line {r.line}: score mode needs a non-empty prompt "
-                              "(the first completion token is predicted from it)")
+            raise ConfigError(
+                f"io.input: line {r.line}: score mode needs a non-empty prompt "
+                "(the first completion token is predicted from it)"
+            )
         outs = [r.completion] if r.completion is not None else list(r.choices or ())
         conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
         seqs.append([ctx + c for c in conts])
@@ -52,23 +54,29 @@ def tokenize(records: list[Record], tok: Any, mode: str) -> Work:
     return Work(records, seqs, starts, eos_ids, pad)
 
 
-def output_lines(work: Work, records: range, mode: str,
-                 results: list[list[Generated] | list[Scored]], tok: Any) -> bytes:
+def output_lines(
+    work: Work, records: range, mode: str, results: list[list[Generated] | list[Scored]], tok: Any
+) -> bytes:
     """The output JSONL lines of ``records`` (``results``: per record, per sequence)."""
     lines = []
     for r, res in zip((work.records[i] for i in records), results):
         rec: dict[str, Any] = {"index": r.line - 1}
         if r.id is not None:
             rec["id"] = r.id
-        rec.update(_generated(res[0], tok) if mode == "generate"  # type: ignore[arg-type]
-                   else _scored(r, res))  # type: ignore[arg-type]
+        if mode == "generate":
+            rec.update(_generated(res[0], tok))  # type: ignore[arg-type]
+        else:
+            rec.update(_scored(r, res))  # type: ignore[arg-type]
         lines.append(json.dumps(rec, ensure_ascii=False))
     return ("\n".join(lines) + "\n").encode()
 
 
 def _generated(g: Generated, tok: Any) -> dict[str, Any]:
-    return {"completion": tok.decode(g.tokens, skip_special_tokens=True),
-            "tokens": len(g.tokens), "finish": g.finish}
+    return {
+        "completion": tok.decode(g.tokens, skip_special_tokens=True),
+        "tokens": len(g.tokens),
+        "finish": g.finish,
+    }
 
 
 def _scored(r: Record, res: list[Scored]) -> dict[str, Any]:
@@ -77,5 +85,10 @@ def _scored(r: Record, res: list[Scored]) -> dict[str, Any]:
         return {"logprob": s.logprob, "tokens": s.tokens, "greedy": s.greedy}
     lps = [s.logprob for s in res]
     best = max(range(len(lps)), key=lambda j: (lps[j], -j))
-    return {"choice": best, "label": r.choices[best], "logprobs": lps,  # type: ignore[index]
-            "tokens": [s.tokens for s in res]}
+    assert r.choices is not None  # a score record has a completion or choices
+    return {
+        "choice": best,
+        "label": r.choices[best],
+        "logprobs": lps,
+        "tokens": [s.tokens for s in res],
+    }

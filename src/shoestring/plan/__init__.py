@@ -11,5 +11,16 @@ from shoestring.plan.estimate import Plan, Schedule, make_plan
 from shoestring.plan.gpus import CATALOG, GPU, find_gpu
 from shoestring.plan.memory import Workload, activation_bytes
 
-__all__ = ["Arch", "CATALOG", "GPU", "PRESETS", "Plan", "Schedule", "Workload",
-           "activation_bytes", "find_gpu", "load_arch", "make_plan"]
+__all__ = [
+    "Arch",
+    "CATALOG",
+    "GPU",
+    "PRESETS",
+    "Plan",
+    "Schedule",
+    "Workload",
+    "activation_bytes",
+    "find_gpu",
+    "load_arch",
+    "make_plan",
+]

@@ -8,13 +8,21 @@ MLP. That covers the popular 7B-8B models people fine-tune on small GPUs.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 #: The Linear layers of a Llama-style decoder layer, in forward order.
-LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                            "down_proj")
+LINEARS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 
 
 @dataclass(frozen=True)
@@ -35,10 +43,21 @@ class Arch:
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` for one decoder layer."""
-        h, f, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, \
-            self.kv_heads * self.head_dim
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+        h, f, q, kv = (
+            self.hidden,
+            self.intermediate,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+        )
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, f),
+            "up_proj": (h, f),
+            "down_proj": (f, h),
+        }
 
     def linear_bias(self, name: str) -> bool:
         if name in ("q_proj", "k_proj", "v_proj"):
@@ -48,8 +67,13 @@ class Arch:
     @property
     def params(self) -> int:
         """Total parameter count."""
-        per_layer = sum(i * o + (o if self.linear_bias(n) else 0)
-                        for n, (i, o) in self.linear_shapes().items()) + 2 * self.hidden
+        per_layer = (
+            sum(
+                i * o + (o if self.linear_bias(n) else 0)
+                for n, (i, o) in self.linear_shapes().items()
+            )
+            + 2 * self.hidden
+        )
         emb = self.vocab * self.hidden
         return self.layers * per_layer + self.hidden + emb * (1 if self.tie_embeddings else 2)
 
@@ -60,17 +84,24 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         return Arch(
-            name=name, hidden=hidden, intermediate=int(cfg["intermediate_size"]),
-            layers=int(cfg["num_hidden_layers"]), heads=heads,
+            name=name,
+            hidden=hidden,
+            intermediate=int(cfg["intermediate_size"]),
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=int(cfg["vocab_size"]),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab=int(cfg["vocab_size"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-            mlp_bias=bool(cfg.get("mlp_bias", False)))
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
     except KeyError as e:
-        raise ValueError(f"{name}: missing {e.args[0]!r}; the planner needs a Llama-style "
-                         "decoder config (hidden_size, intermediate_size, num_hidden_layers, "
-                         "num_attention_heads, vocab_size)") from None
+        raise ValueError(
+            f"{name}: missing {e.args[0]!r}; the planner needs a Llama-style "
+            "decoder config (hidden_size, intermediate_size, num_hidden_layers, "
+            "num_attention_heads, vocab_size)"
+        ) from None
 
 
 def _preset(name: str, **kw: Any) -> Arch:
@@ -78,18 +109,63 @@ def _preset(name: str, **kw: Any) -> Arch:
 
 
 #: Popular 7B-8B architectures (shapes from each model's published config.json).
-PRESETS: dict[str, Arch] = {a.name: a for a in (
-    _preset("llama-2-7b", hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32,
-            head_dim=128, vocab=32000),
-    _preset("llama-3-8b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
-            head_dim=128, vocab=128256),
-    _preset("mistral-7b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
-            head_dim=128, vocab=32768),
-    _preset("qwen2.5-7b", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
-            head_dim=128, vocab=152064, attention_bias=True),
-    _preset("gemma-7b", hidden=3072, intermediate=24576, layers=28, heads=16, kv_heads=16,
-            head_dim=256, vocab=256000, tie_embeddings=True),
-)}
+PRESETS: dict[str, Arch] = {
+    a.name: a
+    for a in (
+        _preset(
+            "llama-2-7b",
+            hidden=4096,
+            intermediate=11008,
+            layers=32,
+            heads=32,
+            kv_heads=32,
+            head_dim=128,
+            vocab=32000,
+        ),
+        _preset(
+            "llama-3-8b",
+            hidden=4096,
+            intermediate=14336,
+            layers=32,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            vocab=128256,
+        ),
+        _preset(
+            "mistral-7b",
+            hidden=4096,
+            intermediate=14336,
+            layers=32,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            vocab=32768,
+        ),
+        _preset(
+            "qwen2.5-7b",
+            hidden=3584,
+            intermediate=18944,
+            layers=28,
+            heads=28,
+            kv_heads=4,
+            head_dim=128,
+            vocab=152064,
+            attention_bias=True,
+        ),
+        _preset(
+            "gemma-7b",
+            hidden=3072,
+            intermediate=24576,
+            layers=28,
+            heads=16,
+            kv_heads=16,
+            head_dim=256,
+            vocab=256000,
+            tie_embeddings=True,
+        ),
+    )
+}
 PRESETS["llama-3.1-8b"] = replace(PRESETS["llama-3-8b"], name="llama-3.1-8b")
 
 
@@ -101,8 +177,10 @@ def load_arch(spec: str) -> Arch:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise FileNotFoundError(f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                                "nor a model directory with config.json")
+        raise FileNotFoundError(
+            f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            "nor a model directory with config.json"
+        )
     try:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:

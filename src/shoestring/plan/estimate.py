@@ -6,8 +6,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shoestring.plan.gpus import CATALOG, GPU, GiB, MiB
-from shoestring.plan.memory import (Workload, activation_bytes, adapter_bytes, grad_bytes,
-                                    optimizer_bytes, weight_bytes)
+from shoestring.plan.memory import (
+    Workload,
+    activation_bytes,
+    adapter_bytes,
+    grad_bytes,
+    optimizer_bytes,
+    weight_bytes,
+)
 
 #: CUDA context + cuBLAS workspace outside ``max_memory_allocated`` (seen as
 #: 300-600 MiB in the research notes; uncalibrated until benchmarks/plan_vs_cuda.py runs).
@@ -78,9 +84,11 @@ def peak_bytes(w: Workload) -> int:
 
 def _largest(w: Workload, gpu: GPU, field: str, lo: int, hi: int, step: int = 1) -> int | None:
     """Largest value of ``field`` (multiple of ``step``) in [lo, hi] whose peak fits."""
+
     def fits(v: int) -> bool:
         changes: dict[str, Any] = {field: v}
         return peak_bytes(replace(w, **changes)) <= gpu.memory_bytes
+
     if not fits(lo):
         return None
     good, probe = lo, lo
@@ -119,19 +127,29 @@ def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
     """Memory-saving changes that keep the global batch and the data."""
     out: list[tuple[str, dict[str, Any]]] = []
     if not w.gradient_checkpointing:
-        out.append(("gradient checkpointing on (model.gradient_checkpointing: true)",
-                    {"gradient_checkpointing": True}))
+        out.append(
+            (
+                "gradient checkpointing on (model.gradient_checkpointing: true)",
+                {"gradient_checkpointing": True},
+            )
+        )
     if w.method == "lora":
-        out.append(("QLoRA: 4-bit NF4 base (lora.quantize: nf4)",
-                    {"method": "qlora", "quantize": "nf4"}))
+        out.append(
+            ("QLoRA: 4-bit NF4 base (lora.quantize: nf4)", {"method": "qlora", "quantize": "nf4"})
+        )
     if w.optimizer == "adamw" and w.method == "full":
         out.append(("8-bit AdamW (train.optimizer: adamw8bit)", {"optimizer": "adamw8bit"}))
     if w.lora_dropout > 0 and w.method != "full":
-        out.append(("lora.dropout 0 (no per-module dropout masks and copies)",
-                    {"lora_dropout": 0.0}))
+        out.append(
+            ("lora.dropout 0 (no per-module dropout masks and copies)", {"lora_dropout": 0.0})
+        )
     if w.padded:
-        out.append(("pack samples (data.packing: true): no attention-mask bias per layer",
-                    {"padded": False}))
+        out.append(
+            (
+                "pack samples (data.packing: true): no attention-mask bias per layer",
+                {"padded": False},
+            )
+        )
     return out
 
 
@@ -140,8 +158,10 @@ def _smaller_micro_batch(w: Workload, gpu: GPU) -> tuple[str, Workload] | None:
     if mb is None or mb >= w.micro_batch:
         return None
     accum = -(-w.micro_batch * w.grad_accum // mb)
-    return (f"micro-batch {mb} with gradient accumulation {accum} (same global batch)",
-            replace(w, micro_batch=mb, grad_accum=accum))
+    return (
+        f"micro-batch {mb} with gradient accumulation {accum} (same global batch)",
+        replace(w, micro_batch=mb, grad_accum=accum),
+    )
 
 
 def _advice(w: Workload, gpu: GPU, peak: int, max_mb: int | None) -> list[dict[str, Any]]:
@@ -176,9 +196,14 @@ def _advice(w: Workload, gpu: GPU, peak: int, max_mb: int | None) -> list[dict[s
             out.append(entry("together: " + "; ".join(steps), cur))
     for g in sorted(CATALOG.values(), key=lambda g: g.spot_usd_h):
         if g.memory_bytes >= peak and g.name != gpu.name:
-            out.append({"change": f"a larger GPU: {g.name} ({g.memory_bytes / GiB:.0f} GiB, "
-                                  f"spot ${g.spot_usd_h:.2f}/h)", "peak_bytes": peak,
-                        "fits": True})
+            out.append(
+                {
+                    "change": f"a larger GPU: {g.name} ({g.memory_bytes / GiB:.0f} GiB, "
+                    f"spot ${g.spot_usd_h:.2f}/h)",
+                    "peak_bytes": peak,
+                    "fits": True,
+                }
+            )
             break
     out.sort(key=lambda a: (not a["fits"], a["peak_bytes"]))
     return out
@@ -203,13 +228,30 @@ def make_plan(w: Workload, gpu: GPU, schedule: Schedule = Schedule()) -> Plan:
     hours_spot = hours / (1 - exposure) if exposure < 1 else float("inf")
     notes = []
     if w.dtype == "bfloat16" and not gpu.bf16_flops:
-        notes.append(f"{gpu.name} has no bfloat16: use model.dtype float16 (QLoRA's authors "
-                     "report fp16 compute instabilities; timed here at the fp16 peak)")
+        notes.append(
+            f"{gpu.name} has no bfloat16: use model.dtype float16 (QLoRA's authors "
+            "report fp16 compute instabilities; timed here at the fp16 peak)"
+        )
     if w.optimizer == "paged_adamw8bit":
-        notes.append("paged optimizer state can move to host RAM under pressure: it absorbs "
-                     "spikes, the steady peak above is unchanged")
-    return Plan(workload=w, gpu=gpu, breakdown=parts, activation_parts=act_parts, notes=tuple(notes),
-                peak_bytes=peak, fits=fits, max_micro_batch=max_mb, max_seq_len=max_seq,
-                advice=advice, tokens=tokens, flops_per_token=fpt, hours=hours,
-                hours_spot=hours_spot, cost_usd=hours * gpu.on_demand_usd_h,
-                cost_spot_usd=hours_spot * gpu.spot_usd_h)
+        notes.append(
+            "paged optimizer state can move to host RAM under pressure: it absorbs "
+            "spikes, the steady peak above is unchanged"
+        )
+    return Plan(
+        workload=w,
+        gpu=gpu,
+        breakdown=parts,
+        activation_parts=act_parts,
+        notes=tuple(notes),
+        peak_bytes=peak,
+        fits=fits,
+        max_micro_batch=max_mb,
+        max_seq_len=max_seq,
+        advice=advice,
+        tokens=tokens,
+        flops_per_token=fpt,
+        hours=hours,
+        hours_spot=hours_spot,
+        cost_usd=hours * gpu.on_demand_usd_h,
+        cost_spot_usd=hours_spot * gpu.spot_usd_h,
+    )

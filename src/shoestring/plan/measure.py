@@ -6,8 +6,9 @@ These are the yardsticks the memory model is tested against, and what
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -60,8 +61,7 @@ def model_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def grad_bytes(model: torch.nn.Module) -> int:
-    return sum(p.grad.untyped_storage().nbytes() for p in model.parameters()
-               if p.grad is not None)
+    return sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -88,8 +88,9 @@ def saved_tensors(model: torch.nn.Module) -> Iterator[dict[tuple[int, int], int]
     not activations); a storage saved by several ops counts once. Yields the
     ``{storage key: bytes}`` dict, filled as the forward pass runs.
     """
-    exclude = {_storage_key(t) for t in [*model.parameters(), *model.buffers(),
-                                         *_quant_tensors(model)]}
+    exclude = {
+        _storage_key(t) for t in [*model.parameters(), *model.buffers(), *_quant_tensors(model)]
+    }
     seen: dict[tuple[int, int], int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

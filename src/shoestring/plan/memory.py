@@ -78,6 +78,7 @@ class Workload:
 
 # --------------------------------------------------------------------------- static memory
 
+
 def _nf4_bytes(n: int, double_quant: bool) -> int:
     """Packed 4-bit weight plus its QuantState, as bitsandbytes allocates it."""
     blocks = ceil(n / NF4_BLOCK)
@@ -107,8 +108,13 @@ def weight_bytes(w: Workload) -> dict[str, int]:
     emb = a.vocab * a.hidden * (1 if a.tie_embeddings else 2) * e
     norms = (2 * a.layers + 1) * a.hidden * e
     rotary = 2 * (a.head_dim // 2) * 4  # inv_freq + original_inv_freq, fp32
-    return {"linear": lin, "quant_state": quant, "embeddings": emb, "norms": norms,
-            "buffers": rotary}
+    return {
+        "linear": lin,
+        "quant_state": quant,
+        "embeddings": emb,
+        "norms": norms,
+        "buffers": rotary,
+    }
 
 
 def trainable_tensors(w: Workload) -> list[int]:
@@ -124,8 +130,12 @@ def trainable_tensors(w: Workload) -> list[int]:
             sizes += [a.hidden, a.hidden]
         return sizes + [a.hidden]
     shapes = a.linear_shapes()
-    return [n for _ in range(a.layers) for t in w.lora_targets
-            for n in (w.lora_r * shapes[t][0], w.lora_r * shapes[t][1])]
+    return [
+        n
+        for _ in range(a.layers)
+        for t in w.lora_targets
+        for n in (w.lora_r * shapes[t][0], w.lora_r * shapes[t][1])
+    ]
 
 
 def adapter_bytes(w: Workload) -> int:
@@ -157,6 +167,7 @@ def optimizer_bytes(w: Workload) -> int:
 
 # --------------------------------------------------------------------------- activations
 
+
 @dataclass
 class _Tally:
     """Saved-for-backward bytes, by component."""
@@ -171,8 +182,9 @@ class _Tally:
         return sum(self.parts.values())
 
 
-def _linear(w: Workload, t: _Tally, name: str, x_rg: bool, shared: set[str], group: str,
-            din: int, T: int) -> bool:
+def _linear(
+    w: Workload, t: _Tally, name: str, x_rg: bool, shared: set[str], group: str, din: int, T: int
+) -> bool:
     """Saves of one (possibly LoRA-wrapped) Linear; returns whether its output requires grad."""
     e = w.e
     if w.method == "full":
@@ -302,5 +314,11 @@ def activation_bytes(w: Workload) -> Activations:
         # bitsandbytes dequantizes one weight at a time to the compute dtype.
         logits += max(i * o for i, o in a.linear_shapes().values()) * e
     recompute = probe.total if w.gradient_checkpointing else 0
-    return Activations(saved=t.total, parts=dict(t.parts), logits=logits, recompute=recompute,
-                       per_layer=probe.total, held=held)
+    return Activations(
+        saved=t.total,
+        parts=dict(t.parts),
+        logits=logits,
+        recompute=recompute,
+        per_layer=probe.total,
+        held=held,
+    )

@@ -50,8 +50,11 @@ def to_dict(plan: Plan) -> dict[str, Any]:
         "cost_spot_usd": plan.cost_spot_usd,
         "notes": list(plan.notes),
         "gpu": asdict(g),
-        "workload": {**{k: v for k, v in asdict(w).items() if k != "arch"},
-                     "quant": w.quant, "arch": asdict(w.arch)},
+        "workload": {
+            **{k: v for k, v in asdict(w).items() if k != "arch"},
+            "quant": w.quant,
+            "arch": asdict(w.arch),
+        },
     }
 
 
@@ -67,8 +70,9 @@ def to_text(plan: Plan) -> str:
         f"model    {a.name}: {a.params / 1e9:.2f}B params, {a.layers} layers, hidden {a.hidden}, "
         f"vocab {a.vocab}",
         f"method   {method}, r={w.lora_r} on {','.join(w.adapted) or '-'}, dtype {w.dtype}, "
-        f"optimizer {w.optimizer}" if w.method != "full" else
-        f"method   full fine-tuning, dtype {w.dtype}, optimizer {w.optimizer}",
+        f"optimizer {w.optimizer}"
+        if w.method != "full"
+        else f"method   full fine-tuning, dtype {w.dtype}, optimizer {w.optimizer}",
         f"batch    micro-batch {w.micro_batch} x seq {w.seq_len}, accumulation {w.grad_accum}, "
         f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
         f"{', padded' if w.padded else ', packed'}",
@@ -86,7 +90,9 @@ def to_text(plan: Plan) -> str:
     else:
         lines.append(f"DOES NOT FIT: {-plan.headroom_bytes / GiB:.2f} GiB over.")
     mb = plan.max_micro_batch
-    lines.append(f"largest micro-batch at seq {w.seq_len}: {mb if mb else 'none (even 1 is too much)'}")
+    lines.append(
+        f"largest micro-batch at seq {w.seq_len}: {mb if mb else 'none (even 1 is too much)'}"
+    )
     ms = plan.max_seq_len
     lines.append(f"largest sequence at micro-batch {w.micro_batch}: {ms if ms else 'none'}")
     if plan.advice:
@@ -103,7 +109,8 @@ def to_text(plan: Plan) -> str:
         f"cost     on-demand ${plan.cost_usd:.2f} (${g.on_demand_usd_h:.2f}/h); "
         f"spot ${plan.cost_spot_usd:.2f} (${g.spot_usd_h:.2f}/h, {plan.hours_spot:.2f} h incl. "
         f"{g.preemptions_per_hour:.0%}/h preemptions)",
-        f"prices   {g.price_source}, {g.price_date}" + (f" - {g.price_note}" if g.price_note else ""),
+        f"prices   {g.price_source}, {g.price_date}"
+        + (f" - {g.price_note}" if g.price_note else ""),
         "note     memory terms are exact tensor accounting; the CUDA-context/fragmentation term "
         "and the time model are uncalibrated estimates.",
     ]

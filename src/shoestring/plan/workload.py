@@ -7,17 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.config import ConfigError, load
-from shoestring.train.config import FinetuneConfig
 from shoestring.plan.arch import LINEARS, Arch, from_hf_config, load_arch
 from shoestring.plan.gpus import GPU
 from shoestring.plan.memory import Method, Workload
+from shoestring.train.config import FinetuneConfig
 
 
 def builtin_arch() -> Arch:
     """The shape of ``builtin:tiny`` without materializing it."""
-    from shoestring.train.builtin import _MODEL_PARAMS, SPECIAL_TOKENS, _padded_vocab
+    from shoestring.train.builtin import MODEL_PARAMS, SPECIAL_TOKENS, padded_vocab
 
-    cfg = {**_MODEL_PARAMS, "vocab_size": _padded_vocab(256 + len(SPECIAL_TOKENS))}
+    cfg = {**MODEL_PARAMS, "vocab_size": padded_vocab(256 + len(SPECIAL_TOKENS))}
     return from_hf_config(cfg, "builtin:tiny")
 
 
@@ -38,13 +38,20 @@ def _targets(names: list[str] | tuple[str, ...], where: str) -> tuple[str, ...]:
         return LINEARS
     bad = [n for n in names if n not in LINEARS]
     if bad:
-        raise ConfigError(f"{where}: the planner knows the Llama-style linears "
-                          f"{', '.join(LINEARS)} (or all-linear); got {', '.join(bad)}")
+        raise ConfigError(
+            f"{where}: the planner knows the Llama-style linears "
+            f"{', '.join(LINEARS)} (or all-linear); got {', '.join(bad)}"
+        )
     return tuple(names)
 
 
-def workload_from_config(cfg: FinetuneConfig, arch: Arch, world_size: int = 1,
-                         device: str = "cuda", gpu: GPU | None = None) -> tuple[Workload, int]:
+def workload_from_config(
+    cfg: FinetuneConfig,
+    arch: Arch,
+    world_size: int = 1,
+    device: str = "cuda",
+    gpu: GPU | None = None,
+) -> tuple[Workload, int]:
     """The per-rank workload of a finetune config, and its optimizer steps. A
     ``model.dtype`` of 'auto' is planned as finetune resolves it on ``gpu``."""
     t = cfg.train
@@ -54,12 +61,22 @@ def workload_from_config(cfg: FinetuneConfig, arch: Arch, world_size: int = 1,
     mb = t.micro_batch_size or max(t.batch_size // world_size, 1)
     accum = max(t.batch_size // (mb * world_size), 1)
     method: Method = "qlora" if cfg.lora.quantize != "none" else "lora"
-    w = Workload(arch=arch, method=method, quantize=cfg.lora.quantize, dtype=dtype,
-                 lora_r=cfg.lora.r, lora_targets=_targets(cfg.lora.target_modules,
-                                                          "lora.target_modules"),
-                 lora_dropout=cfg.lora.dropout, seq_len=cfg.data.max_length, micro_batch=mb,
-                 grad_accum=accum, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                 optimizer=t.optimizer, padded=not cfg.data.packing, device=device)
+    w = Workload(
+        arch=arch,
+        method=method,
+        quantize=cfg.lora.quantize,
+        dtype=dtype,
+        lora_r=cfg.lora.r,
+        lora_targets=_targets(cfg.lora.target_modules, "lora.target_modules"),
+        lora_dropout=cfg.lora.dropout,
+        seq_len=cfg.data.max_length,
+        micro_batch=mb,
+        grad_accum=accum,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        optimizer=t.optimizer,
+        padded=not cfg.data.packing,
+        device=device,
+    )
     return w, t.max_steps
 
 
@@ -89,12 +106,17 @@ def _check_positive(flag: str, v: Any) -> None:
         raise ConfigError(f"{flag}: must be > 0, got {v}")
 
 
-def resolve_request(req: PlanRequest, gpu: GPU, cache_dir: Path | None = None
-                    ) -> tuple[Workload, int]:
+def resolve_request(
+    req: PlanRequest, gpu: GPU, cache_dir: Path | None = None
+) -> tuple[Workload, int]:
     """The workload a ``shoestring plan`` invocation describes, and its steps."""
-    for flag, v in (("--r", req.r), ("--seq-len", req.seq_len),
-                    ("--micro-batch", req.micro_batch), ("--grad-accum", req.grad_accum),
-                    ("--steps", req.steps)):
+    for flag, v in (
+        ("--r", req.r),
+        ("--seq-len", req.seq_len),
+        ("--micro-batch", req.micro_batch),
+        ("--grad-accum", req.grad_accum),
+        ("--steps", req.steps),
+    ):
         _check_positive(flag, v)
     if req.lora_dropout is not None and not 0 <= req.lora_dropout < 1:
         raise ConfigError(f"--lora-dropout: must be in [0, 1), got {req.lora_dropout}")
@@ -106,26 +128,35 @@ def resolve_request(req: PlanRequest, gpu: GPU, cache_dir: Path | None = None
         w = replace(w, gradient_checkpointing=cfg.model.gradient_checkpointing)
     else:
         if not req.model:
-            raise ConfigError("plan: give --model (a preset, model dir or config.json) "
-                              "or --config")
-        w = Workload(arch=arch_for(req.model, "--model"), gradient_checkpointing=True,
-                     dtype="bfloat16" if gpu.bf16_flops else "float16")
+            raise ConfigError("plan: give --model (a preset, model dir or config.json) or --config")
+        w = Workload(
+            arch=arch_for(req.model, "--model"),
+            gradient_checkpointing=True,
+            dtype="bfloat16" if gpu.bf16_flops else "float16",
+        )
         steps = 1000
     method = req.method or w.method
     quantize = req.quantize or (w.quantize if req.method in (None, "qlora") else "none")
     if method == "qlora" and quantize == "none":
         quantize = "nf4"
     if method == "full" and quantize != "none":
-        raise ConfigError("--quantize: full fine-tuning trains the base weights; they cannot "
-                          "be quantized (use --method qlora)")
+        raise ConfigError(
+            "--quantize: full fine-tuning trains the base weights; they cannot "
+            "be quantized (use --method qlora)"
+        )
     if method == "lora" and quantize != "none":
         method = "qlora"
     changes: dict[str, Any] = {"method": method, "quantize": quantize}
     asked: tuple[tuple[str, Any], ...] = (
-        ("dtype", req.dtype), ("lora_r", req.r), ("lora_dropout", req.lora_dropout),
-        ("seq_len", req.seq_len), ("micro_batch", req.micro_batch),
-        ("grad_accum", req.grad_accum), ("gradient_checkpointing", req.gradient_checkpointing),
-        ("optimizer", req.optimizer))
+        ("dtype", req.dtype),
+        ("lora_r", req.r),
+        ("lora_dropout", req.lora_dropout),
+        ("seq_len", req.seq_len),
+        ("micro_batch", req.micro_batch),
+        ("grad_accum", req.grad_accum),
+        ("gradient_checkpointing", req.gradient_checkpointing),
+        ("optimizer", req.optimizer),
+    )
     for key, v in asked:
         if v is not None:
             changes[key] = v

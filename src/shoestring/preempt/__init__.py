@@ -4,5 +4,12 @@ from shoestring.preempt.cloud import cloud_watcher, detect_cloud
 from shoestring.preempt.flag import PreemptionFlag, SignalSource
 from shoestring.preempt.notice import Notice, NoticeSource, NoticeWatcher
 
-__all__ = ["Notice", "NoticeSource", "NoticeWatcher", "PreemptionFlag", "SignalSource",
-           "cloud_watcher", "detect_cloud"]
+__all__ = [
+    "Notice",
+    "NoticeSource",
+    "NoticeWatcher",
+    "PreemptionFlag",
+    "SignalSource",
+    "cloud_watcher",
+    "detect_cloud",
+]

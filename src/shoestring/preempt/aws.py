@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from datetime import datetime
-from typing import Callable
 
 from shoestring.preempt.notice import Http, MetadataError, Notice, Response
 
@@ -26,9 +26,11 @@ TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 #: Why a token PUT times out inside a container on EC2: the PUT's response has an IP
 #: hop limit of 1 by default and dies at the container bridge.
-HOP_LIMIT_HINT = (" (inside a container on EC2, the IMDSv2 token PUT times out unless the "
-                  "instance's metadata hop limit is 2: aws ec2 modify-instance-metadata-options "
-                  "--http-put-response-hop-limit 2)")
+HOP_LIMIT_HINT = (
+    " (inside a container on EC2, the IMDSv2 token PUT times out unless the "
+    "instance's metadata hop limit is 2: aws ec2 modify-instance-metadata-options "
+    "--http-put-response-hop-limit 2)"
+)
 
 
 def parse_iso8601(text: str) -> float:
@@ -41,9 +43,14 @@ class AwsSpotSource:
 
     provider = "aws"
 
-    def __init__(self, base: str = "http://169.254.169.254", interval_s: float = 1.0,
-                 timeout_s: float = 2.0, token_ttl_s: int = 21600,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        base: str = "http://169.254.169.254",
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        token_ttl_s: int = 21600,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.base = base.rstrip("/")
         self.endpoint = self.base + ACTION_PATH
         self.interval_s, self.timeout_s, self.token_ttl_s = interval_s, timeout_s, token_ttl_s
@@ -57,8 +64,9 @@ class AwsSpotSource:
         # Refresh at 80 % of the TTL: a token expiring between our check and the
         # GET would cost one 401 round trip at the worst moment.
         if self._token is None or self._clock() >= self._token_expires:
-            r = self._http.request("PUT", self.base + TOKEN_PATH,
-                                   {TTL_HEADER: str(self.token_ttl_s)}, self.timeout_s)
+            r = self._http.request(
+                "PUT", self.base + TOKEN_PATH, {TTL_HEADER: str(self.token_ttl_s)}, self.timeout_s
+            )
             if r.status != 200 or not r.body:
                 raise MetadataError(f"IMDSv2 token: HTTP {r.status}")
             self._token = r.body.decode().strip()
@@ -67,8 +75,9 @@ class AwsSpotSource:
 
     def _get(self, path: str) -> Response:
         for _ in range(2):  # one retry with a new token after a 401
-            r = self._http.request("GET", self.base + path,
-                                   {TOKEN_HEADER: self._fresh_token()}, self.timeout_s)
+            r = self._http.request(
+                "GET", self.base + path, {TOKEN_HEADER: self._fresh_token()}, self.timeout_s
+            )
             if r.status != 401:
                 return r
             self._token = None
@@ -79,8 +88,13 @@ class AwsSpotSource:
         if r.status == 200:
             doc = json.loads(r.body)
             action, when = str(doc["action"]), str(doc["time"])
-            return Notice("aws", action, f"aws spot interruption (action={action}, time={when})",
-                          deadline=parse_iso8601(when), detail=doc)
+            return Notice(
+                "aws",
+                action,
+                f"aws spot interruption (action={action}, time={when})",
+                deadline=parse_iso8601(when),
+                detail=doc,
+            )
         if r.status != 404:
             raise MetadataError(f"{ACTION_PATH}: HTTP {r.status}")
         if not self._rebalance_seen:
@@ -88,9 +102,13 @@ class AwsSpotSource:
             if r.status == 200:
                 self._rebalance_seen = True
                 doc = json.loads(r.body)
-                return Notice("aws", "rebalance",
-                              f"aws rebalance recommendation (noticeTime={doc.get('noticeTime')})",
-                              preempting=False, detail=doc)
+                return Notice(
+                    "aws",
+                    "rebalance",
+                    f"aws rebalance recommendation (noticeTime={doc.get('noticeTime')})",
+                    preempting=False,
+                    detail=doc,
+                )
             if r.status != 404:
                 raise MetadataError(f"{REBALANCE_PATH}: HTTP {r.status}")
         return None

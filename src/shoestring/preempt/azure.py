@@ -49,12 +49,20 @@ class AzureScheduledEventsSource:
 
     provider = "azure"
 
-    def __init__(self, base: str = "http://169.254.169.254", interval_s: float = 1.0,
-                 timeout_s: float = 2.0, first_timeout_s: float = 150.0) -> None:
+    def __init__(
+        self,
+        base: str = "http://169.254.169.254",
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        first_timeout_s: float = 150.0,
+    ) -> None:
         self.base = base.rstrip("/")
         self.endpoint = f"{self.base}{EVENTS_PATH}?api-version={API_VERSION}"
-        self.interval_s, self.timeout_s, self.first_timeout_s = interval_s, timeout_s, \
-            first_timeout_s
+        self.interval_s, self.timeout_s, self.first_timeout_s = (
+            interval_s,
+            timeout_s,
+            first_timeout_s,
+        )
         self._http = Http()
         self._warm = False
         self._vm_name: str | None = None
@@ -67,8 +75,9 @@ class AzureScheduledEventsSource:
             self._name_tried = True
             q = urllib.parse.urlencode({"api-version": "2021-02-01", "format": "text"})
             try:
-                r = self._http.request("GET", f"{self.base}{NAME_PATH}?{q}", {"Metadata": "true"},
-                                       self.timeout_s)
+                r = self._http.request(
+                    "GET", f"{self.base}{NAME_PATH}?{q}", {"Metadata": "true"}, self.timeout_s
+                )
                 if r.status == 200 and r.body.strip():
                     self._vm_name = r.body.decode().strip()
             except OSError:
@@ -91,9 +100,13 @@ class AzureScheduledEventsSource:
         incarnation = doc.get("DocumentIncarnation")
         if incarnation is not None and incarnation == self._incarnation:
             return None  # the document did not change
-        fresh = [ev for ev in doc.get("Events") or []
-                 if ev.get("EventType") in PREEMPTING + WARNING_ONLY
-                 and str(ev.get("EventId", "")) not in self._seen and self._ours(ev)]
+        fresh = [
+            ev
+            for ev in doc.get("Events") or []
+            if ev.get("EventType") in PREEMPTING + WARNING_ONLY
+            and str(ev.get("EventId", "")) not in self._seen
+            and self._ours(ev)
+        ]
         fresh.sort(key=lambda ev: ev.get("EventType") not in PREEMPTING)  # stops first
         if len(fresh) <= 1:  # else come back for the rest before skipping this document
             self._incarnation = incarnation
@@ -103,8 +116,12 @@ class AzureScheduledEventsSource:
         kind, eid = str(ev["EventType"]), str(ev.get("EventId", ""))
         self._seen.add(eid)
         not_before = str(ev.get("NotBefore") or "")
-        return Notice("azure", kind,
-                      f"azure scheduled event (EventType={kind}, NotBefore={not_before or '-'}, "
-                      f"EventId={eid})",
-                      deadline=parse_rfc1123(not_before), preempting=kind in PREEMPTING,
-                      detail=ev)
+        return Notice(
+            "azure",
+            kind,
+            f"azure scheduled event (EventType={kind}, NotBefore={not_before or '-'}, "
+            f"EventId={eid})",
+            deadline=parse_rfc1123(not_before),
+            preempting=kind in PREEMPTING,
+            detail=ev,
+        )

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import ContextManager, Protocol
+from typing import Protocol
 
 from shoestring.config import ConfigError
 from shoestring.preempt.aws import HOP_LIMIT_HINT, AwsSpotSource
@@ -52,18 +53,35 @@ def _read(path: Path) -> str:
         return ""
 
 
-def detect_cloud(dmi_dir: Path = DMI_DIR, hypervisor_uuid: Path = Path("/sys/hypervisor/uuid")
-                 ) -> str | None:
+def detect_cloud(
+    dmi_dir: Path = DMI_DIR, hypervisor_uuid: Path = Path("/sys/hypervisor/uuid")
+) -> str | None:
     """'aws', 'gcp', 'azure' or None, from the DMI vendor strings (no network)."""
-    f = {n: _read(dmi_dir / n) for n in ("sys_vendor", "product_name", "bios_vendor",
-                                          "bios_version", "chassis_asset_tag", "board_asset_tag")}
+    f = {
+        n: _read(dmi_dir / n)
+        for n in (
+            "sys_vendor",
+            "product_name",
+            "bios_vendor",
+            "bios_version",
+            "chassis_asset_tag",
+            "board_asset_tag",
+        )
+    }
     low = {k: v.lower() for k, v in f.items()}
-    if "amazon" in low["sys_vendor"] or "amazon" in low["bios_vendor"] \
-            or "amazon" in low["bios_version"] or f["board_asset_tag"].startswith("i-") \
-            or _read(hypervisor_uuid).lower().startswith("ec2"):  # older Xen instances
+    if (
+        "amazon" in low["sys_vendor"]
+        or "amazon" in low["bios_vendor"]
+        or "amazon" in low["bios_version"]
+        or f["board_asset_tag"].startswith("i-")
+        or _read(hypervisor_uuid).lower().startswith("ec2")
+    ):  # older Xen instances
         return "aws"
-    if "google" in low["sys_vendor"] or "google compute engine" in low["product_name"] \
-            or "google" in low["bios_vendor"]:
+    if (
+        "google" in low["sys_vendor"]
+        or "google compute engine" in low["product_name"]
+        or "google" in low["bios_vendor"]
+    ):
         return "gcp"
     if f["chassis_asset_tag"] == AZURE_ASSET_TAG:
         return "azure"
@@ -88,16 +106,24 @@ def resolve_provider(cloud: str, metadata_url: str = "", dmi_dir: Path = DMI_DIR
         return None
     if cloud == "auto":
         if metadata_url:
-            raise ConfigError("preempt.metadata_url is set, so preempt.cloud must name the "
-                             f"provider it serves ({'|'.join(PROVIDERS)}), not 'auto'")
+            raise ConfigError(
+                "preempt.metadata_url is set, so preempt.cloud must name the "
+                f"provider it serves ({'|'.join(PROVIDERS)}), not 'auto'"
+            )
         return detect_cloud(dmi_dir)
     if cloud not in PROVIDERS:
         raise ConfigError(f"preempt.cloud: unknown provider {cloud!r}")
     return cloud
 
 
-def cloud_watcher(settings: PreemptSettings, flag: PreemptionFlag, emit: Emit | None = None,
-                  *, local_rank: int = 0, dmi_dir: Path = DMI_DIR) -> ContextManager[object]:
+def cloud_watcher(
+    settings: PreemptSettings,
+    flag: PreemptionFlag,
+    emit: Emit | None = None,
+    *,
+    local_rank: int = 0,
+    dmi_dir: Path = DMI_DIR,
+) -> AbstractContextManager[object]:
     """A started-on-enter :class:`NoticeWatcher` for this machine, or a no-op.
 
     One watcher per node is enough: only local rank 0 polls. The training loop

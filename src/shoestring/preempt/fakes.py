@@ -47,9 +47,17 @@ class FakeMetadataServer:
     any notice-to-commit measurement. ``requests`` logs ``(method, path, status)``.
     """
 
-    def __init__(self, provider: str, notice_after_s: float | None = None, *,
-                 action: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 first_call_delay_s: float = 0.0, vm_name: str = "shoestring-fake-vm") -> None:
+    def __init__(
+        self,
+        provider: str,
+        notice_after_s: float | None = None,
+        *,
+        action: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        first_call_delay_s: float = 0.0,
+        vm_name: str = "shoestring-fake-vm",
+    ) -> None:
         if provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {PROVIDERS}, not {provider!r}")
         self.provider = provider
@@ -78,12 +86,15 @@ class FakeMetadataServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def start(self) -> "FakeMetadataServer":
+    def start(self) -> FakeMetadataServer:
         self._started = time.time()
         # A short poll interval: close() waits up to one interval for the serve loop.
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,),
-                                        daemon=True,
-                                        name=f"fake-{self.provider}-metadata")
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            args=(0.05,),
+            daemon=True,
+            name=f"fake-{self.provider}-metadata",
+        )
         self._thread.start()
         return self
 
@@ -94,14 +105,15 @@ class FakeMetadataServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
-    def __enter__(self) -> "FakeMetadataServer":
+    def __enter__(self) -> FakeMetadataServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def preempt_now(self, *, resources: list[str] | None = None,
-                    event_type: str | None = None) -> float:
+    def preempt_now(
+        self, *, resources: list[str] | None = None, event_type: str | None = None
+    ) -> float:
         """Publish the notice now; returns its time. Azure: ``resources`` (default this
         VM) and ``event_type`` (default ``action``) shape the scheduled event."""
         with self._cond:
@@ -144,12 +156,19 @@ class FakeMetadataServer:
 
     def _add_event(self, kind: str, resources: list[str], at: float) -> None:
         self._incarnation += 1
-        self._events.append({
-            "EventId": str(uuid.uuid4()).upper(), "EventStatus": "Scheduled",
-            "EventType": kind, "ResourceType": "VirtualMachine", "Resources": resources,
-            "NotBefore": email.utils.formatdate(at + GRACE_S["azure"], usegmt=True),
-            "Description": "The virtual machine is being evicted (shoestring fake).",
-            "EventSource": "Platform", "DurationInSeconds": -1})
+        self._events.append(
+            {
+                "EventId": str(uuid.uuid4()).upper(),
+                "EventStatus": "Scheduled",
+                "EventType": kind,
+                "ResourceType": "VirtualMachine",
+                "Resources": resources,
+                "NotBefore": email.utils.formatdate(at + GRACE_S["azure"], usegmt=True),
+                "Description": "The virtual machine is being evicted (shoestring fake).",
+                "EventSource": "Platform",
+                "DurationInSeconds": -1,
+            }
+        )
 
     def _seconds_to_notice(self) -> float | None:
         if self.noticed_at is not None or self._notice_after_s is None:
@@ -160,6 +179,7 @@ class FakeMetadataServer:
 def _handler_for(server: FakeMetadataServer) -> type[BaseHTTPRequestHandler]:
     class Handler(_Handler):
         fake = server
+
     return Handler
 
 
@@ -170,8 +190,13 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
         pass
 
-    def _send(self, status: int, body: str | bytes = b"", ctype: str = "text/plain",
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        body: str | bytes = b"",
+        ctype: str = "text/plain",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         data = body.encode() if isinstance(body, str) else body
         # Logged before the answer goes out: a client that has its answer sees it logged.
         self.fake.requests.append((self.command, self.path, status))
@@ -215,8 +240,9 @@ class _Handler(BaseHTTPRequestHandler):
             token = secrets.token_urlsafe(32)
             with fake._cond:
                 fake._tokens[token] = time.time() + ttl
-            return self._send(200, token,
-                              headers={"X-aws-ec2-metadata-token-ttl-seconds": str(ttl)})
+            return self._send(
+                200, token, headers={"X-aws-ec2-metadata-token-ttl-seconds": str(ttl)}
+            )
         token = self.headers.get("X-aws-ec2-metadata-token", "")
         with fake._cond:
             valid = fake._tokens.get(token, 0.0) > time.time()
@@ -228,8 +254,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/latest/meta-data/spot/instance-action":
             if not preempted or noticed is None:
                 return self._send(404, "Not Found")
-            return self._send(200, json.dumps({"action": fake.action,
-                                               "time": _iso(noticed + GRACE_S["aws"])}))
+            return self._send(
+                200, json.dumps({"action": fake.action, "time": _iso(noticed + GRACE_S["aws"])})
+            )
         if path == "/latest/meta-data/events/recommendations/rebalance":
             if rebalance_at is None:
                 return self._send(404, "Not Found")
@@ -262,20 +289,25 @@ class _Handler(BaseHTTPRequestHandler):
                     due = fake._seconds_to_notice()
                     fake._cond.wait(min(wait, due + 0.001) if due is not None else wait)
                     value, etag = current()
-        return self._send(200, value, "application/text",
-                          {"ETag": etag, "Metadata-Flavor": "Google"})
+        return self._send(
+            200, value, "application/text", {"ETag": etag, "Metadata-Flavor": "Google"}
+        )
 
     # ------------------------------------------------------------ Azure
     def _azure(self, path: str, query: dict[str, str]) -> None:
         fake = self.fake
         if self.headers.get("Metadata") != "true" or "X-Forwarded-For" in self.headers:
-            return self._send(400, json.dumps(
-                {"error": "Bad request. Required metadata header not specified"}),
-                "application/json")
+            return self._send(
+                400,
+                json.dumps({"error": "Bad request. Required metadata header not specified"}),
+                "application/json",
+            )
         if "api-version" not in query:
-            return self._send(400, json.dumps(
-                {"error": "Bad request. api-version was not specified in the request."}),
-                "application/json")
+            return self._send(
+                400,
+                json.dumps({"error": "Bad request. api-version was not specified in the request."}),
+                "application/json",
+            )
         if path == "/metadata/instance/compute/name":
             return self._send(200, fake.vm_name)
         if path != "/metadata/scheduledevents":
@@ -297,28 +329,40 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, "", "application/json")
         with fake._cond:
             fake._preempted()
-            doc = {"DocumentIncarnation": fake._incarnation,
-                   "Events": [dict(e) for e in fake._events]}
+            doc = {
+                "DocumentIncarnation": fake._incarnation,
+                "Events": [dict(e) for e in fake._events],
+            }
         return self._send(200, json.dumps(doc), "application/json")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m shoestring.preempt.fakes PROVIDER``: serve until Ctrl-C."""
-    p = argparse.ArgumentParser(prog="python -m shoestring.preempt.fakes",
-                                description="Serve a fake cloud metadata service on 127.0.0.1 "
-                                            "and send a preemption notice, to rehearse one.")
+    p = argparse.ArgumentParser(
+        prog="python -m shoestring.preempt.fakes",
+        description="Serve a fake cloud metadata service on 127.0.0.1 "
+        "and send a preemption notice, to rehearse one.",
+    )
     p.add_argument("provider", choices=PROVIDERS)
-    p.add_argument("--notice-after", type=float, metavar="S",
-                   help="send the notice S seconds after start (default: on Enter, or on "
-                        "SIGUSR1 to this process)")
+    p.add_argument(
+        "--notice-after",
+        type=float,
+        metavar="S",
+        help="send the notice S seconds after start (default: on Enter, or on "
+        "SIGUSR1 to this process)",
+    )
     p.add_argument("--port", type=int, default=0, help="port (default: any free one)")
     p.add_argument("--action", help="AWS: terminate|stop|hibernate; Azure: Preempt|Terminate")
     args = p.parse_args(argv)
-    with FakeMetadataServer(args.provider, args.notice_after, action=args.action,
-                            port=args.port) as fake:
-        print(f"fake {args.provider} metadata service at {fake.url}\n"
-              f"  shoestring finetune --preempt.cloud {args.provider} "
-              f"--preempt.metadata_url {fake.url} ...", flush=True)
+    with FakeMetadataServer(
+        args.provider, args.notice_after, action=args.action, port=args.port
+    ) as fake:
+        print(
+            f"fake {args.provider} metadata service at {fake.url}\n"
+            f"  shoestring finetune --preempt.cloud {args.provider} "
+            f"--preempt.metadata_url {fake.url} ...",
+            flush=True,
+        )
         signal.signal(signal.SIGUSR1, lambda *_: fake.preempt_now())
         try:
             if args.notice_after is None and sys.stdin.isatty():

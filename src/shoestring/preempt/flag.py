@@ -12,8 +12,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 from shoestring import exitcodes
 
@@ -45,8 +45,12 @@ class SignalSource:
     committed checkpoint (an in-flight one stays uncommitted and is ignored).
     """
 
-    def __init__(self, flag: PreemptionFlag, extra_signal: str = "SIGUSR1",
-                 hard_exit: Callable[[int], None] = os._exit) -> None:
+    def __init__(
+        self,
+        flag: PreemptionFlag,
+        extra_signal: str = "SIGUSR1",
+        hard_exit: Callable[[int], None] = os._exit,
+    ) -> None:
         self.flag = flag
         self.signals = [signal.SIGTERM, signal.SIGINT]
         if extra_signal and extra_signal != "none":
@@ -61,9 +65,12 @@ class SignalSource:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
-        if self.count and signum == self._first[0] and signum not in (signal.SIGINT,
-                                                                       signal.SIGTERM) \
-                and now - self._first[1] < self.echo_s:
+        if (
+            self.count
+            and signum == self._first[0]
+            and signum not in (signal.SIGINT, signal.SIGTERM)
+            and now - self._first[1] < self.echo_s
+        ):
             # The same warning delivered twice at once (Slurm signals every process of a
             # job step, and `shoestring run` forwards it too): one notice, not "now".
             return
@@ -74,7 +81,7 @@ class SignalSource:
         self._first = (signum, now)
         self.flag.set(signal.Signals(signum).name)
 
-    def __enter__(self) -> "SignalSource":
+    def __enter__(self) -> SignalSource:
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 self._previous[s] = signal.signal(s, self._handle)

@@ -26,8 +26,9 @@ class GcpPreemptedSource:
 
     provider = "gcp"
 
-    def __init__(self, base: str = "http://169.254.169.254", wait_s: int = 60,
-                 timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, base: str = "http://169.254.169.254", wait_s: int = 60, timeout_s: float = 2.0
+    ) -> None:
         self.base = base.rstrip("/")
         self.endpoint = self.base + PREEMPTED_PATH
         self.wait_s, self.timeout_s = wait_s, timeout_s
@@ -43,8 +44,9 @@ class GcpPreemptedSource:
         if self._etag is None:  # first call (or after an answer without ETag): no waiting
             url, timeout = self.endpoint, self.timeout_s
         else:
-            q = urllib.parse.urlencode({"wait_for_change": "true", "last_etag": self._etag,
-                                        "timeout_sec": self.wait_s})
+            q = urllib.parse.urlencode(
+                {"wait_for_change": "true", "last_etag": self._etag, "timeout_sec": self.wait_s}
+            )
             url, timeout = f"{self.endpoint}?{q}", self.wait_s + self.timeout_s
         r = self._http.request("GET", url, {"Metadata-Flavor": "Google"}, timeout)
         if r.status != 200:
@@ -55,9 +57,13 @@ class GcpPreemptedSource:
         self._etag = r.headers.get("ETag")
         value = r.body.decode().strip().upper()
         if value == "TRUE":
-            return Notice("gcp", "preempt", "gcp preemption (instance/preempted=TRUE)",
-                          deadline=time.time() + GRACE_S,
-                          detail={"deadline_basis": f"seen + {GRACE_S:g} s (Spot grace)"})
+            return Notice(
+                "gcp",
+                "preempt",
+                "gcp preemption (instance/preempted=TRUE)",
+                deadline=time.time() + GRACE_S,
+                detail={"deadline_basis": f"seen + {GRACE_S:g} s (Spot grace)"},
+            )
         if value != "FALSE":
             raise MetadataError(f"{PREEMPTED_PATH}: unexpected value {value[:40]!r}")
         return None

@@ -15,8 +15,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from shoestring.preempt.flag import PreemptionFlag
 
@@ -75,8 +76,14 @@ class Http:
     def __init__(self) -> None:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def request(self, method: str, url: str, headers: dict[str, str], timeout: float,
-                data: bytes | None = None) -> Response:
+    def request(
+        self,
+        method: str,
+        url: str,
+        headers: dict[str, str],
+        timeout: float,
+        data: bytes | None = None,
+    ) -> Response:
         req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with self._opener.open(req, timeout=timeout) as r:
@@ -96,8 +103,15 @@ class NoticeWatcher:
     outage never costs more than a few seconds of a 30 s notice window.
     """
 
-    def __init__(self, source: NoticeSource, flag: PreemptionFlag, emit: Emit | None = None,
-                 *, max_backoff_s: float = 5.0, hint: str = "") -> None:
+    def __init__(
+        self,
+        source: NoticeSource,
+        flag: PreemptionFlag,
+        emit: Emit | None = None,
+        *,
+        max_backoff_s: float = 5.0,
+        hint: str = "",
+    ) -> None:
         self.source, self.flag, self._emit = source, flag, emit
         self.max_backoff_s = max_backoff_s
         self.hint = hint  # appended to the first warning (e.g. the IMDS hop-limit trap)
@@ -106,12 +120,12 @@ class NoticeWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "NoticeWatcher":
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"shoestring-notice-{self.source.provider}")
+    def __enter__(self) -> NoticeWatcher:
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"shoestring-notice-{self.source.provider}"
+        )
         self._thread.start()
-        log.info("watching %s preemption notices at %s", self.source.provider,
-                 self.source.endpoint)
+        log.info("watching %s preemption notices at %s", self.source.provider, self.source.endpoint)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -129,18 +143,26 @@ class NoticeWatcher:
                 failures += 1
                 self.errors += 1
                 if failures == 1 and self.errors == 1:
-                    log.warning("%s metadata at %s: %s: %s; retrying with backoff, training "
-                                "goes on (further errors are logged at debug level)%s",
-                                self.source.provider, self.source.endpoint,
-                                type(e).__name__, e, self.hint)
+                    log.warning(
+                        "%s metadata at %s: %s: %s; retrying with backoff, training "
+                        "goes on (further errors are logged at debug level)%s",
+                        self.source.provider,
+                        self.source.endpoint,
+                        type(e).__name__,
+                        e,
+                        self.hint,
+                    )
                 else:
                     log.debug("%s metadata: %s: %s", self.source.provider, type(e).__name__, e)
                 base = max(self.source.interval_s, 0.05)
                 self._stop.wait(min(base * 2 ** min(failures, 20), self.max_backoff_s))
                 continue
             if failures:
-                log.info("%s metadata reachable again after %d failed polls",
-                         self.source.provider, failures)
+                log.info(
+                    "%s metadata reachable again after %d failed polls",
+                    self.source.provider,
+                    failures,
+                )
                 failures = 0
             if notice is not None:
                 self._report(notice)
@@ -153,12 +175,18 @@ class NoticeWatcher:
         now = time.time()
         try:
             if self._emit is not None:  # the event first, so the log reads notice -> preempt
-                self._emit("notice", provider=notice.provider, action=notice.action,
-                           reason=notice.reason, preempting=notice.preempting,
-                           deadline=notice.deadline,
-                           deadline_in_s=None if notice.deadline is None
-                           else round(notice.deadline - now, 3),
-                           detail=notice.detail)
+                self._emit(
+                    "notice",
+                    provider=notice.provider,
+                    action=notice.action,
+                    reason=notice.reason,
+                    preempting=notice.preempting,
+                    deadline=notice.deadline,
+                    deadline_in_s=None
+                    if notice.deadline is None
+                    else round(notice.deadline - now, 3),
+                    detail=notice.detail,
+                )
         except Exception:  # noqa: BLE001 - a broken log must not cost the notice
             log.exception("could not log the %s notice", notice.provider)
         if notice.preempting:

@@ -52,10 +52,16 @@ def run_top(cfg: TopConfig, call: Invocation) -> int:
     run_dir = _run_dir(cfg.run_dir, "top")
     tty = sys.stdout.isatty()
     env = call.env
-    color = cfg.color == "always" or (cfg.color == "auto" and tty and env.get("NO_COLOR") is None
-                                      and env.get("TERM") != "dumb")
-    return loop(run_dir, once=cfg.once, interval_s=cfg.interval, color=color,
-                width=lambda: shutil.get_terminal_size((120, 40)).columns)
+    color = cfg.color == "always" or (
+        cfg.color == "auto" and tty and env.get("NO_COLOR") is None and env.get("TERM") != "dumb"
+    )
+    return loop(
+        run_dir,
+        once=cfg.once,
+        interval_s=cfg.interval,
+        color=color,
+        width=lambda: shutil.get_terminal_size((120, 40)).columns,
+    )
 
 
 def _run_dir(arg: str, verb: str) -> Path:

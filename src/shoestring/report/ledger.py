@@ -36,8 +36,13 @@ def price_for(device: str | None, market: str = "spot", usd_per_hour: float = 0.
     g = CATALOG.get(name) if name else None
     od = g.on_demand_usd_h if g else None
     if usd_per_hour > 0:
-        return Price(name or device or "unknown", market, usd_per_hour,
-                     od if market == "spot" else usd_per_hour, "given")
+        return Price(
+            name or device or "unknown",
+            market,
+            usd_per_hour,
+            od if market == "spot" else usd_per_hour,
+            "given",
+        )
     if g is None:
         return Price(device or "unknown", market, None, None, "no price for this device")
     rate = g.spot_usd_h if market == "spot" else g.on_demand_usd_h
@@ -78,13 +83,15 @@ class Ledger:
             money = f", ${self.usd:.2f} on {self.market.replace('_', '-')}"
             if self.on_demand_usd is not None and self.market == "spot":
                 money += f" vs ${self.on_demand_usd:.2f} on-demand"
-        return (f"cost: {self.device_hours:.3f} {self.device}-hours on {self.devices} "
-                f"device(s){money}; {self.preemptions} preemption(s), {self.failures} "
-                f"failure(s), {self.steps_recomputed} step(s) recomputed, overhead "
-                f"{100 * self.overhead_hours / self.device_hours if self.device_hours else 0:.1f} %"
-                f" (recompute {self.recompute_hours * 3600:.0f} s, restarts "
-                f"{self.restart_hours * 3600:.0f} s, checkpoint stalls "
-                f"{self.checkpoint_hours * 3600:.1f} s)")
+        return (
+            f"cost: {self.device_hours:.3f} {self.device}-hours on {self.devices} "
+            f"device(s){money}; {self.preemptions} preemption(s), {self.failures} "
+            f"failure(s), {self.steps_recomputed} step(s) recomputed, overhead "
+            f"{100 * self.overhead_hours / self.device_hours if self.device_hours else 0:.1f} %"
+            f" (recompute {self.recompute_hours * 3600:.0f} s, restarts "
+            f"{self.restart_hours * 3600:.0f} s, checkpoint stalls "
+            f"{self.checkpoint_hours * 3600:.1f} s)"
+        )
 
 
 def compute(tl: Timeline, price: Price | None = None) -> Ledger:
@@ -125,12 +132,24 @@ def compute(tl: Timeline, price: Price | None = None) -> Ledger:
         usd = device_hours * price.usd_per_hour
     if price.on_demand_usd_per_hour is not None:
         od = (device_hours - recompute_h - restart_h) * price.on_demand_usd_per_hour
-    return Ledger(device=price.device, devices=devices, market=price.market,
-                  attempts=max(len(spans), 1), preemptions=len(preempted), failures=failures,
-                  steps=tl.last_step(), steps_recomputed=recomputed, wall_hours=wall * h,
-                  device_hours=device_hours, recompute_hours=recompute_h, restart_hours=restart_h,
-                  checkpoint_hours=ckpt_h, usd=usd, on_demand_usd=od,
-                  price_source=price.source)
+    return Ledger(
+        device=price.device,
+        devices=devices,
+        market=price.market,
+        attempts=max(len(spans), 1),
+        preemptions=len(preempted),
+        failures=failures,
+        steps=tl.last_step(),
+        steps_recomputed=recomputed,
+        wall_hours=wall * h,
+        device_hours=device_hours,
+        recompute_hours=recompute_h,
+        restart_hours=restart_h,
+        checkpoint_hours=ckpt_h,
+        usd=usd,
+        on_demand_usd=od,
+        price_source=price.source,
+    )
 
 
 def run_ledger(run_dir: Path) -> tuple[dict[str, Any], str]:

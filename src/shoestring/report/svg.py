@@ -10,13 +10,23 @@ by looking for series colours inside that rectangle alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from html import escape
-from typing import Callable, Sequence
 
 #: One colour per rank (cycled), chosen to stay apart on screen and in print.
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
-           "#e377c2", "#7f7f7f", "#bcbd22")
+PALETTE = (
+    "#1f77b4",
+    "#d62728",
+    "#2ca02c",
+    "#9467bd",
+    "#ff7f0e",
+    "#17becf",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+)
 GRID = "#e6e6e6"
 AXIS = "#555555"
 AREA_BG = "#ffffff"
@@ -127,26 +137,40 @@ def decimate(seg: Sequence[Point], buckets: int) -> list[Point]:
 
 
 def _open_svg(lay: Layout, cls: str, label: str) -> list[str]:
-    return [f'<svg class="{escape(cls)}" xmlns="http://www.w3.org/2000/svg" '
-            f'width="{lay.width}" height="{lay.height}" viewBox="0 0 {lay.width} {lay.height}" '
-            f'role="img" aria-label="{escape(label)}">',
-            f'<rect class="area" x="{lay.left}" y="{lay.top}" width="{lay.w}" height="{lay.h}" '
-            f'fill="{AREA_BG}" stroke="{AXIS}" stroke-width="1"/>']
+    return [
+        f'<svg class="{escape(cls)}" xmlns="http://www.w3.org/2000/svg" '
+        f'width="{lay.width}" height="{lay.height}" viewBox="0 0 {lay.width} {lay.height}" '
+        f'role="img" aria-label="{escape(label)}">',
+        f'<rect class="area" x="{lay.left}" y="{lay.top}" width="{lay.w}" height="{lay.h}" '
+        f'fill="{AREA_BG}" stroke="{AXIS}" stroke-width="1"/>',
+    ]
 
 
-def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: str,
-               x_fmt: Callable[[float], str] = fmt_num, y_fmt: Callable[[float], str] = fmt_num,
-               rules: Sequence[Rule] = (), y_zero: bool = True, layout: Layout = Layout(),
-               x_range: tuple[float, float] | None = None, x_integer: bool = False,
-               y_max: float | None = None) -> str:
+def line_chart(
+    series: Sequence[Series],
+    *,
+    title: str,
+    x_label: str,
+    y_label: str,
+    x_fmt: Callable[[float], str] = fmt_num,
+    y_fmt: Callable[[float], str] = fmt_num,
+    rules: Sequence[Rule] = (),
+    y_zero: bool = True,
+    layout: Layout = Layout(),
+    x_range: tuple[float, float] | None = None,
+    x_integer: bool = False,
+    y_max: float | None = None,
+) -> str:
     """A multi-series line chart. Empty input gives a chart that says "no data".
     ``y_max`` is the natural top of the scale (100 for a percentage) unless data exceed it."""
     lay = layout
     pts = [p for s in series for seg in s.segments for p in seg]
     out = _open_svg(lay, "plot line-chart", title)
     if not pts:
-        out.append(f'<text x="{lay.left + lay.w / 2}" y="{lay.top + lay.h / 2}" '
-                   f'text-anchor="middle" fill="{AXIS}">no data</text></svg>')
+        out.append(
+            f'<text x="{lay.left + lay.w / 2}" y="{lay.top + lay.h / 2}" '
+            f'text-anchor="middle" fill="{AXIS}">no data</text></svg>'
+        )
         return "\n".join(out)
     xs = [p[0] for p in pts] + [r.x for r in rules]
     ys = [p[1] for p in pts]
@@ -165,40 +189,67 @@ def line_chart(series: Sequence[Series], *, title: str, x_label: str, y_label: s
     def py(y: float) -> float:
         return lay.top + lay.h - (y - y0) / (y1 - y0) * lay.h
 
-    for t in yt:
-        out.append(f'<line x1="{lay.left}" x2="{lay.left + lay.w}" y1="{py(t):.1f}" '
-                   f'y2="{py(t):.1f}" stroke="{GRID}"/>'
-                   f'<text x="{lay.left - 6}" y="{py(t) + 4:.1f}" text-anchor="end" '
-                   f'font-size="11" fill="{AXIS}">{escape(y_fmt(t))}</text>')
-    for t in xt:
-        out.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{lay.top}" '
-                   f'y2="{lay.top + lay.h}" stroke="{GRID}"/>'
-                   f'<text x="{px(t):.1f}" y="{lay.top + lay.h + 15}" text-anchor="middle" '
-                   f'font-size="11" fill="{AXIS}">{escape(x_fmt(t))}</text>')
+    out.extend(_grid(yt, xt, lay, px, py, x_fmt, y_fmt))
     out.extend(_rule_marks(rules, lay, px))
     for s in series:
         out.extend(_series_marks(s, lay, px, py))
     out.append(_legend(series, lay))
-    out.append(f'<text x="{lay.left + lay.w / 2}" y="{lay.height - 4}" text-anchor="middle" '
-               f'font-size="12" fill="{AXIS}">{escape(x_label)}</text>'
-               f'<text transform="translate(14,{lay.top + lay.h / 2}) rotate(-90)" '
-               f'text-anchor="middle" font-size="12" fill="{AXIS}">{escape(y_label)}</text>')
+    out.append(_axis_labels(lay, x_label, y_label))
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _grid(
+    yt: Sequence[float],
+    xt: Sequence[float],
+    lay: Layout,
+    px: Callable[[float], float],
+    py: Callable[[float], float],
+    x_fmt: Callable[[float], str],
+    y_fmt: Callable[[float], str],
+) -> list[str]:
+    """Grid lines with their tick labels."""
+    out = [
+        f'<line x1="{lay.left}" x2="{lay.left + lay.w}" y1="{py(t):.1f}" '
+        f'y2="{py(t):.1f}" stroke="{GRID}"/>'
+        f'<text x="{lay.left - 6}" y="{py(t) + 4:.1f}" text-anchor="end" '
+        f'font-size="11" fill="{AXIS}">{escape(y_fmt(t))}</text>'
+        for t in yt
+    ]
+    out += [
+        f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{lay.top}" '
+        f'y2="{lay.top + lay.h}" stroke="{GRID}"/>'
+        f'<text x="{px(t):.1f}" y="{lay.top + lay.h + 15}" text-anchor="middle" '
+        f'font-size="11" fill="{AXIS}">{escape(x_fmt(t))}</text>'
+        for t in xt
+    ]
+    return out
+
+
+def _axis_labels(lay: Layout, x_label: str, y_label: str) -> str:
+    return (
+        f'<text x="{lay.left + lay.w / 2}" y="{lay.height - 4}" text-anchor="middle" '
+        f'font-size="12" fill="{AXIS}">{escape(x_label)}</text>'
+        f'<text transform="translate(14,{lay.top + lay.h / 2}) rotate(-90)" '
+        f'text-anchor="middle" font-size="12" fill="{AXIS}">{escape(y_label)}</text>'
+    )
 
 
 def _rule_marks(rules: Sequence[Rule], lay: Layout, px: Callable[[float], float]) -> list[str]:
     out = []
     for r in rules:
         dash = ' stroke-dasharray="5,4"' if r.dash else ""
-        out.append(f'<line class="rule" x1="{px(r.x):.1f}" x2="{px(r.x):.1f}" y1="{lay.top}" '
-                   f'y2="{lay.top + lay.h}" stroke="{escape(r.color)}" stroke-width="1.5"{dash}>'
-                   f'<title>{escape(r.label)}</title></line>')
+        out.append(
+            f'<line class="rule" x1="{px(r.x):.1f}" x2="{px(r.x):.1f}" y1="{lay.top}" '
+            f'y2="{lay.top + lay.h}" stroke="{escape(r.color)}" stroke-width="1.5"{dash}>'
+            f"<title>{escape(r.label)}</title></line>"
+        )
     return out
 
 
-def _series_marks(s: Series, lay: Layout, px: Callable[[float], float],
-                  py: Callable[[float], float]) -> list[str]:
+def _series_marks(
+    s: Series, lay: Layout, px: Callable[[float], float], py: Callable[[float], float]
+) -> list[str]:
     """One series' dots or polylines (one per segment), decimated to the plot width."""
     out = []
     attrs = "".join(f' {escape(k)}="{escape(v)}"' for k, v in s.attrs.items())
@@ -207,17 +258,23 @@ def _series_marks(s: Series, lay: Layout, px: Callable[[float], float],
             continue
         seg = decimate(seg, lay.w)
         if s.dots:
-            out.append(f'<g class="dots" fill="{escape(s.color)}"{attrs}>' + "".join(
-                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5"/>' for x, y in seg)
-                + f'<title>{escape(s.name)}</title></g>')
+            out.append(
+                f'<g class="dots" fill="{escape(s.color)}"{attrs}>'
+                + "".join(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5"/>' for x, y in seg)
+                + f"<title>{escape(s.name)}</title></g>"
+            )
             continue
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in seg)
-        out.append(f'<polyline class="series" fill="none" stroke="{escape(s.color)}" '
-                   f'stroke-width="2" stroke-linejoin="round" points="{coords}"{attrs}>'
-                   f'<title>{escape(s.name)}</title></polyline>')
+        out.append(
+            f'<polyline class="series" fill="none" stroke="{escape(s.color)}" '
+            f'stroke-width="2" stroke-linejoin="round" points="{coords}"{attrs}>'
+            f"<title>{escape(s.name)}</title></polyline>"
+        )
         if len(seg) == 1:  # a one-point line draws nothing: mark the point
-            out.append(f'<circle class="lone" cx="{px(seg[0][0]):.1f}" '
-                       f'cy="{py(seg[0][1]):.1f}" r="2.5" fill="{escape(s.color)}"/>')
+            out.append(
+                f'<circle class="lone" cx="{px(seg[0][0]):.1f}" '
+                f'cy="{py(seg[0][1]):.1f}" r="2.5" fill="{escape(s.color)}"/>'
+            )
     return out
 
 
@@ -228,9 +285,11 @@ def _legend(series: Sequence[Series], lay: Layout) -> str:
         label = escape(s.name)
         w = 24 + 7 * len(s.name)
         x -= w
-        parts.append(f'<rect x="{x}" y="{lay.top - 20}" width="14" height="10" '
-                     f'fill="{escape(s.color)}"/><text x="{x + 18}" y="{lay.top - 11}" '
-                     f'font-size="11" fill="{AXIS}">{label}</text>')
+        parts.append(
+            f'<rect x="{x}" y="{lay.top - 20}" width="14" height="10" '
+            f'fill="{escape(s.color)}"/><text x="{x + 18}" y="{lay.top - 11}" '
+            f'font-size="11" fill="{AXIS}">{label}</text>'
+        )
     return '<g class="legend">' + "".join(parts) + "</g>"
 
 
@@ -243,8 +302,15 @@ class Bar:
     note: str = ""
 
 
-def bar_chart(bars: Sequence[Bar], *, title: str, x_label: str, x_max: float | None = None,
-              x_fmt: Callable[[float], str] = fmt_num, width: int = 1100) -> str:
+def bar_chart(
+    bars: Sequence[Bar],
+    *,
+    title: str,
+    x_label: str,
+    x_max: float | None = None,
+    x_fmt: Callable[[float], str] = fmt_num,
+    width: int = 1100,
+) -> str:
     row = 26
     lay = Layout(width=width, height=30 + 40 + row * max(len(bars), 1), left=90, right=160)
     out = _open_svg(lay, "plot bar-chart", title)
@@ -254,27 +320,44 @@ def bar_chart(bars: Sequence[Bar], *, title: str, x_label: str, x_max: float | N
         if t > top * 1.0001:
             continue
         x = lay.left + t / top * lay.w
-        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{lay.top}" y2="{lay.top + lay.h}" '
-                   f'stroke="{GRID}"/><text x="{x:.1f}" y="{lay.top + lay.h + 15}" '
-                   f'text-anchor="middle" font-size="11" fill="{AXIS}">{escape(x_fmt(t))}</text>')
+        out.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{lay.top}" y2="{lay.top + lay.h}" '
+            f'stroke="{GRID}"/><text x="{x:.1f}" y="{lay.top + lay.h + 15}" '
+            f'text-anchor="middle" font-size="11" fill="{AXIS}">{escape(x_fmt(t))}</text>'
+        )
     for i, b in enumerate(bars):
         y = lay.top + 6 + i * row
         x = float(lay.left)
-        out.append(f'<text x="{lay.left - 8}" y="{y + 13}" text-anchor="end" font-size="12" '
-                   f'fill="{AXIS}">{escape(b.label)}</text>')
+        out.append(
+            f'<text x="{lay.left - 8}" y="{y + 13}" text-anchor="end" font-size="12" '
+            f'fill="{AXIS}">{escape(b.label)}</text>'
+        )
         for v, color, name in b.parts:
             w = max(0.0, v / top * lay.w)
-            out.append(f'<rect class="bar" x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 8}" '
-                       f'fill="{escape(color)}"><title>{escape(f"{b.label} {name}: {x_fmt(v)}")}'
-                       f'</title></rect>')
+            out.append(
+                f'<rect class="bar" x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 8}" '
+                f'fill="{escape(color)}"><title>{escape(f"{b.label} {name}: {x_fmt(v)}")}'
+                f"</title></rect>"
+            )
             x += w
         if b.note:
-            out.append(f'<text x="{lay.left + lay.w + 8}" y="{y + 13}" font-size="12" '
-                       f'fill="{AXIS}">{escape(b.note)}</text>')
-    out.append(_legend([Series(name, color) for name, color in
-                        dict((n, c) for b in bars for _, c, n in b.parts).items()], lay))
-    out.append(f'<text x="{lay.left + lay.w / 2}" y="{lay.height - 4}" text-anchor="middle" '
-               f'font-size="12" fill="{AXIS}">{escape(x_label)}</text></svg>')
+            out.append(
+                f'<text x="{lay.left + lay.w + 8}" y="{y + 13}" font-size="12" '
+                f'fill="{AXIS}">{escape(b.note)}</text>'
+            )
+    out.append(
+        _legend(
+            [
+                Series(name, color)
+                for name, color in dict((n, c) for b in bars for _, c, n in b.parts).items()
+            ],
+            lay,
+        )
+    )
+    out.append(
+        f'<text x="{lay.left + lay.w / 2}" y="{lay.height - 4}" text-anchor="middle" '
+        f'font-size="12" fill="{AXIS}">{escape(x_label)}</text></svg>'
+    )
     return "\n".join(out)
 
 
@@ -289,9 +372,16 @@ class Mark:
     kind: str = ""
 
 
-def band_chart(lanes: Sequence[tuple[str, Sequence[Mark]]], *, title: str, x0: float,
-               x1: float, x_fmt: Callable[[float], str] = fmt_num, x_label: str = "",
-               width: int = 1100) -> str:
+def band_chart(
+    lanes: Sequence[tuple[str, Sequence[Mark]]],
+    *,
+    title: str,
+    x0: float,
+    x1: float,
+    x_fmt: Callable[[float], str] = fmt_num,
+    x_label: str = "",
+    width: int = 1100,
+) -> str:
     """Lanes of spans and instants over one time axis (attempts, checkpoints, alarms)."""
     row = 28
     lay = Layout(width=width, height=30 + 40 + row * len(lanes), left=110, right=20)
@@ -305,32 +395,46 @@ def band_chart(lanes: Sequence[tuple[str, Sequence[Mark]]], *, title: str, x0: f
 
     for t in nice_ticks(x0, x1, 8):
         if x0 <= t <= x1:
-            out.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{lay.top}" '
-                       f'y2="{lay.top + lay.h}" stroke="{GRID}"/><text x="{px(t):.1f}" '
-                       f'y="{lay.top + lay.h + 15}" text-anchor="middle" font-size="11" '
-                       f'fill="{AXIS}">{escape(x_fmt(t))}</text>')
+            out.append(
+                f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{lay.top}" '
+                f'y2="{lay.top + lay.h}" stroke="{GRID}"/><text x="{px(t):.1f}" '
+                f'y="{lay.top + lay.h + 15}" text-anchor="middle" font-size="11" '
+                f'fill="{AXIS}">{escape(x_fmt(t))}</text>'
+            )
     for i, (name, marks) in enumerate(lanes):
         y = lay.top + i * row
-        out.append(f'<text x="{lay.left - 8}" y="{y + row / 2 + 4}" text-anchor="end" '
-                   f'font-size="12" fill="{AXIS}">{escape(name)}</text>')
+        out.append(
+            f'<text x="{lay.left - 8}" y="{y + row / 2 + 4}" text-anchor="end" '
+            f'font-size="12" fill="{AXIS}">{escape(name)}</text>'
+        )
         if i:
-            out.append(f'<line x1="{lay.left}" x2="{lay.left + lay.w}" y1="{y}" y2="{y}" '
-                       f'stroke="{GRID}"/>')
-        for m in marks:
-            kind = f' data-kind="{escape(m.kind)}"' if m.kind else ""
-            tip = f"<title>{escape(m.label)}</title>"
-            if m.x1 is not None:
-                out.append(f'<rect class="mark span"{kind} x="{px(m.x):.1f}" y="{y + 5}" '
-                           f'width="{max(px(m.x1) - px(m.x), 2):.1f}" height="{row - 10}" '
-                           f'fill="{escape(m.color)}" rx="3">{tip}</rect>')
-            else:
-                cx, cy = px(m.x), y + row / 2
-                out.append(f'<path class="mark point"{kind} d="M{cx:.1f},{cy - 8:.1f} '
-                           f'L{cx + 6:.1f},{cy:.1f} L{cx:.1f},{cy + 8:.1f} '
-                           f'L{cx - 6:.1f},{cy:.1f} Z" '
-                           f'fill="{escape(m.color)}">{tip}</path>')
+            out.append(
+                f'<line x1="{lay.left}" x2="{lay.left + lay.w}" y1="{y}" y2="{y}" stroke="{GRID}"/>'
+            )
+        out.extend(_band_mark(m, px, y, row) for m in marks)
     if x_label:
-        out.append(f'<text x="{lay.left + lay.w / 2}" y="{lay.height - 4}" text-anchor="middle" '
-                   f'font-size="12" fill="{AXIS}">{escape(x_label)}</text>')
+        out.append(
+            f'<text x="{lay.left + lay.w / 2}" y="{lay.height - 4}" text-anchor="middle" '
+            f'font-size="12" fill="{AXIS}">{escape(x_label)}</text>'
+        )
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _band_mark(m: Mark, px: Callable[[float], float], y: float, row: int) -> str:
+    """A span (rect) or an instant (diamond) in a band lane starting at ``y``."""
+    kind = f' data-kind="{escape(m.kind)}"' if m.kind else ""
+    tip = f"<title>{escape(m.label)}</title>"
+    if m.x1 is not None:
+        return (
+            f'<rect class="mark span"{kind} x="{px(m.x):.1f}" y="{y + 5}" '
+            f'width="{max(px(m.x1) - px(m.x), 2):.1f}" height="{row - 10}" '
+            f'fill="{escape(m.color)}" rx="3">{tip}</rect>'
+        )
+    cx, cy = px(m.x), y + row / 2
+    return (
+        f'<path class="mark point"{kind} d="M{cx:.1f},{cy - 8:.1f} '
+        f"L{cx + 6:.1f},{cy:.1f} L{cx:.1f},{cy + 8:.1f} "
+        f'L{cx - 6:.1f},{cy:.1f} Z" '
+        f'fill="{escape(m.color)}">{tip}</path>'
+    )

@@ -19,14 +19,16 @@ from __future__ import annotations
 import bisect
 import json
 import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 #: Events that report a problem: listed in the alarms table and marked on the timeline.
 #: ``alarm`` is the generic kind (its own ``kind`` field says which).
-ALARM_EVENTS = frozenset({"hang", "straggler", "alarm", "gave_up", "checkpoint_failed",
-                          "checkpoint_invalid"})
+ALARM_EVENTS = frozenset(
+    {"hang", "straggler", "alarm", "gave_up", "checkpoint_failed", "checkpoint_invalid"}
+)
 
 SUPERVISOR_RANK = -1
 
@@ -130,8 +132,9 @@ class Timeline:
     @property
     def run_start(self) -> Event | None:
         """The latest ``run_start`` (model, world size, ... of the attempt that counts)."""
-        starts = [e for e in self.of("run_start") if e.rank in (0, SUPERVISOR_RANK)] or \
-            self.of("run_start")
+        starts = [e for e in self.of("run_start") if e.rank in (0, SUPERVISOR_RANK)] or self.of(
+            "run_start"
+        )
         return starts[-1] if starts else None
 
     @property
@@ -159,11 +162,19 @@ class Timeline:
         """Step records per rank, in time order (redone steps after a resume appear again)."""
         out: dict[int, list[Step]] = {}
         for e in self.of("step"):
-            out.setdefault(e.rank, []).append(Step(
-                ts=e.ts, rank=e.rank, attempt=e.attempt, step=int(e.get("step", 0)),
-                step_ms=_num(e.get("step_ms")), loss=_num(e.get("loss")),
-                tokens=_int(e.get("tokens")), tokens_per_s=_num(e.get("tokens_per_s")),
-                comm_ms=_num(e.get("comm_ms"))))
+            out.setdefault(e.rank, []).append(
+                Step(
+                    ts=e.ts,
+                    rank=e.rank,
+                    attempt=e.attempt,
+                    step=int(e.get("step", 0)),
+                    step_ms=_num(e.get("step_ms")),
+                    loss=_num(e.get("loss")),
+                    tokens=_int(e.get("tokens")),
+                    tokens_per_s=_num(e.get("tokens_per_s")),
+                    comm_ms=_num(e.get("comm_ms")),
+                )
+            )
         return out
 
     def last_step(self) -> int:
@@ -242,8 +253,11 @@ def read_lines(path: Path) -> tuple[list[dict[str, Any]], SourceFile]:
         except json.JSONDecodeError:
             src.skipped += 1
             continue
-        if not isinstance(rec, dict) or "event" not in rec or \
-                not isinstance(rec.get("ts"), (int, float)):
+        if (
+            not isinstance(rec, dict)
+            or "event" not in rec
+            or not isinstance(rec.get("ts"), (int, float))
+        ):
             src.skipped += 1
             continue
         recs.append(rec)
@@ -262,8 +276,11 @@ def load(run_dir: str | Path) -> Timeline:
             r.setdefault("rank", 0)
             raw.append({**r, "_order": (i, seq)})
     raw.sort(key=lambda r: (float(r["ts"]), r["_order"]))
-    starts = sorted((float(r["ts"]), int(r.get("attempt", 0))) for r in raw
-                    if r["event"] == "attempt_start" and _int(r.get("rank")) == SUPERVISOR_RANK)
+    starts = sorted(
+        (float(r["ts"]), int(r.get("attempt", 0)))
+        for r in raw
+        if r["event"] == "attempt_start" and _int(r.get("rank")) == SUPERVISOR_RANK
+    )
     run_starts: dict[int, int] = {}
     resumed: dict[int, bool] = {}
     for r in raw:
@@ -280,8 +297,9 @@ def load(run_dir: str | Path) -> Timeline:
                 resumed[rank] = r["event"] == "resume"
             attempt = max(run_starts.get(rank, 0), 0)
         data = {k: v for k, v in r.items() if k != "_order"}
-        tl.events.append(Event(ts=float(r["ts"]), kind=str(r["event"]), rank=rank,
-                               attempt=attempt, data=data))
+        tl.events.append(
+            Event(ts=float(r["ts"]), kind=str(r["event"]), rank=rank, attempt=attempt, data=data)
+        )
     tl.attempts = _attempts(tl.events, bool(starts))
     return tl
 
@@ -291,12 +309,17 @@ def _attempts(events: list[Event], supervised: bool) -> list[Attempt]:
         return []
     by_index: dict[int, dict[str, Any]] = {}
     for e in events:
-        a = by_index.setdefault(e.attempt, {"start": e.ts, "end": None, "exit_code": None,
-                                            "hung": False, "reason": None})
+        a = by_index.setdefault(
+            e.attempt,
+            {"start": e.ts, "end": None, "exit_code": None, "hung": False, "reason": None},
+        )
         a["start"] = min(a["start"], e.ts)
         if e.kind == "attempt_end":
-            a["end"], a["exit_code"], a["hung"] = e.ts, _int(e.get("exit_code")), \
-                bool(e.get("hung"))
+            a["end"], a["exit_code"], a["hung"] = (
+                e.ts,
+                _int(e.get("exit_code")),
+                bool(e.get("hung")),
+            )
         elif e.kind == "run_end" and not supervised:
             a["end"], a["exit_code"] = e.ts, 0
     for e in events:  # "restart" carries the index of the attempt it starts
@@ -309,8 +332,16 @@ def _attempts(events: list[Event], supervised: bool) -> list[Attempt]:
         end = a["end"]
         if end is None and not supervised:  # last record of the attempt is the best we know
             end = max(e.ts for e in events if e.attempt == i)
-        out.append(Attempt(index=i, start=a["start"], end=end, exit_code=a["exit_code"],
-                           hung=a["hung"], restart_reason=a["reason"]))
+        out.append(
+            Attempt(
+                index=i,
+                start=a["start"],
+                end=end,
+                exit_code=a["exit_code"],
+                hung=a["hung"],
+                restart_reason=a["reason"],
+            )
+        )
     return out
 
 
@@ -333,28 +364,41 @@ def to_alarm(e: Event) -> Alarm:
         kind = "straggler"
         ranks = _ranks(d.get("rank"))
         slower = _num(d.get("slower_by"))
-        msg = (f"{d.get('part', '?')} work per step "
-               f"{'+' + format(slower, '.0%') if slower is not None else '?'} vs peers"
-               f" at step {d.get('step', '?')}")
+        msg = (
+            f"{d.get('part', '?')} work per step "
+            f"{'+' + format(slower, '.0%') if slower is not None else '?'} vs peers"
+            f" at step {d.get('step', '?')}"
+        )
     elif e.kind == "alarm":
         kind = str(d.get("kind") or "alarm")
         ranks = _ranks(d.get("rank", d.get("ranks")))
         msg = str(d.get("message") or d.get("summary") or _kv(d))
     elif e.kind == "gave_up":
         kind = "gave_up"
-        msg = (f"out of restarts after {d.get('attempts', '?')} attempt(s), "
-               f"exit {d.get('exit_code')}")
+        msg = (
+            f"out of restarts after {d.get('attempts', '?')} attempt(s), exit {d.get('exit_code')}"
+        )
     else:  # checkpoint_failed, checkpoint_invalid
         kind = e.kind
         ranks = () if e.rank < 0 else (e.rank,)
         msg = f"step {d.get('step', '?')}: {d.get('error', '')}".strip()
-    return Alarm(ts=e.ts, kind=kind, ranks=ranks, message=msg, attempt=e.attempt,
-                 collective=coll, event=e)
+    return Alarm(
+        ts=e.ts, kind=kind, ranks=ranks, message=msg, attempt=e.attempt, collective=coll, event=e
+    )
 
 
 #: ``metrics`` fields plotted, per owner: (series name, unit scale).
-METRIC_FIELDS = ("cpu_pct", "rss_bytes", "util_pct", "mem_used_bytes", "mem_util_pct",
-                 "temp_c", "power_w", "sm_clock_mhz", "load1")
+METRIC_FIELDS = (
+    "cpu_pct",
+    "rss_bytes",
+    "util_pct",
+    "mem_used_bytes",
+    "mem_util_pct",
+    "temp_c",
+    "power_w",
+    "sm_clock_mhz",
+    "load1",
+)
 
 
 def metric_samples(e: Event) -> Iterable[MetricSample]:
@@ -411,5 +455,6 @@ def _ranks(x: Any) -> tuple[int, ...]:
 
 def _kv(d: Mapping[str, Any]) -> str:
     skip = {"v", "ts", "event", "run_id", "rank", "kind"}
-    return ", ".join(f"{k}={v}" for k, v in d.items()
-                     if k not in skip and not isinstance(v, (dict, list)))
+    return ", ".join(
+        f"{k}={v}" for k, v in d.items() if k not in skip and not isinstance(v, (dict, list))
+    )

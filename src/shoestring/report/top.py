@@ -14,20 +14,27 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from shoestring.report.live import Tail, read_live
-from shoestring.report.timeline import SUPERVISOR_RANK, ALARM_EVENTS, Alarm, Event, to_alarm
+from shoestring.report.timeline import ALARM_EVENTS, SUPERVISOR_RANK, Alarm, Event, to_alarm
 
 #: A running rank whose snapshot is older than this is shown as stale.
 STALE_S = 5.0
 #: Step times kept per rank for the median.
 WINDOW = 50
 
-RED, YELLOW, GREEN, DIM, BOLD, RESET = ("\x1b[31m", "\x1b[33m", "\x1b[32m", "\x1b[2m", "\x1b[1m",
-                                        "\x1b[0m")
+RED, YELLOW, GREEN, DIM, BOLD, RESET = (
+    "\x1b[31m",
+    "\x1b[33m",
+    "\x1b[32m",
+    "\x1b[2m",
+    "\x1b[1m",
+    "\x1b[0m",
+)
 
 
 @dataclass
@@ -135,12 +142,14 @@ class Top:
         elif kind == "metrics":
             for rk, vals in (r.get("ranks") or {}).items():
                 if isinstance(vals, dict):
-                    self._rank(int(rk)).metrics = {k: float(v) for k, v in vals.items()
-                                                   if isinstance(v, (int, float))}
+                    self._rank(int(rk)).metrics = {
+                        k: float(v) for k, v in vals.items() if isinstance(v, (int, float))
+                    }
             for g in r.get("gpus") or []:
                 if isinstance(g, dict):
-                    job.gpus[str(g.get("gpu", "?"))] = {k: float(v) for k, v in g.items()
-                                                        if isinstance(v, (int, float))}
+                    job.gpus[str(g.get("gpu", "?"))] = {
+                        k: float(v) for k, v in g.items() if isinstance(v, (int, float))
+                    }
         if kind in ALARM_EVENTS:
             alarm = to_alarm(Event(ts=ts, kind=kind, rank=rank, attempt=job.attempt, data=r))
             job.alarms.append(alarm)
@@ -158,22 +167,31 @@ class Top:
 
         clock = _dt.datetime.fromtimestamp(now, _dt.timezone.utc).strftime("%H:%M:%S UTC")
         world = job.world_size or len(live) or len(self.ranks)
-        head = (f"shoestring top  {self.run_dir}  run {job.run_id}  {job.model}  "
-                f"{world} rank(s){' ' + job.strategy if job.strategy else ''}")
+        head = (
+            f"shoestring top  {self.run_dir}  run {job.run_id}  {job.model}  "
+            f"{world} rank(s){' ' + job.strategy if job.strategy else ''}"
+        )
         lines = [c(BOLD, head) + "  " + clock]
         steps = [s.step for s in self.ranks.values() if s.step is not None]
-        ck = (f"step {job.checkpoint[0]}, {_ago(now - job.checkpoint[1])} ago"
-              if job.checkpoint else "none")
+        ck = (
+            f"step {job.checkpoint[0]}, {_ago(now - job.checkpoint[1])} ago"
+            if job.checkpoint
+            else "none"
+        )
         status = job.status
         if status in ("gave up", "preempted") or status.startswith("attempt exited"):
             status = c(RED, status)
         restarts = f"{job.restarts}" + (f" (last: {job.last_restart})" if job.last_restart else "")
-        lines.append(f"job  attempt {job.attempt} | restarts {restarts} | preemptions "
-                     f"{job.preemptions} | step {max(steps) if steps else '-'}"
-                     f"/{job.max_steps or '?'} | last checkpoint {ck} | {status}")
+        lines.append(
+            f"job  attempt {job.attempt} | restarts {restarts} | preemptions "
+            f"{job.preemptions} | step {max(steps) if steps else '-'}"
+            f"/{job.max_steps or '?'} | last checkpoint {ck} | {status}"
+        )
         show_metrics = any(s.metrics for s in self.ranks.values())
-        hdr = (f"{'RANK':>4}  {'STATUS':<9} {'PHASE':<22} {'STEP':>6} {'LAST ms':>8} "
-               f"{'MED ms':>7} {'NO PROGRESS':>11}  {'COLLECTIVE IN FLIGHT':<28}")
+        hdr = (
+            f"{'RANK':>4}  {'STATUS':<9} {'PHASE':<22} {'STEP':>6} {'LAST ms':>8} "
+            f"{'MED ms':>7} {'NO PROGRESS':>11}  {'COLLECTIVE IN FLIGHT':<28}"
+        )
         if show_metrics:
             hdr += f" {'CPU%':>5} {'RSS':>7}"
         lines.append(c(DIM, hdr + "  ALARMS"))  # (ALARMS last: it is the ragged column)
@@ -182,8 +200,10 @@ class Top:
         for gpu, g in sorted(job.gpus.items()):
             mem = ""
             if "mem_used_bytes" in g:
-                mem = (f"{g['mem_used_bytes'] / 2**30:.1f}/"
-                       f"{g.get('mem_total_bytes', 0) / 2**30:.0f} GiB")
+                mem = (
+                    f"{g['mem_used_bytes'] / 2**30:.1f}/"
+                    f"{g.get('mem_total_bytes', 0) / 2**30:.0f} GiB"
+                )
             util = f"{g['util_pct']:.0f}% util" if "util_pct" in g else ""
             lines.append(f"gpu {gpu}  {util}  {mem}".rstrip())
         if job.alarms:
@@ -197,12 +217,19 @@ class Top:
             lines.append(c(DIM, f"({self.skipped} unreadable event line(s) skipped)"))
         return "\n".join(_clip(line.rstrip(), width) for line in lines) + "\n"
 
-    def _rank_line(self, rank: int, snap: dict[str, Any] | None, now: float, show_metrics: bool,
-                   c: Callable[[str, str], str]) -> str:
+    def _rank_line(
+        self,
+        rank: int,
+        snap: dict[str, Any] | None,
+        now: float,
+        show_metrics: bool,
+        c: Callable[[str, str], str],
+    ) -> str:
         st = self.ranks.get(rank, RankState())
         job = self.job
-        fresh = snap is not None and (job.attempt_ts is None or
-                                      float(snap.get("ts", 0)) >= job.attempt_ts - 1)
+        fresh = snap is not None and (
+            job.attempt_ts is None or float(snap.get("ts", 0)) >= job.attempt_ts - 1
+        )
         status, phase, coll = "-", "-", ""
         step = st.step
         if snap is not None and fresh:
@@ -211,8 +238,11 @@ class Top:
             at = now  # durations run to now while the rank publishes, else to its last word
             if status == "running" and now - seen > STALE_S:
                 status, at = ("gone" if job.ended else "stale"), seen
-            in_phase = at - float(snap.get("phase_start", at)) if status in ("running", "stale",
-                                                                             "gone") else 0
+            in_phase = (
+                at - float(snap.get("phase_start", at))
+                if status in ("running", "stale", "gone")
+                else 0
+            )
             phase = str(snap.get("phase", "?")) + (f" {in_phase:.1f}s" if in_phase >= 0.05 else "")
             step = max(step or 0, int(snap.get("step") or 0))
             open_ = snap.get("open_collectives") or []
@@ -232,12 +262,14 @@ class Top:
         idle_s = f"{_ago(idle):>11}" if idle is not None else f"{'-':>11}"
         if idle is not None and med and idle > max(3 * med / 1e3, 10):
             idle_s = c(YELLOW, idle_s)
-        line = (f"{rank:>4}  {text_status} {phase:<22.22} {step if step is not None else '-':>6} "
-                f"{_ms(last):>8} {_ms(med):>7} {idle_s}  {coll:<28.28}")
+        line = (
+            f"{rank:>4}  {text_status} {phase:<22.22} {step if step is not None else '-':>6} "
+            f"{_ms(last):>8} {_ms(med):>7} {idle_s}  {coll:<28.28}"
+        )
         if show_metrics:
             m = st.metrics
-            line += (f" {m['cpu_pct']:>5.0f}" if "cpu_pct" in m else f" {'-':>5}")
-            line += (f" {m['rss_bytes'] / 2**30:>5.1f}Gi" if "rss_bytes" in m else f" {'-':>7}")
+            line += f" {m['cpu_pct']:>5.0f}" if "cpu_pct" in m else f" {'-':>5}"
+            line += f" {m['rss_bytes'] / 2**30:>5.1f}Gi" if "rss_bytes" in m else f" {'-':>7}"
         alarms = ", ".join(dict.fromkeys(st.alarms))
         return (line + ("  " + c(RED, alarms) if alarms else "")).rstrip()
 
@@ -263,7 +295,7 @@ def _clip(line: str, width: int) -> str:
             j = line.find("m", i)
             if j < 0:
                 break
-            out.append(line[i:j + 1])
+            out.append(line[i : j + 1])
             i = j + 1
             continue
         if n >= width:
@@ -275,10 +307,17 @@ def _clip(line: str, width: int) -> str:
     return s + RESET if "\x1b" in s and not s.endswith(RESET) else s
 
 
-def run_top(run_dir: Path, *, once: bool, interval_s: float, color: bool,
-            width: Callable[[], int], out: TextIO | None = None,
-            clock: Callable[[], float] = time.time,
-            sleep: Callable[[float], None] = time.sleep) -> int:
+def run_top(
+    run_dir: Path,
+    *,
+    once: bool,
+    interval_s: float,
+    color: bool,
+    width: Callable[[], int],
+    out: TextIO | None = None,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
     """Draw frames until interrupted (or one with ``once``)."""
     out = out or sys.stdout
     top = Top(run_dir)

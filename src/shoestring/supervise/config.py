@@ -25,50 +25,94 @@ class RunConfig:
     """``shoestring run [options] -- COMMAND ...``."""
 
     nproc_per_node: int = knob(1, "Processes (ranks) on this node.", check=at_least(1))
-    max_restarts: int = knob(3, "Restarts after failures before giving up.",
-                             check=non_negative)
-    run_dir: str = knob("", "The job's output_dir: attempts and restarts are logged to its "
-                        "events.jsonl (empty: no log, no watchdog).")
-    watch: bool = knob(True, "Watch the ranks for hangs, stragglers and degradation (needs "
-                       "run_dir). --no-watch turns it off.")
-    hang_multiple: float = knob(3.0, "A phase hangs after this many times its p99 duration "
-                                "so far.", check=positive)
+    max_restarts: int = knob(3, "Restarts after failures before giving up.", check=non_negative)
+    run_dir: str = knob(
+        "",
+        "The job's output_dir: attempts and restarts are logged to its "
+        "events.jsonl (empty: no log, no watchdog).",
+    )
+    watch: bool = knob(
+        True,
+        "Watch the ranks for hangs, stragglers and degradation (needs "
+        "run_dir). --no-watch turns it off.",
+    )
+    hang_multiple: float = knob(
+        3.0, "A phase hangs after this many times its p99 duration so far.", check=positive
+    )
     hang_floor: float = knob(10.0, "... but never before this many seconds.", check=positive)
-    first_phase_timeout: float = knob(300.0, "Budget in seconds of a phase seen fewer than 3 "
-                                      "times: first step, first eval, first checkpoint.",
-                                      check=positive)
-    straggler_threshold: float = knob(0.10, "Report a rank whose collective-free work per "
-                                      "step, at the same batch size (lower quartile of its "
-                                      "last 30 steps), is more than this fraction above its "
-                                      "peers' for 10 steps.", check=positive)
-    window: float = knob(60.0, "Degradation window: per this many seconds and rank, "
-                         "communication time per step and throughput are compared with the "
-                         "run's baseline.", check=positive)
-    comm_rise: float = knob(0.10, "Alarm when communication time per step is more than this "
-                            "fraction above the baseline for 3 windows in a row.",
-                            check=positive)
-    throughput_drop: float = knob(0.05, "Alarm when throughput is more than this fraction "
-                                  "below the baseline for 3 windows in a row.", check=positive)
-    metrics_interval: float = knob(10.0, "Sample CPU, memory, I/O and (with NVML) GPU metrics "
-                                   "of every rank into events.jsonl every this many seconds "
-                                   "(0: off).", check=non_negative)
-    prometheus_port: int | None = knob(None, "Serve Prometheus metrics of the job on this port "
-                                       "(0: any free port; unset: no endpoint).",
-                                       check=in_range(0, 65535))
+    first_phase_timeout: float = knob(
+        300.0,
+        "Budget in seconds of a phase seen fewer than 3 "
+        "times: first step, first eval, first checkpoint.",
+        check=positive,
+    )
+    straggler_threshold: float = knob(
+        0.10,
+        "Report a rank whose collective-free work per "
+        "step, at the same batch size (lower quartile of its "
+        "last 30 steps), is more than this fraction above its "
+        "peers' for 10 steps.",
+        check=positive,
+    )
+    window: float = knob(
+        60.0,
+        "Degradation window: per this many seconds and rank, "
+        "communication time per step and throughput are compared with the "
+        "run's baseline.",
+        check=positive,
+    )
+    comm_rise: float = knob(
+        0.10,
+        "Alarm when communication time per step is more than this "
+        "fraction above the baseline for 3 windows in a row.",
+        check=positive,
+    )
+    throughput_drop: float = knob(
+        0.05,
+        "Alarm when throughput is more than this fraction "
+        "below the baseline for 3 windows in a row.",
+        check=positive,
+    )
+    metrics_interval: float = knob(
+        10.0,
+        "Sample CPU, memory, I/O and (with NVML) GPU metrics "
+        "of every rank into events.jsonl every this many seconds "
+        "(0: off).",
+        check=non_negative,
+    )
+    prometheus_port: int | None = knob(
+        None,
+        "Serve Prometheus metrics of the job on this port (0: any free port; unset: no endpoint).",
+        check=in_range(0, 65535),
+    )
     prometheus_addr: str = knob("127.0.0.1", "Address the Prometheus endpoint binds to.")
-    alert_webhook: str = knob("", "POST every alarm as JSON (Slack-compatible 'text' field) "
-                              "to this URL (empty: none).", check=_http_url)
-    job_id: str = knob("", "Job label of alerts and metrics (empty: $SLURM_JOB_ID, else the "
-                       "run directory's name).")
-    slurm_requeue: SlurmRequeue = knob("auto", "Inside a Slurm batch job stopped by its "
-                                       "--signal warning (USR1/USR2): 'auto' runs scontrol "
-                                       "requeue $SLURM_JOB_ID if the job allows requeues and "
-                                       "did not exit 2, so it comes back and resumes.")
-    nccl_dump_wait: float = knob(5.0, "On a hang, ask every NCCL rank of this host to dump its "
-                                 "flight recorder and wait up to this many seconds for the "
-                                 "dumps before the kill (0: do not ask).", check=non_negative)
-    command: list[str] = knob([], "The job to run and its arguments: on the command line, "
-                              "everything after `--` (or from the first bare word).")
+    alert_webhook: str = knob(
+        "",
+        "POST every alarm as JSON (Slack-compatible 'text' field) to this URL (empty: none).",
+        check=_http_url,
+    )
+    job_id: str = knob(
+        "", "Job label of alerts and metrics (empty: $SLURM_JOB_ID, else the run directory's name)."
+    )
+    slurm_requeue: SlurmRequeue = knob(
+        "auto",
+        "Inside a Slurm batch job stopped by its "
+        "--signal warning (USR1/USR2): 'auto' runs scontrol "
+        "requeue $SLURM_JOB_ID if the job allows requeues and "
+        "did not exit 2, so it comes back and resumes.",
+    )
+    nccl_dump_wait: float = knob(
+        5.0,
+        "On a hang, ask every NCCL rank of this host to dump its "
+        "flight recorder and wait up to this many seconds for the "
+        "dumps before the kill (0: do not ask).",
+        check=non_negative,
+    )
+    command: list[str] = knob(
+        [],
+        "The job to run and its arguments: on the command line, "
+        "everything after `--` (or from the first bare word).",
+    )
 
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
@@ -103,8 +147,11 @@ def _time_limit(v: Any) -> str | None:
 
 
 def _no_space(v: Any) -> str | None:
-    return "must not contain whitespace (#SBATCH lines cannot carry it)" \
-        if any(c.isspace() for c in v) else None
+    return (
+        "must not contain whitespace (#SBATCH lines cannot carry it)"
+        if any(c.isspace() for c in v)
+        else None
+    )
 
 
 @dataclass
@@ -112,27 +159,37 @@ class SlurmConfig:
     """``shoestring slurm``: the sbatch script of a fine-tune. Flags of keys it does not
     have are finetune overrides, checked here and passed on to ``shoestring finetune``."""
 
-    config: str = knob("", "The finetune config (YAML) of the job; its output_dir is the run "
-                       "directory.")
+    config: str = knob(
+        "", "The finetune config (YAML) of the job; its output_dir is the run directory."
+    )
     nodes: int = knob(1, "Nodes.", check=at_least(1))
-    gpus_per_node: int = knob(1, "GPUs and ranks per node (0: CPU only, one rank).",
-                              check=non_negative)
-    cpus_per_task: int | None = knob(None, "CPUs per node for all its ranks (unset: the "
-                                     "partition's).", check=at_least(1))
-    time: str = knob("", "Time limit, e.g. 04:00:00 or 1-00:00:00 (empty: the partition's).",
-                     check=_time_limit)
+    gpus_per_node: int = knob(
+        1, "GPUs and ranks per node (0: CPU only, one rank).", check=non_negative
+    )
+    cpus_per_task: int | None = knob(
+        None, "CPUs per node for all its ranks (unset: the partition's).", check=at_least(1)
+    )
+    time: str = knob(
+        "", "Time limit, e.g. 04:00:00 or 1-00:00:00 (empty: the partition's).", check=_time_limit
+    )
     partition: str = knob("", "Partition (empty: the cluster's default).")
     account: str = knob("", "Account (empty: your default).")
     job_name: str = knob("", "Job name (empty: shoestring-<run dir name>).", check=_no_space)
-    grace: int | None = knob(None, "Seconds of warning before the time limit (unset: measured "
-                             "from the run directory's events.jsonl, else 120).",
-                             check=in_range(1, 65535))
-    max_restarts: int = knob(3, "Restarts within one allocation after crashes.",
-                             check=non_negative)
-    sbatch_arg: list[str] = knob([], "Another #SBATCH option, verbatim; repeat the flag for "
-                                 "more, e.g. --sbatch-arg=--mem=64G.", repeat=True)
-    output: str = knob("", "Write the script here (empty: print it; with submit: "
-                       "RUN_DIR/job.sbatch).")
+    grace: int | None = knob(
+        None,
+        "Seconds of warning before the time limit (unset: measured "
+        "from the run directory's events.jsonl, else 120).",
+        check=in_range(1, 65535),
+    )
+    max_restarts: int = knob(3, "Restarts within one allocation after crashes.", check=non_negative)
+    sbatch_arg: list[str] = knob(
+        [],
+        "Another #SBATCH option, verbatim; repeat the flag for more, e.g. --sbatch-arg=--mem=64G.",
+        repeat=True,
+    )
+    output: str = knob(
+        "", "Write the script here (empty: print it; with submit: RUN_DIR/job.sbatch)."
+    )
     submit: bool = knob(False, "Submit with sbatch; print the job id.")
 
 

@@ -12,8 +12,8 @@ count and rank come from the ``SLURM_*`` variables.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -26,16 +26,32 @@ class LaunchSpec:
 def launch_argv(spec: LaunchSpec, env: Mapping[str, str]) -> list[str]:
     if spec.nproc_per_node <= 1 and int(env.get("SLURM_NNODES", "1") or 1) <= 1:
         return list(spec.command)
-    argv = [sys.executable, "-m", "torch.distributed.run",
-            "--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", "0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(spec.nproc_per_node),
+        "--max-restarts",
+        "0",
+    ]
     nnodes = int(env.get("SLURM_NNODES", "1") or 1)
     if nnodes > 1:
         from shoestring.distributed import first_host  # (imports torch: only when needed)
 
         host = first_host(env.get("SLURM_JOB_NODELIST", ""))
-        argv += ["--nnodes", str(nnodes), "--node-rank", env.get("SLURM_NODEID", "0"),
-                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{spec.rdzv_port}",
-                 "--rdzv-id", env.get("SLURM_JOB_ID", "shoestring")]
+        argv += [
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            env.get("SLURM_NODEID", "0"),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{host}:{spec.rdzv_port}",
+            "--rdzv-id",
+            env.get("SLURM_JOB_ID", "shoestring"),
+        ]
     else:
         argv += ["--standalone"]
     return argv + ["--no-python", *spec.command]

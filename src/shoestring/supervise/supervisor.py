@@ -16,10 +16,11 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Mapping
+from typing import Any
 
 from shoestring import exitcodes
 from shoestring.config import ConfigError, Invocation
@@ -30,8 +31,12 @@ from shoestring.supervise.slurm import requeue_after_signal
 from shoestring.watch.alerts import Alerts, AlertSink, CallbackSink, StderrSink, WebhookSink
 from shoestring.watch.degrade import DegradePolicy
 from shoestring.watch.exporter import JobState, PrometheusExporter
-from shoestring.watch.flight import (TracePaths, collect_traces, flight_recorder_env,
-                                     installed_torch_version)
+from shoestring.watch.flight import (
+    TracePaths,
+    collect_traces,
+    flight_recorder_env,
+    installed_torch_version,
+)
 from shoestring.watch.hang import HangPolicy, Verdict
 from shoestring.watch.straggler import StragglerPolicy
 from shoestring.watch.watchdog import Watchdog
@@ -64,26 +69,41 @@ class SupervisorConfig:
     def from_run(cls, cfg: RunConfig, env: Mapping[str, str]) -> SupervisorConfig:
         """The supervisor's settings from ``shoestring run``'s config (the one place)."""
         run_dir = Path(cfg.run_dir) if cfg.run_dir else None
-        job = cfg.job_id or env.get("SLURM_JOB_ID") or (run_dir.resolve().name if run_dir
-                                                         else "job")
-        return cls(max_restarts=cfg.max_restarts, run_dir=run_dir, watch=cfg.watch,
-                   hang=HangPolicy(multiple=cfg.hang_multiple, floor_s=cfg.hang_floor,
-                                   first_timeout_s=cfg.first_phase_timeout),
-                   stragglers=StragglerPolicy(threshold=cfg.straggler_threshold),
-                   degrade=DegradePolicy(window_s=cfg.window, comm_rise=cfg.comm_rise,
-                                         throughput_drop=cfg.throughput_drop),
-                   metrics_interval_s=cfg.metrics_interval, job=job,
-                   prometheus_port=cfg.prometheus_port, prometheus_addr=cfg.prometheus_addr,
-                   webhook=cfg.alert_webhook or None, slurm_requeue=cfg.slurm_requeue,
-                   nccl_dump_wait_s=cfg.nccl_dump_wait)
+        job = (
+            cfg.job_id or env.get("SLURM_JOB_ID") or (run_dir.resolve().name if run_dir else "job")
+        )
+        return cls(
+            max_restarts=cfg.max_restarts,
+            run_dir=run_dir,
+            watch=cfg.watch,
+            hang=HangPolicy(
+                multiple=cfg.hang_multiple,
+                floor_s=cfg.hang_floor,
+                first_timeout_s=cfg.first_phase_timeout,
+            ),
+            stragglers=StragglerPolicy(threshold=cfg.straggler_threshold),
+            degrade=DegradePolicy(
+                window_s=cfg.window, comm_rise=cfg.comm_rise, throughput_drop=cfg.throughput_drop
+            ),
+            metrics_interval_s=cfg.metrics_interval,
+            job=job,
+            prometheus_port=cfg.prometheus_port,
+            prometheus_addr=cfg.prometheus_addr,
+            webhook=cfg.alert_webhook or None,
+            slurm_requeue=cfg.slurm_requeue,
+            nccl_dump_wait_s=cfg.nccl_dump_wait,
+        )
 
 
 class Supervisor:
     def __init__(self, argv: list[str], cfg: SupervisorConfig, env: Mapping[str, str]) -> None:
         self.argv, self.cfg, self.env = argv, cfg, dict(env)
         # The ranks' environment: the flight recorder on, dumps and pipes under the run dir.
-        self.child_env = dict(env) if cfg.run_dir is None else \
-            flight_recorder_env(env, cfg.run_dir, installed_torch_version())
+        self.child_env = (
+            dict(env)
+            if cfg.run_dir is None
+            else flight_recorder_env(env, cfg.run_dir, installed_torch_version())
+        )
         self._child: subprocess.Popen[bytes] | None = None
         self._signalled: int | None = None
         self._hung: Verdict | None = None
@@ -145,16 +165,28 @@ class Supervisor:
         ev = self._events()
         if ev is not None:
             with ev:
-                ev.emit("hang", **{k: v for k, v in rec.items() if k != "ranks"},
-                        verdict_file=str(path),
-                        ranks={r: {k: v for k, v in d.items() if k != "stacks"}
-                               for r, d in rec["ranks"].items()})
+                ev.emit(
+                    "hang",
+                    **{k: v for k, v in rec.items() if k != "ranks"},
+                    verdict_file=str(path),
+                    ranks={
+                        r: {k: v for k, v in d.items() if k != "stacks"}
+                        for r, d in rec["ranks"].items()
+                    },
+                )
         log.error("HANG: %s (verdict with stacks: %s); killing the job", verdict.summary, path)
         self.state.alarm("hang", ",".join(map(str, verdict.culprits)))
-        self.alerts("hang", {"summary": verdict.summary, "culprits": verdict.culprits,
-                             "verdict_kind": verdict.kind, "collective": verdict.collective,
-                             "detected_after_s": round(verdict.detected_after_s, 3),
-                             "verdict_file": str(path)})
+        self.alerts(
+            "hang",
+            {
+                "summary": verdict.summary,
+                "culprits": verdict.culprits,
+                "verdict_kind": verdict.kind,
+                "collective": verdict.collective,
+                "detected_after_s": round(verdict.detected_after_s, 3),
+                "verdict_file": str(path),
+            },
+        )
         pids = {int(info["pid"]) for info in verdict.ranks.values() if info.get("pid")}
         child = self._child
         if child is not None and child.poll() is None:
@@ -183,16 +215,20 @@ class Supervisor:
         while the ranks still live; bounded by ``nccl_dump_wait_s``, never raises."""
         t0 = time.monotonic()
         try:
-            traces = collect_traces(TracePaths.from_env(self.child_env),
-                                    self.cfg.nccl_dump_wait_s, keep_prefix)
+            traces = collect_traces(
+                TracePaths.from_env(self.child_env), self.cfg.nccl_dump_wait_s, keep_prefix
+            )
         except Exception as e:  # noqa: BLE001 - the verdict and the kill come first
             rec["nccl_trace_error"] = f"{type(e).__name__}: {e}"
             return
         if traces:
             rec["nccl_traces"] = traces
-            log.info("NCCL flight recorder: %d of %d rank(s) dumped in %.1fs",
-                     sum(1 for t in traces.values() if t.get("path")), len(traces),
-                     time.monotonic() - t0)
+            log.info(
+                "NCCL flight recorder: %d of %d rank(s) dumped in %.1fs",
+                sum(1 for t in traces.values() if t.get("path")),
+                len(traces),
+                time.monotonic() - t0,
+            )
             for r, t in traces.items():
                 log.info("NCCL rank %s: %s", r, t.get("summary") or t.get("nccl_trace_error"))
 
@@ -221,10 +257,12 @@ class Supervisor:
     def run(self) -> int:
         previous = {s: signal.signal(s, self._forward) for s in FORWARDED}
         if self.cfg.prometheus_port is not None:
-            self.exporter = PrometheusExporter(self.state, self.cfg.prometheus_port,
-                                               self.cfg.prometheus_addr)
-            log.info("Prometheus metrics on http://%s:%d/metrics", self.exporter.addr,
-                     self.exporter.port)
+            self.exporter = PrometheusExporter(
+                self.state, self.cfg.prometheus_port, self.cfg.prometheus_addr
+            )
+            log.info(
+                "Prometheus metrics on http://%s:%d/metrics", self.exporter.addr, self.exporter.port
+            )
         try:
             rc = self._loop()
             self._cost_line()
@@ -256,8 +294,10 @@ class Supervisor:
             return False
         from shoestring.events import read_events
 
-        return any(e.get("event") == "preempt" and e.get("saved") and e.get("ts", 0) >= since
-                   for e in read_events(self.cfg.run_dir / "events.jsonl"))
+        return any(
+            e.get("event") == "preempt" and e.get("saved") and e.get("ts", 0) >= since
+            for e in read_events(self.cfg.run_dir / "events.jsonl")
+        )
 
     def _watchdog(self) -> Watchdog:
         from shoestring.watch.metrics import MetricsSampler
@@ -265,59 +305,95 @@ class Supervisor:
         assert self.cfg.run_dir is not None
         if self._sampler is None and self.cfg.metrics_interval_s > 0:
             self._sampler = MetricsSampler()
-        return Watchdog(self.cfg.run_dir, self.cfg.hang, self._on_hang, on_alarm=self._on_alarm,
-                        on_record=self._on_record,
-                        on_snapshots=lambda snaps: self.state.update(snaps=snaps),
-                        stragglers=self.cfg.stragglers, degrade=self.cfg.degrade, sampler=self._sampler,
-                        metrics_interval_s=self.cfg.metrics_interval_s or 1e9)
+        return Watchdog(
+            self.cfg.run_dir,
+            self.cfg.hang,
+            self._on_hang,
+            on_alarm=self._on_alarm,
+            on_record=self._on_record,
+            on_snapshots=lambda snaps: self.state.update(snaps=snaps),
+            stragglers=self.cfg.stragglers,
+            degrade=self.cfg.degrade,
+            sampler=self._sampler,
+            metrics_interval_s=self.cfg.metrics_interval_s or 1e9,
+        )
 
     def _loop(self) -> int:
         attempt = 0
         while True:
-            t0, started = time.monotonic(), time.time()
-            self._emit("attempt_start", attempt=attempt, argv=self.argv)
-            self.state.new_attempt(attempt)
-            self._hung = None
-            if self.cfg.run_dir is not None:  # torch needs them for its FIFOs and dump files
-                for sub in ("ranks", "verdicts"):
-                    (self.cfg.run_dir / sub).mkdir(parents=True, exist_ok=True)
-            self._child = subprocess.Popen(self.argv, env=self.child_env, start_new_session=True,
-                                           preexec_fn=_ignore_warning_signals)
-            if self.cfg.watch and self.cfg.run_dir is not None:
-                with self._watchdog():
-                    rc = self._child.wait()
-            else:
-                rc = self._child.wait()
-            self._child = None
-            if rc not in (0, exitcodes.PREEMPTED, exitcodes.PREEMPTED_HARD) \
-                    and self._job_preempted(started):
-                rc = exitcodes.PREEMPTED  # torchrun reports a rank's exit 75 as 1
-            wall = round(time.monotonic() - t0, 3)
-            self._emit("attempt_end", attempt=attempt, exit_code=rc, wall_s=wall,
-                       hung=self._hung is not None)
-            if rc == 0:
-                return exitcodes.OK
-            if self._signalled is not None:
-                log.warning("stopped by signal %d; job exited %d; not restarting here",
-                            self._signalled, rc)
-                # Inside a Slurm job the way back is a requeue (same job id), not a restart.
-                requeue_after_signal(self.cfg.slurm_requeue, self.env, self._signalled, rc,
-                                     emit=self._emit)
-                return rc if rc in (exitcodes.PREEMPTED, exitcodes.PREEMPTED_HARD) \
-                    else exitcodes.PREEMPTED
-            if rc == exitcodes.USAGE:
-                log.error("the job rejected its config (exit 2); restarting cannot help")
-                return rc
-            if attempt >= self.cfg.max_restarts:
-                log.error("job failed with exit %d after %d restart(s); giving up", rc, attempt)
-                self._emit("gave_up", attempts=attempt + 1, exit_code=rc)
-                return rc if rc > 0 else exitcodes.FAILED
+            rc = self._attempt(attempt)
+            verdict = self._after_attempt(attempt, rc)
+            if verdict is not None:
+                return verdict
             attempt += 1
-            log.warning("job exited %d; restart %d/%d from the last checkpoint",
-                        rc, attempt, self.cfg.max_restarts)
-            self._emit("restart", attempt=attempt, exit_code=rc,
-                       reason="hang" if self._hung is not None else _reason(rc))
+            log.warning(
+                "job exited %d; restart %d/%d from the last checkpoint",
+                rc,
+                attempt,
+                self.cfg.max_restarts,
+            )
+            self._emit(
+                "restart",
+                attempt=attempt,
+                exit_code=rc,
+                reason="hang" if self._hung is not None else _reason(rc),
+            )
             time.sleep(self.cfg.backoff_s)
+
+    def _attempt(self, attempt: int) -> int:
+        """Run the job once (watched when there is a run dir); its exit code."""
+        t0, started = time.monotonic(), time.time()
+        self._emit("attempt_start", attempt=attempt, argv=self.argv)
+        self.state.new_attempt(attempt)
+        self._hung = None
+        if self.cfg.run_dir is not None:  # torch needs them for its FIFOs and dump files
+            for sub in ("ranks", "verdicts"):
+                (self.cfg.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        self._child = subprocess.Popen(
+            self.argv,
+            env=self.child_env,
+            start_new_session=True,
+            preexec_fn=_ignore_warning_signals,
+        )
+        if self.cfg.watch and self.cfg.run_dir is not None:
+            with self._watchdog():
+                rc = self._child.wait()
+        else:
+            rc = self._child.wait()
+        self._child = None
+        if rc not in (0, exitcodes.PREEMPTED, exitcodes.PREEMPTED_HARD) and self._job_preempted(
+            started
+        ):
+            rc = exitcodes.PREEMPTED  # torchrun reports a rank's exit 75 as 1
+        wall = round(time.monotonic() - t0, 3)
+        self._emit(
+            "attempt_end", attempt=attempt, exit_code=rc, wall_s=wall, hung=self._hung is not None
+        )
+        return rc
+
+    def _after_attempt(self, attempt: int, rc: int) -> int | None:
+        """The supervisor's exit code when this attempt ends the run; None to restart."""
+        if rc == 0:
+            return exitcodes.OK
+        if self._signalled is not None:
+            log.warning(
+                "stopped by signal %d; job exited %d; not restarting here", self._signalled, rc
+            )
+            # Inside a Slurm job the way back is a requeue (same job id), not a restart.
+            requeue_after_signal(
+                self.cfg.slurm_requeue, self.env, self._signalled, rc, emit=self._emit
+            )
+            return (
+                rc if rc in (exitcodes.PREEMPTED, exitcodes.PREEMPTED_HARD) else exitcodes.PREEMPTED
+            )
+        if rc == exitcodes.USAGE:
+            log.error("the job rejected its config (exit 2); restarting cannot help")
+            return rc
+        if attempt >= self.cfg.max_restarts:
+            log.error("job failed with exit %d after %d restart(s); giving up", rc, attempt)
+            self._emit("gave_up", attempts=attempt + 1, exit_code=rc)
+            return rc if rc > 0 else exitcodes.FAILED
+        return None
 
 
 def _reason(rc: int) -> str:
@@ -347,4 +423,3 @@ def supervise(cfg: RunConfig, call: Invocation) -> int:
         raise ConfigError("run: no COMMAND given (usage: shoestring run [options] -- COMMAND ...)")
     argv = launch_argv(LaunchSpec(tuple(cfg.command), cfg.nproc_per_node), call.env)
     return Supervisor(argv, SupervisorConfig.from_run(cfg, call.env), call.env).run()
-

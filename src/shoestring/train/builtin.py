@@ -30,7 +30,7 @@ _FORMAT_VERSION = 1
 _MODEL_SEED = 1234
 #: pad, bos, eos; they get ids 256, 257, 258 after the 256 byte tokens.
 SPECIAL_TOKENS: tuple[str, str, str] = ("<pad>", "<s>", "</s>")
-_MODEL_PARAMS: dict[str, Any] = {
+MODEL_PARAMS: dict[str, Any] = {
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 4,
@@ -47,18 +47,30 @@ _MODEL_PARAMS: dict[str, Any] = {
 #: prediction, and LoRA training stalls or crawls.
 _LM_HEAD_STD = 0.15
 _COMPLETE_MARKER = ".complete"
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json",
-                   "tokenizer_config.json", _COMPLETE_MARKER)
+_REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    _COMPLETE_MARKER,
+)
 
 
-def _padded_vocab(n: int, multiple: int = 64) -> int:
+def padded_vocab(n: int, multiple: int = 64) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
 def _params_hash() -> str:
-    blob = json.dumps({"v": _FORMAT_VERSION, "seed": _MODEL_SEED, "model": _MODEL_PARAMS,
-                       "lm_head_std": _LM_HEAD_STD, "special": SPECIAL_TOKENS},
-                      sort_keys=True)
+    blob = json.dumps(
+        {
+            "v": _FORMAT_VERSION,
+            "seed": _MODEL_SEED,
+            "model": MODEL_PARAMS,
+            "lm_head_std": _LM_HEAD_STD,
+            "special": SPECIAL_TOKENS,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -66,7 +78,7 @@ def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in _REQUIRED_FILES)
 
 
-def _build_tokenizer() -> Any:
+def build_tokenizer() -> Any:
     """Byte-level BPE without merges: byte b is token b, specials follow at 256+."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -81,8 +93,12 @@ def _build_tokenizer() -> Any:
     tk.add_special_tokens(list(SPECIAL_TOKENS))
     pad, bos, eos = SPECIAL_TOKENS
     return PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token=bos, eos_token=eos, pad_token=pad,
-        model_max_length=_MODEL_PARAMS["max_position_embeddings"])
+        tokenizer_object=tk,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        model_max_length=MODEL_PARAMS["max_position_embeddings"],
+    )
 
 
 def _fsync_tree(path: Path) -> None:
@@ -100,13 +116,18 @@ def _write_model(target: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = _build_tokenizer()
+    tok = build_tokenizer()
     sample = string.printable + "reverse:  two  spaces =  "
     if tok.decode(tok.encode(sample, add_special_tokens=False)) != sample:
         raise RuntimeError("builtin tokenizer does not round-trip ASCII text")
     pad_id, bos_id, eos_id = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
-    config = LlamaConfig(vocab_size=_padded_vocab(len(tok)), pad_token_id=pad_id,
-                         bos_token_id=bos_id, eos_token_id=eos_id, **_MODEL_PARAMS)
+    config = LlamaConfig(
+        vocab_size=padded_vocab(len(tok)),
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        **MODEL_PARAMS,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_MODEL_SEED)
         model = LlamaForCausalLM(config)

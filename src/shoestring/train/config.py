@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from shoestring.config import knob, non_negative, positive, to_flat, unit_interval
 
@@ -36,82 +37,131 @@ Backend = Literal["auto", "gloo", "nccl"]
 
 @dataclass
 class ModelConfig:
-    path: str = knob("builtin:tiny", "Local directory of a Hugging Face causal LM (config.json, "
-                     "weights, tokenizer). 'builtin:tiny' builds the embedded tiny model.")
-    dtype: ModelDtype = knob("auto", "Dtype of the frozen base weights. 'auto': float32 on CPU; on "
-                             "CUDA bfloat16 where the GPU supports it, else float16 (T4, V100). "
-                             "Resolved once at start and recorded in config.yaml.")
+    path: str = knob(
+        "builtin:tiny",
+        "Local directory of a Hugging Face causal LM (config.json, "
+        "weights, tokenizer). 'builtin:tiny' builds the embedded tiny model.",
+    )
+    dtype: ModelDtype = knob(
+        "auto",
+        "Dtype of the frozen base weights. 'auto': float32 on CPU; on "
+        "CUDA bfloat16 where the GPU supports it, else float16 (T4, V100). "
+        "Resolved once at start and recorded in config.yaml.",
+    )
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save memory.")
-    attn_implementation: Attention = knob("sdpa", "Attention kernel: 'sdpa' (torch's fused "
-                                          "scaled-dot-product attention), 'eager' (plain matmuls), "
-                                          "'flash_attention_2' (needs the flash-attn package and a "
-                                          "CUDA GPU).")
+    attn_implementation: Attention = knob(
+        "sdpa",
+        "Attention kernel: 'sdpa' (torch's fused "
+        "scaled-dot-product attention), 'eager' (plain matmuls), "
+        "'flash_attention_2' (needs the flash-attn package and a "
+        "CUDA GPU).",
+    )
 
 
 @dataclass
 class DataConfig:
-    train: str = knob("builtin:reverse", "Training JSONL: one {\"text\": ...} or "
-                      "{\"prompt\": ..., \"completion\": ...} object per line. "
-                      "'builtin:reverse' uses the bundled word-reversal task.")
-    eval: str = knob("auto", "Held-out JSONL in the same format. 'auto': the bundled task's "
-                     "held-out split when data.train is built in, else none. Empty: no eval.")
-    max_length: int = knob(64, "Maximum tokens per sample (packing block size when packing).",
-                           check=positive)
-    packing: bool = knob(False, "Pack samples into max_length blocks instead of padding each batch.")
+    train: str = knob(
+        "builtin:reverse",
+        'Training JSONL: one {"text": ...} or '
+        '{"prompt": ..., "completion": ...} object per line. '
+        "'builtin:reverse' uses the bundled word-reversal task.",
+    )
+    eval: str = knob(
+        "auto",
+        "Held-out JSONL in the same format. 'auto': the bundled task's "
+        "held-out split when data.train is built in, else none. Empty: no eval.",
+    )
+    max_length: int = knob(
+        64, "Maximum tokens per sample (packing block size when packing).", check=positive
+    )
+    packing: bool = knob(
+        False, "Pack samples into max_length blocks instead of padding each batch."
+    )
 
 
 @dataclass
 class TrainConfig:
     max_steps: int = knob(1000, "Optimizer steps to train for.", check=positive)
     seed: int = knob(0, "Seed for LoRA init, dropout and data order.")
-    batch_size: int = knob(16, "Global batch: samples per optimizer step, summed over ranks and "
-                           "accumulated micro-batches. The same at any world size.",
-                           check=positive)
-    micro_batch_size: int = knob(0, "Samples per forward pass on one rank (0: batch_size / world "
-                                 "size, no accumulation). Accumulation steps = batch_size / "
-                                 "(micro_batch_size x world size). Dropout masks are drawn per "
-                                 "micro-batch: keep it fixed to resume exactly at another world "
-                                 "size.", check=non_negative)
+    batch_size: int = knob(
+        16,
+        "Global batch: samples per optimizer step, summed over ranks and "
+        "accumulated micro-batches. The same at any world size.",
+        check=positive,
+    )
+    micro_batch_size: int = knob(
+        0,
+        "Samples per forward pass on one rank (0: batch_size / world "
+        "size, no accumulation). Accumulation steps = batch_size / "
+        "(micro_batch_size x world size). Dropout masks are drawn per "
+        "micro-batch: keep it fixed to resume exactly at another world "
+        "size.",
+        check=non_negative,
+    )
     lr: float = knob(2e-3, "Peak learning rate of AdamW.", check=positive)
     weight_decay: float = knob(0.0, "AdamW weight decay.", check=non_negative)
-    warmup_steps: int = knob(30, "Linear warm-up steps before the cosine decay.", check=non_negative)
-    min_lr_ratio: float = knob(0.1, "Final learning rate as a fraction of train.lr.",
-                               check=unit_interval)
-    max_grad_norm: float = knob(1.0, "Clip the gradient norm to this (0: no clipping).",
-                                check=non_negative)
-    log_every_steps: int = knob(10, "Plain-log interval in steps when stderr is not a terminal.",
-                                check=positive)
-    num_threads: int = knob(0, "torch intra-op threads (0: leave torch's default).",
-                            check=non_negative)
-    device: str = knob("auto", "Where training runs: 'auto' (cuda:LOCAL_RANK when CUDA is "
-                       "available, else cpu), 'cpu', 'cuda' (cuda:LOCAL_RANK) or 'cuda:N'. "
-                       "Base model, adapters, batches and optimizer state all live there.",
-                       check=lambda v: None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)
-                       else "must be auto, cpu, cuda or cuda:N")
+    warmup_steps: int = knob(
+        30, "Linear warm-up steps before the cosine decay.", check=non_negative
+    )
+    min_lr_ratio: float = knob(
+        0.1, "Final learning rate as a fraction of train.lr.", check=unit_interval
+    )
+    max_grad_norm: float = knob(
+        1.0, "Clip the gradient norm to this (0: no clipping).", check=non_negative
+    )
+    log_every_steps: int = knob(
+        10, "Plain-log interval in steps when stderr is not a terminal.", check=positive
+    )
+    num_threads: int = knob(
+        0, "torch intra-op threads (0: leave torch's default).", check=non_negative
+    )
+    device: str = knob(
+        "auto",
+        "Where training runs: 'auto' (cuda:LOCAL_RANK when CUDA is "
+        "available, else cpu), 'cpu', 'cuda' (cuda:LOCAL_RANK) or 'cuda:N'. "
+        "Base model, adapters, batches and optimizer state all live there.",
+        check=lambda v: (
+            None
+            if re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)
+            else "must be auto, cpu, cuda or cuda:N"
+        ),
+    )
     precision: PrecisionMode = knob(
-        "auto", "Compute precision of forward and backward: 'bf16' (autocast to bfloat16), "
+        "auto",
+        "Compute precision of forward and backward: 'bf16' (autocast to bfloat16), "
         "'fp16' (autocast to float16 with a gradient scaler, checkpointed; CUDA only), 'fp32'. "
         "'auto': bf16 on GPUs that support it, fp16 on older ones (T4, V100), fp32 on CPU. "
-        "Adapters and optimizer state stay float32.")
-    deterministic: bool = knob(False, "Reproducible CUDA kernels: torch.use_deterministic_algorithms, "
-                               "CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN benchmark and TF32 off. "
-                               "With it a resumed GPU run is byte-identical to an uninterrupted "
-                               "one (CPU runs are already). Costs speed: see docs/planner.md.")
+        "Adapters and optimizer state stay float32.",
+    )
+    deterministic: bool = knob(
+        False,
+        "Reproducible CUDA kernels: torch.use_deterministic_algorithms, "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN benchmark and TF32 off. "
+        "With it a resumed GPU run is byte-identical to an uninterrupted "
+        "one (CPU runs are already). Costs speed: see docs/planner.md.",
+    )
     optimizer: Optimizer = knob(
-        "adamw", "adamw: torch AdamW (fp32 moments). adamw8bit: bitsandbytes 8-bit AdamW "
+        "adamw",
+        "adamw: torch AdamW (fp32 moments). adamw8bit: bitsandbytes 8-bit AdamW "
         "(moments in uint8 blocks, 4x smaller). paged_adamw8bit: the same in CUDA unified "
-        "memory, paged to host RAM under pressure (absorbs spikes; on CPU it equals adamw8bit).")
+        "memory, paged to host RAM under pressure (absorbs spikes; on CPU it equals adamw8bit).",
+    )
 
 
 @dataclass
 class EvalConfig:
-    every_steps: int = knob(0, "Evaluate every N steps (0: only before and after training).",
-                            check=non_negative)
+    every_steps: int = knob(
+        0, "Evaluate every N steps (0: only before and after training).", check=non_negative
+    )
     batch_size: int = knob(32, "Samples per eval batch.", check=positive)
-    max_samples: int = knob(0, "Evaluate on at most this many samples (0: all).",
-                            check=non_negative)
-    exact_match: bool = knob(True, "For prompt/completion data, also greedy-decode each prompt "
-                             "and report exact-match accuracy.")
+    max_samples: int = knob(
+        0, "Evaluate on at most this many samples (0: all).", check=non_negative
+    )
+    exact_match: bool = knob(
+        True,
+        "For prompt/completion data, also greedy-decode each prompt "
+        "and report exact-match accuracy.",
+    )
     max_new_tokens: int = knob(32, "Generation cap for exact-match eval.", check=positive)
 
 
@@ -122,92 +172,150 @@ class LoraSection:
     dropout: float = knob(0.05, "Dropout on the LoRA input.", check=unit_interval)
     target_modules: list[str] = knob(["all-linear"], "Module names to adapt, or ['all-linear'].")
     quantize: Quantize = knob(
-        "none", "Load the frozen base quantized by bitsandbytes (QLoRA): 'nf4' is 4-bit "
+        "none",
+        "Load the frozen base quantized by bitsandbytes (QLoRA): 'nf4' is 4-bit "
         "NormalFloat with double quantization, 'int8' is LLM.int8. Needs the qlora extra "
-        "(pip install 'shoestring[qlora]'). On CPU, 4-bit layer widths must be multiples of 64.")
+        "(pip install 'shoestring[qlora]'). On CPU, 4-bit layer widths must be multiples of 64.",
+    )
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = knob(100, "Save every N optimizer steps (0: off). With interval "
-                            "'auto', the interval until the first save is timed.",
-                            check=non_negative)
+    every_steps: int = knob(
+        100,
+        "Save every N optimizer steps (0: off). With interval "
+        "'auto', the interval until the first save is timed.",
+        check=non_negative,
+    )
     interval: IntervalMode = knob(
-        "fixed", "'fixed': every_steps / every_seconds. 'auto': choose the interval from the "
+        "fixed",
+        "'fixed': every_steps / every_seconds. 'auto': choose the interval from the "
         "measured blocking cost of a save and the mean time between failures that lose work "
-        "(Young/Daly), re-tuned after every save.")
-    mtbf_hours: float = knob(20.0, "interval 'auto': prior mean time between failures that "
-                             "lose work (kills without notice), updated by the failures this "
-                             "run has seen.", check=positive)
-    every_seconds: float = knob(0.0, "Also save when this many seconds passed since the last "
-                                "save (0: off).", check=non_negative)
-    keep: int = knob(2, "Committed checkpoints to keep; older ones are deleted only after a "
-                     "newer one is committed.", check=positive)
-    storage: str = knob("", "Where checkpoints are published: a local path or an fsspec URL "
-                        "(s3://bucket/prefix, gs://...). Empty: OUTPUT/checkpoints only. "
-                        "OUTPUT/checkpoints is always the local cache.")
-    async_mode: AsyncMode = knob("thread", "Serialize and upload in a background thread, a "
-                                 "background process, or 'off' (synchronous).")
+        "(Young/Daly), re-tuned after every save.",
+    )
+    mtbf_hours: float = knob(
+        20.0,
+        "interval 'auto': prior mean time between failures that "
+        "lose work (kills without notice), updated by the failures this "
+        "run has seen.",
+        check=positive,
+    )
+    every_seconds: float = knob(
+        0.0,
+        "Also save when this many seconds passed since the last save (0: off).",
+        check=non_negative,
+    )
+    keep: int = knob(
+        2,
+        "Committed checkpoints to keep; older ones are deleted only after a "
+        "newer one is committed.",
+        check=positive,
+    )
+    storage: str = knob(
+        "",
+        "Where checkpoints are published: a local path or an fsspec URL "
+        "(s3://bucket/prefix, gs://...). Empty: OUTPUT/checkpoints only. "
+        "OUTPUT/checkpoints is always the local cache.",
+    )
+    async_mode: AsyncMode = knob(
+        "thread",
+        "Serialize and upload in a background thread, a "
+        "background process, or 'off' (synchronous).",
+    )
     verify: bool = knob(True, "Verify sha256 of every file against the manifest on load.")
 
 
 @dataclass
 class PreemptConfig:
     signal: PreemptSignal = knob(
-        "SIGUSR1", "Extra signal that means 'checkpoint and exit' besides SIGTERM and SIGINT "
-        "(NCCL may use SIGUSR1; SIGUSR2 is the alternative).")
-    cloud: Cloud = knob("auto", "Cloud preemption notices to watch: 'aws' (Spot interruption, "
-                        "~2 min), 'gcp' (Spot/preemptible, ~30 s), 'azure' (Spot Preempt event, "
-                        ">= 30 s), 'none', or 'auto': detect the provider from the firmware's "
-                        "DMI strings (no network probe; none found: no watcher).")
-    metadata_url: str = knob("", "Base URL of the metadata service for preempt.cloud (empty: "
-                             "http://169.254.169.254). Point it at a fake server to rehearse a "
-                             "preemption: python -m shoestring.preempt.fakes aws. Needs an "
-                             "explicit preempt.cloud.")
-    poll_s: float = knob(1.0, "Seconds between metadata polls for aws and azure (AWS advises "
-                         "<= 5; gcp long-polls and ignores this).", check=positive)
+        "SIGUSR1",
+        "Extra signal that means 'checkpoint and exit' besides SIGTERM and SIGINT "
+        "(NCCL may use SIGUSR1; SIGUSR2 is the alternative).",
+    )
+    cloud: Cloud = knob(
+        "auto",
+        "Cloud preemption notices to watch: 'aws' (Spot interruption, "
+        "~2 min), 'gcp' (Spot/preemptible, ~30 s), 'azure' (Spot Preempt event, "
+        ">= 30 s), 'none', or 'auto': detect the provider from the firmware's "
+        "DMI strings (no network probe; none found: no watcher).",
+    )
+    metadata_url: str = knob(
+        "",
+        "Base URL of the metadata service for preempt.cloud (empty: "
+        "http://169.254.169.254). Point it at a fake server to rehearse a "
+        "preemption: python -m shoestring.preempt.fakes aws. Needs an "
+        "explicit preempt.cloud.",
+    )
+    poll_s: float = knob(
+        1.0,
+        "Seconds between metadata polls for aws and azure (AWS advises "
+        "<= 5; gcp long-polls and ignores this).",
+        check=positive,
+    )
 
 
 @dataclass
 class CostConfig:
     market: Market = knob("spot", "Price the cost ledger charges: spot or on-demand.")
-    usd_per_hour: float = knob(0.0, "Price per device-hour on that market (0: the GPU "
-                               "catalog of shoestring plan, by the detected GPU).",
-                               check=non_negative)
+    usd_per_hour: float = knob(
+        0.0,
+        "Price per device-hour on that market (0: the GPU "
+        "catalog of shoestring plan, by the detected GPU).",
+        check=non_negative,
+    )
 
 
 @dataclass
 class ExportConfig:
-    merged: bool = knob(False, "Also write OUTPUT/merged/: the base model with the adapter merged in.")
+    merged: bool = knob(
+        False, "Also write OUTPUT/merged/: the base model with the adapter merged in."
+    )
 
 
 @dataclass
 class DistributedConfig:
     strategy: DistStrategy = knob(
-        "ddp", "With several processes (torchrun, shoestring run --nproc-per-node, srun): "
+        "ddp",
+        "With several processes (torchrun, shoestring run --nproc-per-node, srun): "
         "'ddp' replicates the model on each rank; 'fsdp' shards weights, gradients and "
         "optimizer state (FSDP2) for models that do not fit one device. Ignored in a single "
-        "process.")
-    backend: Backend = knob("auto", "torch.distributed backend ('auto': nccl on GPUs, gloo on CPU).")
-    timeout_s: float = knob(1800.0, "Collective timeout in seconds (the last resort; "
-                            "shoestring run detects hangs sooner).", check=positive)
+        "process.",
+    )
+    backend: Backend = knob(
+        "auto", "torch.distributed backend ('auto': nccl on GPUs, gloo on CPU)."
+    )
+    timeout_s: float = knob(
+        1800.0,
+        "Collective timeout in seconds (the last resort; shoestring run detects hangs sooner).",
+        check=positive,
+    )
 
 
 @dataclass
 class WatchConfig:
-    enabled: bool = knob(True, "Publish this rank's live state (phase, step, collectives) to "
-                         "OUTPUT/ranks/rank<R>/live.json for the shoestring run watchdog.")
-    interval_s: float = knob(1.0, "How often the live state is written, in seconds.",
-                             check=positive)
+    enabled: bool = knob(
+        True,
+        "Publish this rank's live state (phase, step, collectives) to "
+        "OUTPUT/ranks/rank<R>/live.json for the shoestring run watchdog.",
+    )
+    interval_s: float = knob(
+        1.0, "How often the live state is written, in seconds.", check=positive
+    )
 
 
 @dataclass
 class PlanSection:
-    gpu: str = knob("auto", "GPU to plan memory for before loading the model: a catalog name "
-                    "(shoestring plan --list-gpus), 'auto' (the detected CUDA device; no check "
-                    "on CPU) or 'none' (no check).")
-    enforce: bool = knob(True, "Refuse to start when the plan says the config will not fit "
-                         "the GPU (false: warn and start anyway).")
+    gpu: str = knob(
+        "auto",
+        "GPU to plan memory for before loading the model: a catalog name "
+        "(shoestring plan --list-gpus), 'auto' (the detected CUDA device; no check "
+        "on CPU) or 'none' (no check).",
+    )
+    enforce: bool = knob(
+        True,
+        "Refuse to start when the plan says the config will not fit "
+        "the GPU (false: warn and start anyway).",
+    )
 
 
 @dataclass
@@ -232,18 +340,32 @@ class FinetuneOptions:
     """Flags of ``shoestring finetune`` that are not part of the run's config (not in
     ``--config`` YAML, not in config.yaml, not in the config hash)."""
 
-    resume: str = knob("auto", "Where to continue from: 'auto' (the newest valid checkpoint "
-                       "in output_dir or checkpoint.storage, else start fresh), 'never' "
-                       "(start fresh; fails if output_dir already has checkpoints) or the "
-                       "PATH of one checkpoint directory.")
+    resume: str = knob(
+        "auto",
+        "Where to continue from: 'auto' (the newest valid checkpoint "
+        "in output_dir or checkpoint.storage, else start fresh), 'never' "
+        "(start fresh; fails if output_dir already has checkpoints) or the "
+        "PATH of one checkpoint directory.",
+    )
 
 
 #: Keys that may change between a checkpoint and its resume without breaking
 #: the continuation. Anything else changed makes ``--resume`` refuse.
 RESUME_SAFE_PREFIXES: tuple[str, ...] = (
-    "output_dir", "train.max_steps", "train.log_every_steps", "train.num_threads",
-    "train.device", "train.deterministic",
-    "eval.", "checkpoint.", "preempt.", "export.", "data.eval", "distributed.", "watch.", "cost.",
+    "output_dir",
+    "train.max_steps",
+    "train.log_every_steps",
+    "train.num_threads",
+    "train.device",
+    "train.deterministic",
+    "eval.",
+    "checkpoint.",
+    "preempt.",
+    "export.",
+    "data.eval",
+    "distributed.",
+    "watch.",
+    "cost.",
     "plan.",
 )
 

@@ -13,9 +13,10 @@ at sample 10: one permutation of the dataset, no replay of batches.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -72,8 +73,13 @@ def parse_record(obj: Any, where: str) -> Record:
         if not obj["completion"]:
             raise DataError(f"{where}: 'completion' is empty")
         return Record(where, obj["prompt"], obj["completion"], None)
-    missing = "'completion'" if "prompt" in keys else "'prompt'" if "completion" in keys else \
-        "'text' or 'prompt'+'completion'"
+    missing = (
+        "'completion'"
+        if "prompt" in keys
+        else "'prompt'"
+        if "completion" in keys
+        else "'text' or 'prompt'+'completion'"
+    )
     raise DataError(f"{where}: missing {missing} (keys found: {sorted(keys) or 'none'})")
 
 
@@ -102,8 +108,12 @@ def from_dicts(rows: Sequence[dict[str, str]], name: str) -> list[Record]:
     return [parse_record(r, f"{name}:{i + 1}") for i, r in enumerate(rows)]
 
 
-def tokenize(records: Sequence[Record], tok: Tokenizer, max_length: int,
-             should_stop: Callable[[], bool] = lambda: False) -> list[Example]:
+def tokenize(
+    records: Sequence[Record],
+    tok: Tokenizer,
+    max_length: int,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> list[Example]:
     """Turn records into examples, truncated to ``max_length`` tokens."""
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -123,8 +133,10 @@ def tokenize(records: Sequence[Record], tok: Tokenizer, max_length: int,
             labels = [IGNORE_INDEX] * len(p) + c
         ids, labels = ids[:max_length], labels[:max_length]
         if all(x == IGNORE_INDEX for x in labels[1:]):
-            raise DataError(f"{r.source}: nothing to learn after truncation to "
-                            f"data.max_length={max_length} (prompt too long?)")
+            raise DataError(
+                f"{r.source}: nothing to learn after truncation to "
+                f"data.max_length={max_length} (prompt too long?)"
+            )
         out.append(Example(ids, labels))
     return out
 
@@ -139,8 +151,10 @@ def pack(examples: Sequence[Example], block: int) -> list[Example]:
     n = len(ids) // block
     if n == 0:
         raise DataError(f"not enough tokens ({len(ids)}) for one packed block of {block}")
-    return [Example(ids[i * block:(i + 1) * block], labels[i * block:(i + 1) * block])
-            for i in range(n)]
+    return [
+        Example(ids[i * block : (i + 1) * block], labels[i * block : (i + 1) * block])
+        for i in range(n)
+    ]
 
 
 def label_count(ex: Example) -> int:

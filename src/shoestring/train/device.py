@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, ContextManager, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -32,11 +33,14 @@ class Accelerator:
     name: str = "cpu"
 
     @classmethod
-    def probe(cls) -> "Accelerator":
+    def probe(cls) -> Accelerator:
         if not torch.cuda.is_available():
             return cls()
-        return cls(torch.cuda.device_count(), bool(torch.cuda.is_bf16_supported(False)),
-                   str(torch.cuda.get_device_name(0)))
+        return cls(
+            torch.cuda.device_count(),
+            bool(torch.cuda.is_bf16_supported(False)),
+            str(torch.cuda.get_device_name(0)),
+        )
 
 
 def resolve_device(spec: str, local_rank: int, acc: Accelerator) -> str:
@@ -46,13 +50,17 @@ def resolve_device(spec: str, local_rank: int, acc: Accelerator) -> str:
     if spec == "cpu":
         return spec
     if not acc.cuda_devices:
-        raise ConfigError(f"train.device: {spec} asked for, but torch sees no CUDA device "
-                          f"(torch {torch.__version__}; a CPU build of torch, or no driver). "
-                          "Install a CUDA build of torch, or use --train.device cpu")
+        raise ConfigError(
+            f"train.device: {spec} asked for, but torch sees no CUDA device "
+            f"(torch {torch.__version__}; a CPU build of torch, or no driver). "
+            "Install a CUDA build of torch, or use --train.device cpu"
+        )
     index = local_rank if spec == "cuda" else int(spec.split(":")[1])
     if index >= acc.cuda_devices:
-        raise ConfigError(f"train.device: {spec} -> cuda:{index}, but this machine has "
-                          f"{acc.cuda_devices} CUDA device(s)")
+        raise ConfigError(
+            f"train.device: {spec} -> cuda:{index}, but this machine has "
+            f"{acc.cuda_devices} CUDA device(s)"
+        )
     return f"cuda:{index}"
 
 
@@ -65,26 +73,34 @@ def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> FinetuneC
     if precision == "auto":
         precision = gpu_half if on_gpu else "fp32"
     if precision == "fp16" and not on_gpu:
-        raise ConfigError("train.precision: fp16 needs a CUDA device (its gradient scaler is "
-                          "CUDA-only); on CPU use bf16 or fp32")
+        raise ConfigError(
+            "train.precision: fp16 needs a CUDA device (its gradient scaler is "
+            "CUDA-only); on CPU use bf16 or fp32"
+        )
     dtype = cfg.model.dtype
     if dtype == "auto":
         dtype = ("bfloat16" if gpu_half == "bf16" else "float16") if on_gpu else "float32"
     if cfg.model.attn_implementation == "flash_attention_2":
         _require_flash_attention(on_gpu)
-    return replace(cfg, train=replace(cfg.train, device=device, precision=precision),
-                   model=replace(cfg.model, dtype=dtype))
+    return replace(
+        cfg,
+        train=replace(cfg.train, device=device, precision=precision),
+        model=replace(cfg.model, dtype=dtype),
+    )
 
 
 def _require_flash_attention(on_gpu: bool) -> None:
     if not on_gpu:
-        raise ConfigError("model.attn_implementation: flash_attention_2 runs on CUDA only; "
-                          "use sdpa on CPU")
+        raise ConfigError(
+            "model.attn_implementation: flash_attention_2 runs on CUDA only; use sdpa on CPU"
+        )
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        raise ConfigError("model.attn_implementation: flash_attention_2 needs the flash-attn "
-                          "package: pip install flash-attn --no-build-isolation") from None
+        raise ConfigError(
+            "model.attn_implementation: flash_attention_2 needs the flash-attn "
+            "package: pip install flash-attn --no-build-isolation"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -94,13 +110,13 @@ class Precision:
     name: PrecisionName
     device: torch.device
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         dtype = _AUTOCAST.get(self.name)
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def make_scaler(self) -> "torch.amp.GradScaler | None":
+    def make_scaler(self) -> torch.amp.GradScaler | None:
         """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
         if self.name != "fp16":
             return None
@@ -123,8 +139,9 @@ def set_deterministic(device: torch.device) -> None:
     torch.use_deterministic_algorithms(True, warn_only=False)
 
 
-def to_device(batch: dict[str, torch.Tensor],
-              device: torch.device | None) -> dict[str, torch.Tensor]:
+def to_device(
+    batch: dict[str, torch.Tensor], device: torch.device | None
+) -> dict[str, torch.Tensor]:
     """Move a collated batch; on CUDA through pinned memory so the copy is asynchronous."""
     if device is None or device.type == "cpu":
         return batch

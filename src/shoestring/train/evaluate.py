@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -18,9 +19,14 @@ from shoestring.train.device import to_device
 
 
 @torch.no_grad()
-def eval_loss(model: Any, examples: Sequence[Example], batch_size: int, pad_id: int,
-              should_stop: Callable[[], bool],
-              device: torch.device | None = None) -> dict[str, float] | None:
+def eval_loss(
+    model: Any,
+    examples: Sequence[Example],
+    batch_size: int,
+    pad_id: int,
+    should_stop: Callable[[], bool],
+    device: torch.device | None = None,
+) -> dict[str, float] | None:
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -28,13 +34,14 @@ def eval_loss(model: Any, examples: Sequence[Example], batch_size: int, pad_id: 
         for i in range(0, len(examples), batch_size):
             if should_stop():
                 return None
-            batch = to_device(collate(examples[i:i + batch_size], pad_id), device)
+            batch = to_device(collate(examples[i : i + batch_size], pad_id), device)
             labels = batch.pop("labels")
             logits = model(**batch).logits.float()
             shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
             shift_labels = labels[:, 1:].reshape(-1)
-            loss = torch.nn.functional.cross_entropy(shift_logits, shift_labels,
-                                                     ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = torch.nn.functional.cross_entropy(
+                shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
             total += float(loss)
             count += int((shift_labels != IGNORE_INDEX).sum())  # one sync per batch
     finally:
@@ -44,9 +51,15 @@ def eval_loss(model: Any, examples: Sequence[Example], batch_size: int, pad_id: 
 
 
 @torch.no_grad()
-def exact_match(model: Any, tok: Any, records: Sequence[Record], max_new_tokens: int,
-                batch_size: int, should_stop: Callable[[], bool],
-                device: torch.device | None = None) -> dict[str, float] | None:
+def exact_match(
+    model: Any,
+    tok: Any,
+    records: Sequence[Record],
+    max_new_tokens: int,
+    batch_size: int,
+    should_stop: Callable[[], bool],
+    device: torch.device | None = None,
+) -> dict[str, float] | None:
     """Greedy-decode each prompt; count completions reproduced exactly (up to EOS)."""
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     groups: dict[int, list[tuple[list[int], str]]] = defaultdict(list)
@@ -62,15 +75,20 @@ def exact_match(model: Any, tok: Any, records: Sequence[Record], max_new_tokens:
             for i in range(0, len(items), batch_size):
                 if should_stop():
                     return None
-                chunk = items[i:i + batch_size]
+                chunk = items[i : i + batch_size]
                 ids = torch.tensor([c[0] for c in chunk], device=device)
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=max_new_tokens, do_sample=False,
-                                     use_cache=True, pad_token_id=tok.pad_token_id,
-                                     eos_token_id=tok.eos_token_id)
-                for row, (_ids, want) in zip(out[:, ids.size(1):].tolist(), chunk):
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    use_cache=True,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=tok.eos_token_id,
+                )
+                for row, (_ids, want) in zip(out[:, ids.size(1) :].tolist(), chunk):
                     if tok.eos_token_id in row:
-                        row = row[:row.index(tok.eos_token_id)]
+                        row = row[: row.index(tok.eos_token_id)]
                     hits += int(tok.decode(row, skip_special_tokens=True) == want)
                     n += 1
     finally:

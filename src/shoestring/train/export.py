@@ -13,8 +13,9 @@ from shoestring.checkpoint.local import replace_dir
 log = logging.getLogger("shoestring.export")
 
 
-def export_adapter(model: Any, tok: Any, out_dir: Path,
-                   state_dict: dict[str, Any] | None = None) -> Path:
+def export_adapter(
+    model: Any, tok: Any, out_dir: Path, state_dict: dict[str, Any] | None = None
+) -> Path:
     """``OUTPUT/final``: adapter_config.json + adapter_model.safetensors (+ tokenizer).
 
     ``state_dict``: the gathered full adapter weights when the model is sharded.
@@ -28,8 +29,10 @@ def export_adapter(model: Any, tok: Any, out_dir: Path,
 
 
 #: Fixed text whose logits are compared before and after a merge.
-DRIFT_PROBE = ("reverse: abcde = edcba\nThe quick brown fox jumps over the lazy dog. "
-               "Fine-tuning on a shoestring: 4-bit base, 16-bit export.")
+DRIFT_PROBE = (
+    "reverse: abcde = edcba\nThe quick brown fox jumps over the lazy dog. "
+    "Fine-tuning on a shoestring: 4-bit base, 16-bit export."
+)
 MERGE_REPORT = "merge_report.json"
 
 
@@ -47,9 +50,12 @@ def _logits(model: Any, ids: Any) -> Any:
 def logit_drift(ref: Any, new: Any) -> dict[str, float]:
     """How far merged logits moved from the adapter-on-base logits they replace."""
     diff = (new - ref).abs()
-    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
-            "ref_std": float(ref.std()),
-            "top1_agreement": float((new.argmax(-1) == ref.argmax(-1)).float().mean())}
+    return {
+        "max_abs": float(diff.max()),
+        "mean_abs": float(diff.mean()),
+        "ref_std": float(ref.std()),
+        "top1_agreement": float((new.argmax(-1) == ref.argmax(-1)).float().mean()),
+    }
 
 
 def _dequantized_merge(model: Any) -> Any:
@@ -69,8 +75,11 @@ def _dequantized_merge(model: Any) -> Any:
     with tempfile.TemporaryDirectory() as adapter_dir:
         model.save_pretrained(adapter_dir, safe_serialization=True)
         fresh = AutoModelForCausalLM.from_pretrained(
-            base.config._name_or_path, quantization_config=qcfg, dtype=dtype,
-            device_map={"": str(base.device)})
+            base.config._name_or_path,
+            quantization_config=qcfg,
+            dtype=dtype,
+            device_map={"": str(base.device)},
+        )
         dq = fresh.dequantize()
         merged = PeftModel.from_pretrained(dq, adapter_dir).merge_and_unload()
     merged.config.use_cache = True
@@ -89,21 +98,31 @@ def export_merged(model: Any, tok: Any, out_dir: Path) -> Path:
     ref = _logits(model, ids)
     quantized = getattr(model.get_base_model().config, "quantization_config", None) is not None
     merged = _dequantized_merge(model) if quantized else model.merge_and_unload()
-    report = {"base": "dequantized 4/8-bit" if quantized else "16/32-bit",
-              "dtype": str(merged.dtype).replace("torch.", ""), "probe_tokens": ids.shape[1],
-              **logit_drift(ref, _logits(merged, ids))}
+    report = {
+        "base": "dequantized 4/8-bit" if quantized else "16/32-bit",
+        "dtype": str(merged.dtype).replace("torch.", ""),
+        "probe_tokens": ids.shape[1],
+        **logit_drift(ref, _logits(merged, ids)),
+    }
     merged.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2, sort_keys=True))
-    log.info("merged onto the %s base: logit drift max %.3g, mean %.3g (logit std %.3g), "
-             "top-1 agreement %.1f%%", report["base"], report["max_abs"], report["mean_abs"],
-             report["ref_std"], 100 * report["top1_agreement"])
+    log.info(
+        "merged onto the %s base: logit drift max %.3g, mean %.3g (logit std %.3g), "
+        "top-1 agreement %.1f%%",
+        report["base"],
+        report["max_abs"],
+        report["mean_abs"],
+        report["ref_std"],
+        100 * report["top1_agreement"],
+    )
     replace_dir(tmp, final)
     return final
 
 
-def export_merged_from(model_dir: Path, adapter_dir: Path, model_cfg: Any, tok: Any,
-                       out_dir: Path) -> Path:
+def export_merged_from(
+    model_dir: Path, adapter_dir: Path, model_cfg: Any, tok: Any, out_dir: Path
+) -> Path:
     """Merge an exported adapter onto a freshly loaded base (for sharded runs, whose
     in-memory model holds only shards)."""
     from peft import PeftModel

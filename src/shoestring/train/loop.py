@@ -15,9 +15,9 @@ from typing import Any
 
 from shoestring import exitcodes
 from shoestring.checkpoint.interval import history_from_events
-from shoestring.train.config import FinetuneConfig
 from shoestring.events import read_events
 from shoestring.train import state as S
+from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import Accelerator, resolve
 from shoestring.train.evaluate import eval_loss, exact_match
 from shoestring.train.model import model_summary
@@ -58,15 +58,23 @@ def _save_policy(t: Trainer, step: int) -> SavePolicy:
     if c.interval == "auto" and run.strategy.rank == 0 and (run.out / "events.jsonl").exists():
         run.events.sync()
         failures, hours = history_from_events(read_events(run.out / "events.jsonl"))
-    return SavePolicy.from_config(c, step, failures=failures, hours_observed=hours,
-                                  share=run.strategy.share)
+    return SavePolicy.from_config(
+        c, step, failures=failures, hours_observed=hours, share=run.strategy.share
+    )
 
 
 def save(t: Trainer, progress: S.Progress, reason: str, *, sync: bool) -> float:
     """Hand the state to the writer; returns the seconds training was blocked."""
     t0 = time.perf_counter()
-    t.run.strategy.save(t.run.writer, t.learner, progress, reason=reason, sync=sync,
-                        config=t.config_flat, meta=t.meta())
+    t.run.strategy.save(
+        t.run.writer,
+        t.learner,
+        progress,
+        reason=reason,
+        sync=sync,
+        config=t.config_flat,
+        meta=t.meta(),
+    )
     t.saved_step = progress.step
     return time.perf_counter() - t0
 
@@ -79,8 +87,14 @@ def evaluate(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
     t0 = time.perf_counter()
     stop = t.run.strategy.eval_stop(t.run.flag)
     with t.precision.autocast():
-        res = eval_loss(model, t.data.eval_examples[: c.max_samples or None], c.batch_size,
-                        t.tok.pad_token_id, stop, t.device)
+        res = eval_loss(
+            model,
+            t.data.eval_examples[: c.max_samples or None],
+            c.batch_size,
+            t.tok.pad_token_id,
+            stop,
+            t.device,
+        )
         pairs = [r for r in t.data.eval_records[: c.max_samples or None] if r.is_pair]
         if res is not None and c.exact_match and pairs:
             em = exact_match(model, t.tok, pairs, c.max_new_tokens, c.batch_size, stop, t.device)
@@ -95,19 +109,35 @@ def evaluate(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
 def begin(t: Trainer, progress: S.Progress) -> ProgressDisplay:
     """The ``run_start`` event, the display, and the 'before' evaluation of a fresh run."""
     cfg, run = t.cfg, t.run
-    run.events.emit("run_start", step=progress.step, max_steps=cfg.train.max_steps,
-                    model=str(t.model_dir), base_fingerprint=t.base_fp,
-                    config_hash=t.config_hash, train_samples=len(t.data.examples),
-                    world_size=run.strategy.world_size, strategy=run.strategy.name,
-                    micro_batch_size=t.data.batch.micro_batch_size,
-                    grad_accum=t.data.batch.accum, pid=os.getpid(),
-                    device=_device_name(t), train_device=cfg.train.device,
-                    precision=cfg.train.precision, dtype=cfg.model.dtype,
-                    deterministic=cfg.train.deterministic, market=cfg.cost.market,
-                    usd_per_hour=cfg.cost.usd_per_hour, **model_summary(t.learner.model))
-    display = ProgressDisplay(cfg.train.max_steps, progress.step,
-                              log_every=cfg.train.log_every_steps, tty=run.opts.tty,
-                              enabled=run.strategy.rank == 0)
+    run.events.emit(
+        "run_start",
+        step=progress.step,
+        max_steps=cfg.train.max_steps,
+        model=str(t.model_dir),
+        base_fingerprint=t.base_fp,
+        config_hash=t.config_hash,
+        train_samples=len(t.data.examples),
+        world_size=run.strategy.world_size,
+        strategy=run.strategy.name,
+        micro_batch_size=t.data.batch.micro_batch_size,
+        grad_accum=t.data.batch.accum,
+        pid=os.getpid(),
+        device=_device_name(t),
+        train_device=cfg.train.device,
+        precision=cfg.train.precision,
+        dtype=cfg.model.dtype,
+        deterministic=cfg.train.deterministic,
+        market=cfg.cost.market,
+        usd_per_hour=cfg.cost.usd_per_hour,
+        **model_summary(t.learner.model),
+    )
+    display = ProgressDisplay(
+        cfg.train.max_steps,
+        progress.step,
+        log_every=cfg.train.log_every_steps,
+        tty=run.opts.tty,
+        enabled=run.strategy.rank == 0,
+    )
     if progress.step == 0:
         with run.rec.phase("eval"):
             before = evaluate(t, 0, "before")
@@ -116,8 +146,7 @@ def begin(t: Trainer, progress: S.Progress) -> ProgressDisplay:
     return display
 
 
-def train(t: Trainer, progress: S.Progress, saves: SavePolicy,
-          display: ProgressDisplay) -> bool:
+def train(t: Trainer, progress: S.Progress, saves: SavePolicy, display: ProgressDisplay) -> bool:
     """Step until max_steps or a stop; returns True when stopped by the flag."""
     cfg, run = t.cfg, t.run
     try:
@@ -130,8 +159,12 @@ def train(t: Trainer, progress: S.Progress, saves: SavePolicy,
                 run.writer.check()
             run.rec.step_done(progress.step, count_work=quiet)
             saves.observe_step(m["step_ms"] / 1e3)
-            run.events.emit("step", step=progress.step, epoch=t.data.order.epoch_of(
-                progress.consumed - 1), **{k: round(v, 6) for k, v in m.items()})
+            run.events.emit(
+                "step",
+                step=progress.step,
+                epoch=t.data.order.epoch_of(progress.consumed - 1),
+                **{k: round(v, 6) for k, v in m.items()},
+            )
             display.update(progress.step, m["loss"], m["lr"], m["tokens_per_s"])
             _periodic_eval(t, progress.step, display)
             reason = saves.due(progress.step)
@@ -152,8 +185,7 @@ def _periodic_eval(t: Trainer, step: int, display: ProgressDisplay) -> None:
             display.write(f"step {step}: " + _fmt_eval(res))
 
 
-def _save_in_background(t: Trainer, progress: S.Progress, reason: str,
-                        saves: SavePolicy) -> None:
+def _save_in_background(t: Trainer, progress: S.Progress, reason: str, saves: SavePolicy) -> None:
     blocked = save(t, progress, reason, sync=False)
     interval = saves.saved(progress.step, blocked, background=True)
     if interval is not None and t.run.strategy.rank == 0:
@@ -171,17 +203,25 @@ def finish(t: Trainer, progress: S.Progress, display: ProgressDisplay) -> int:
         after = evaluate(t, progress.step, "after")
     with run.rec.phase("export"):
         final = run.strategy.export(t.learner, t.tok, run.out)
-        merged = run.strategy.export_merged(t.learner, final, t.model_dir, t.cfg, t.tok,
-                                            run.out) \
-            if t.cfg.export.merged and run.strategy.rank == 0 else None
+        merged = (
+            run.strategy.export_merged(t.learner, final, t.model_dir, t.cfg, t.tok, run.out)
+            if t.cfg.export.merged and run.strategy.rank == 0
+            else None
+        )
     if run.strategy.rank == 0:
         _report_end(t, progress, final, merged, after, display)
     run.strategy.barrier()
     return exitcodes.OK
 
 
-def _report_end(t: Trainer, progress: S.Progress, final: Any, merged: Any,
-                after: dict[str, Any] | None, display: ProgressDisplay) -> None:
+def _report_end(
+    t: Trainer,
+    progress: S.Progress,
+    final: Any,
+    merged: Any,
+    after: dict[str, Any] | None,
+    display: ProgressDisplay,
+) -> None:
     summary: dict[str, Any] = {"step": progress.step, "final": str(final)}
     if after:
         summary["eval"] = after
@@ -219,15 +259,24 @@ def preempted(t: Trainer, progress: S.Progress) -> int:
         if saved and t.saved_step != progress.step:
             save(t, progress, "emergency", sync=True)
         flagged_at = run.flag.set_at or time.time()
-        run.events.emit("preempt", step=progress.step, reason=run.flag.reason, saved=saved,
-                        notice_to_commit_ms=round((time.time() - flagged_at) * 1e3, 1),
-                        save_ms=round((time.perf_counter() - t0) * 1e3, 1))
+        run.events.emit(
+            "preempt",
+            step=progress.step,
+            reason=run.flag.reason,
+            saved=saved,
+            notice_to_commit_ms=round((time.time() - flagged_at) * 1e3, 1),
+            save_ms=round((time.perf_counter() - t0) * 1e3, 1),
+        )
         run.events.sync()
         # No rank leaves before rank 0 has sealed the checkpoint: torchrun stops the others
         # as soon as one rank exits, which would kill rank 0 in the middle of the seal.
         run.strategy.barrier()
-    log.warning("preempted (%s) at step %d; checkpoint committed, exiting %d to be resumed",
-                run.flag.reason, progress.step, exitcodes.PREEMPTED)
+    log.warning(
+        "preempted (%s) at step %d; checkpoint committed, exiting %d to be resumed",
+        run.flag.reason,
+        progress.step,
+        exitcodes.PREEMPTED,
+    )
     return exitcodes.PREEMPTED
 
 

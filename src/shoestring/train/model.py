@@ -26,8 +26,10 @@ def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
         return materialize_tiny_model(cache_dir)
     p = Path(cfg.path).expanduser()
     if not p.is_dir():
-        raise ConfigError(f"model.path: {p} is not a directory (expected a local Hugging Face "
-                          "model dir; downloads are not done at run time)")
+        raise ConfigError(
+            f"model.path: {p} is not a directory (expected a local Hugging Face "
+            "model dir; downloads are not done at run time)"
+        )
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.path: {p} has no config.json")
     return p
@@ -78,12 +80,12 @@ def quiet_hf() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+    )
 
 
-BNB_HINT = ("needs bitsandbytes >= 0.50 (x86/aarch64 CPU and CUDA): "
-            "pip install 'shoestring[qlora]'")
+BNB_HINT = "needs bitsandbytes >= 0.50 (x86/aarch64 CPU and CUDA): pip install 'shoestring[qlora]'"
 
 
 def require_bitsandbytes(key: str) -> Any:
@@ -113,16 +115,20 @@ def quantization_config(quantize: str, dtype: str) -> Any:
     from transformers import BitsAndBytesConfig
 
     if quantize == "nf4":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                  bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=_DTYPES[dtype])
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=_DTYPES[dtype],
+        )
     if quantize == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     raise ConfigError(f"lora.quantize: unknown value {quantize!r} (none|nf4|int8)")
 
 
-def load_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none",
-                    device: str = "cpu") -> Any:
+def load_base_model(
+    model_dir: Path, cfg: ModelConfig, quantize: str = "none", device: str = "cpu"
+) -> Any:
     """The frozen base model on ``device`` (a concrete ``model.dtype``, see
     :func:`shoestring.train.device.resolve`), optionally quantized by bitsandbytes."""
     from transformers import AutoModelForCausalLM
@@ -131,8 +137,11 @@ def load_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none",
     qcfg = quantization_config(quantize, cfg.dtype)
     # use_kernels=False: transformers 5 otherwise swaps layers for kernels fetched from the
     # Hugging Face Hub at load time (a download, and kernels that differ between machines).
-    kwargs: dict[str, Any] = {"dtype": _DTYPES[cfg.dtype], "use_kernels": False,
-                              "attn_implementation": cfg.attn_implementation}
+    kwargs: dict[str, Any] = {
+        "dtype": _DTYPES[cfg.dtype],
+        "use_kernels": False,
+        "attn_implementation": cfg.attn_implementation,
+    }
     if qcfg is not None:
         kwargs["quantization_config"] = qcfg
     if qcfg is not None or device != "cpu":  # weights go straight to the device
@@ -141,8 +150,10 @@ def load_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none",
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except RuntimeError as e:
         if qcfg is not None and "shape" in str(e):  # bnb CPU kernels need widths % 64 == 0
-            raise ConfigError(f"lora.quantize: {quantize} cannot load {model_dir} here: {e}. "
-                              "On CPU, 4-bit layer widths must be multiples of 64.") from e
+            raise ConfigError(
+                f"lora.quantize: {quantize} cannot load {model_dir} here: {e}. "
+                "On CPU, 4-bit layer widths must be multiples of 64."
+            ) from e
         raise
     model.config.use_cache = False
     for p in model.parameters():  # k-bit preparation without peft's fp32 upcast
@@ -173,13 +184,19 @@ def keep_one_4bit_format(model: Any) -> int:
 def upcast_frozen_params(model: Any, dtype: str) -> list[str]:
     """Names of frozen floating-point parameters wider than ``dtype`` (should be none)."""
     want = _DTYPES[dtype]
-    return [n for n, p in model.named_parameters()
-            if not p.requires_grad and p.is_floating_point() and p.dtype != want
-            and p.element_size() > torch.empty((), dtype=want).element_size()]
+    return [
+        n
+        for n, p in model.named_parameters()
+        if not p.requires_grad
+        and p.is_floating_point()
+        and p.dtype != want
+        and p.element_size() > torch.empty((), dtype=want).element_size()
+    ]
 
 
-def build_optimizer(params: list[torch.nn.Parameter], name: str, lr: float,
-                    weight_decay: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[torch.nn.Parameter], name: str, lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
     """``train.optimizer``: torch AdamW, or bitsandbytes 8-bit (optionally paged) AdamW.
 
     The 8-bit moments are blockwise-quantized uint8 (256 values per fp32 absmax);
@@ -207,15 +224,22 @@ def check_lora_gradients(named: dict[str, torch.nn.Parameter]) -> None:
     reentrant gradient checkpointing without input gradients, or a frozen adapter.
     """
     missing = [n for n, p in named.items() if p.grad is None]
-    zero = [n for n, p in named.items() if p.grad is not None and "lora_B" in n
-            and type(p.grad) is torch.Tensor and not bool(p.grad.ne(0).any())]
+    zero = [
+        n
+        for n, p in named.items()
+        if p.grad is not None
+        and "lora_B" in n
+        and type(p.grad) is torch.Tensor
+        and not bool(p.grad.ne(0).any())
+    ]
     if missing or zero:
         names = (missing + zero)[:5]
         raise NoGradientError(
             f"{len(missing)} trainable tensor(s) got no gradient and {len(zero)} lora_B "
             f"matrices got an all-zero gradient after the first step (e.g. {', '.join(names)}); "
             "the adapters would not train. Check lora.target_modules and "
-            "model.gradient_checkpointing.")
+            "model.gradient_checkpointing."
+        )
 
 
 def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: bool) -> Any:
@@ -226,8 +250,14 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
     if targets == ["all-linear"]:
         targets = "all-linear"
     alpha: Any = cfg.alpha  # peft annotates lora_alpha as int; it computes with a float
-    lcfg = LoraConfig(r=cfg.r, lora_alpha=alpha, lora_dropout=cfg.dropout,
-                      target_modules=targets, task_type="CAUSAL_LM", bias="none")
+    lcfg = LoraConfig(
+        r=cfg.r,
+        lora_alpha=alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -236,7 +266,8 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
             raise ConfigError(f"lora.target_modules: {e}") from e
     if gradient_checkpointing:
         peft_model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
         peft_model.enable_input_require_grads()
     return peft_model
 

@@ -15,8 +15,9 @@ factor on each rank's loss.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -37,8 +38,7 @@ class BatchPlan:
         return self.batch_size // (self.micro_batch_size * self.world_size)
 
     @classmethod
-    def make(cls, batch_size: int, micro_batch_size: int, world_size: int,
-             rank: int) -> "BatchPlan":
+    def make(cls, batch_size: int, micro_batch_size: int, world_size: int, rank: int) -> BatchPlan:
         micro = micro_batch_size or batch_size // world_size
         if micro <= 0 or batch_size % (micro * world_size):
             raise ConfigError(
@@ -46,7 +46,8 @@ class BatchPlan:
                 f"train.micro_batch_size ({micro_batch_size or 'auto'} -> {micro}) x world size "
                 f"{world_size}; choose a micro_batch_size that divides "
                 f"{batch_size // max(world_size, 1)} or a batch_size that is a multiple of "
-                f"{max(micro, 1) * world_size}")
+                f"{max(micro, 1) * world_size}"
+            )
         return cls(batch_size, micro, world_size, rank)
 
     def my_chunks(self) -> Iterator[tuple[int, int, int]]:
@@ -62,8 +63,10 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     names = set(getattr(base, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ConfigError("distributed.strategy fsdp: cannot find the model's decoder layers "
-                          f"({type(base).__name__} declares no _no_split_modules)")
+        raise ConfigError(
+            "distributed.strategy fsdp: cannot find the model's decoder layers "
+            f"({type(base).__name__} declares no _no_split_modules)"
+        )
     return layers
 
 
@@ -78,6 +81,8 @@ def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     call on every rank; the others get an empty dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state: dict[str, torch.Tensor] = get_model_state_dict(model, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))  # type: ignore[assignment]
+    state: dict[str, torch.Tensor] = get_model_state_dict(
+        model,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True),
+    )  # type: ignore[assignment]
     return state

@@ -10,7 +10,8 @@ are checked as buffers/attributes of the weight's module.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -43,10 +44,18 @@ def _quant_states(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{name}.quant_state.{attr}", t
 
 
-def misplaced(device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              batch: Mapping[str, Any] | None = None) -> list[str]:
+def misplaced(
+    device: torch.device,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Mapping[str, Any] | None = None,
+) -> list[str]:
     """Names (with their device) of tensors not on ``device``; empty when all are."""
-    named: list[tuple[str, torch.Tensor]] = [*model.named_parameters(), *model.named_buffers(),
-                                             *_quant_states(model), *_state_tensors(optimizer)]
+    named: list[tuple[str, torch.Tensor]] = [
+        *model.named_parameters(),
+        *model.named_buffers(),
+        *_quant_states(model),
+        *_state_tensors(optimizer),
+    ]
     named += [(f"batch.{k}", v) for k, v in (batch or {}).items() if torch.is_tensor(v)]
     return [f"{n} on {t.device}" for n, t in named if not _same(device, t)]

@@ -15,8 +15,16 @@ def _fmt_eta(seconds: float) -> str:
 
 
 class ProgressDisplay:
-    def __init__(self, total: int, start: int, *, log_every: int, stream: TextIO | None = None,
-                 tty: bool | None = None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        total: int,
+        start: int,
+        *,
+        log_every: int,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        enabled: bool = True,
+    ) -> None:
         """``enabled=False`` (ranks other than 0) prints nothing. ``stream``: the current
         ``sys.stderr`` unless given (looked up now, not at import)."""
         stream = stream if stream is not None else sys.stderr
@@ -28,14 +36,21 @@ class ProgressDisplay:
         if self.tty:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=start, file=stream, unit="step",
-                             dynamic_ncols=True, desc="finetune")
+            self._bar = tqdm(
+                total=total,
+                initial=start,
+                file=stream,
+                unit="step",
+                dynamic_ncols=True,
+                desc="finetune",
+            )
 
     def update(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
-                                  refresh=False)
+            self._bar.set_postfix(
+                loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}", refresh=False
+            )
             return
         if not self.enabled:
             return
@@ -43,8 +58,12 @@ class ProgressDisplay:
             done = step - self.start
             rate = done / max(time.perf_counter() - self._t0, 1e-9)
             eta = (self.total - step) / rate if rate > 0 else 0.0
-            print(f"step {step}/{self.total} loss {loss:.4f} lr {lr:.2e} "
-                  f"tok/s {tokens_per_s:,.0f} eta {_fmt_eta(eta)}", file=self.stream, flush=True)
+            print(
+                f"step {step}/{self.total} loss {loss:.4f} lr {lr:.2e} "
+                f"tok/s {tokens_per_s:,.0f} eta {_fmt_eta(eta)}",
+                file=self.stream,
+                flush=True,
+            )
 
     def write(self, msg: str) -> None:
         if self._bar is not None:

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from shoestring.checkpoint import find_resume_point
 from shoestring.checkpoint.manifest import verify_dir
 from shoestring.checkpoint.sharded import is_sharded
 from shoestring.config import ConfigError, to_flat
-from shoestring.train.config import RESUME_SAFE_PREFIXES, FinetuneConfig, resume_relevant
 from shoestring.train import state as S
+from shoestring.train.config import RESUME_SAFE_PREFIXES, FinetuneConfig, resume_relevant
 from shoestring.train.trainer import Trainer
 
 log = logging.getLogger("shoestring.finetune")
@@ -29,13 +30,18 @@ def check_compatible(saved: Mapping[str, Any], cfg: FinetuneConfig, where: str) 
     # A key the checkpoint does not know was added by a later version: it had its default.
     default = resume_relevant(to_flat(FinetuneConfig()))
     old = {**{k: v for k, v in default.items() if k not in old}, **old}
-    changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k)]
+    changed = [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
     if changed:
-        raise ConfigError(f"cannot resume from {where}: the config changed in ways that break "
-                          f"an exact continuation: {'; '.join(changed)}. Keys that may change on resume: "
-                          f"{', '.join(p + '*' if p.endswith('.') else p for p in RESUME_SAFE_PREFIXES)}. "
-                          "Use a new output_dir or --resume never to start over.")
+        raise ConfigError(
+            f"cannot resume from {where}: the config changed in ways that break "
+            f"an exact continuation: {'; '.join(changed)}. Keys that may change on resume: "
+            f"{', '.join(p + '*' if p.endswith('.') else p for p in RESUME_SAFE_PREFIXES)}. "
+            "Use a new output_dir or --resume never to start over."
+        )
 
 
 def last_logged_step(events_path: Path) -> int | None:
@@ -61,11 +67,15 @@ def _choose(t: Trainer, mode: str) -> tuple[int, str, str] | None:
     run = t.run
     choice = None
     if run.strategy.rank == 0:
-        point = find_resume_point(mode, run.ckroot, run.remote,
-                                  verify=t.cfg.checkpoint.verify, events=run.events)
+        point = find_resume_point(
+            mode, run.ckroot, run.remote, verify=t.cfg.checkpoint.verify, events=run.events
+        )
         if point is not None:
-            if run.remote is not None and point.source == "local" \
-                    and point.step not in run.remote.committed_steps():
+            if (
+                run.remote is not None
+                and point.source == "local"
+                and point.step not in run.remote.committed_steps()
+            ):
                 # The previous run died before this checkpoint reached durable storage.
                 run.remote.publish(point.path, point.manifest)
             choice = (point.step, str(point.path), point.source)
@@ -82,31 +92,55 @@ def resume(t: Trainer, mode: str) -> S.Progress:
     path = Path(path_s)
     manifest = verify_dir(path, deep=False)  # rank 0 verified the hashes
     if manifest.meta.get("base_fingerprint") != t.base_fp:
-        raise ConfigError(f"cannot resume from {path}: model.path {t.model_dir} is "
-                          "not the base model this checkpoint was trained on "
-                          "(fingerprint differs)")
+        raise ConfigError(
+            f"cannot resume from {path}: model.path {t.model_dir} is "
+            "not the base model this checkpoint was trained on "
+            "(fingerprint differs)"
+        )
     strategy = t.run.strategy
     progress, own_rng = strategy.restore(
-        path, manifest, t.learner, lambda saved: check_compatible(saved, t.cfg, str(path)))
+        path, manifest, t.learner, lambda saved: check_compatible(saved, t.cfg, str(path))
+    )
     if not own_rng:
         # More ranks than were saved: this rank's streams start from the seed. Training
         # draws dropout per micro-batch from (seed, step, chunk), so this changes nothing.
         S.seed_everything(t.cfg.train.seed + 7919 * strategy.rank + progress.step)
     t.saved_step = progress.step
-    _report(t, progress, path, source, int(manifest.meta.get("world_size", 1)),
-            is_sharded(manifest.files))
+    _report(
+        t,
+        progress,
+        path,
+        source,
+        int(manifest.meta.get("world_size", 1)),
+        is_sharded(manifest.files),
+    )
     t.run.faults.hit("resume.after_load")
     return progress
 
 
-def _report(t: Trainer, progress: S.Progress, path: Path, source: str, saved_world: int,
-            sharded: bool) -> None:
+def _report(
+    t: Trainer, progress: S.Progress, path: Path, source: str, saved_world: int, sharded: bool
+) -> None:
     last = last_logged_step(t.run.out / "events.jsonl")
     lost = max((last or 0) - progress.step, 0)
     world = t.run.strategy.world_size
-    t.run.events.emit("resume", from_step=progress.step, source=source, path=str(path),
-                      steps_lost=lost, last_logged_step=last, from_world_size=saved_world,
-                      world_size=world, format="dcp" if sharded else "files",
-                      **S.state_digests(t.learner.wrapped, t.learner.optimizer))
-    log.info("resumed from step %d (%s, saved by %d rank(s), now %d); %d steps redone",
-             progress.step, source, saved_world, world, lost)
+    t.run.events.emit(
+        "resume",
+        from_step=progress.step,
+        source=source,
+        path=str(path),
+        steps_lost=lost,
+        last_logged_step=last,
+        from_world_size=saved_world,
+        world_size=world,
+        format="dcp" if sharded else "files",
+        **S.state_digests(t.learner.wrapped, t.learner.optimizer),
+    )
+    log.info(
+        "resumed from step %d (%s, saved by %d rank(s), now %d); %d steps redone",
+        progress.step,
+        source,
+        saved_world,
+        world,
+        lost,
+    )

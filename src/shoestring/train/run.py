@@ -13,19 +13,20 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from shoestring.checkpoint import NO_FAULTS, FaultPlan, RemoteStore, Writer
 from shoestring.checkpoint.local import clean_stale
 from shoestring.config import ConfigError, to_yaml
-from shoestring.train.config import FinetuneConfig
 from shoestring.distributed import DistEnv, ProcessGroups
 from shoestring.events import EventLog
 from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
 from shoestring.train import data as D
 from shoestring.train.builtin import BUILTIN_TASK, builtin_records
+from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import Accelerator
 from shoestring.train.model import require_bitsandbytes
 from shoestring.train.parallel import BatchPlan
@@ -67,19 +68,23 @@ class Inputs:
     remote: RemoteStore | None
 
     @classmethod
-    def prepare(cls, cfg: FinetuneConfig, dist: DistEnv) -> "Inputs":
+    def prepare(cls, cfg: FinetuneConfig, dist: DistEnv) -> Inputs:
         if cfg.lora.quantize != "none":
             require_bitsandbytes("lora.quantize")
         if cfg.train.optimizer != "adamw":
             require_bitsandbytes("train.optimizer")
-        batch = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size,
-                               dist.world_size, dist.rank)
+        batch = BatchPlan.make(
+            cfg.train.batch_size, cfg.train.micro_batch_size, dist.world_size, dist.rank
+        )
         eval_spec = cfg.data.eval
         if eval_spec == "auto":
             eval_spec = BUILTIN_TASK if cfg.data.train == BUILTIN_TASK else ""
-        return cls(_records(cfg.data.train, "train"),
-                   _records(eval_spec, "eval") if eval_spec else [], batch,
-                   _remote_store(cfg, dist.rank))
+        return cls(
+            _records(cfg.data.train, "train"),
+            _records(eval_spec, "eval") if eval_spec else [],
+            batch,
+            _remote_store(cfg, dist.rank),
+        )
 
 
 def _remote_store(cfg: FinetuneConfig, rank: int) -> RemoteStore | None:
@@ -148,10 +153,12 @@ def _process_group(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[ProcessGro
         yield None
         return
     opts.faults.hit("start.init")  # a rank stuck before it joins the group
-    beacon = StartupBeacon(Path(cfg.output_dir), dist.rank, dist.world_size) \
-        if cfg.watch.enabled else contextlib.nullcontext()
-    with beacon, ProcessGroups(dist, cfg.distributed.backend,
-                               cfg.distributed.timeout_s) as groups:
+    beacon = (
+        StartupBeacon(Path(cfg.output_dir), dist.rank, dist.world_size)
+        if cfg.watch.enabled
+        else contextlib.nullcontext()
+    )
+    with beacon, ProcessGroups(dist, cfg.distributed.backend, cfg.distributed.timeout_s) as groups:
         yield groups
 
 
@@ -165,20 +172,33 @@ def open_run(cfg: FinetuneConfig, opts: RunOptions, remote: RemoteStore | None) 
         strategy = make_strategy(cfg, groups)
         run_id = _prepare_dir(cfg, out, strategy)
         # Rank 0 owns events.jsonl; other ranks log beside it (the watchdog reads those).
-        log_path = out / "events.jsonl" if dist.rank == 0 else \
-            out / "ranks" / f"rank{dist.rank}" / "events.jsonl"
+        log_path = (
+            out / "events.jsonl"
+            if dist.rank == 0
+            else out / "ranks" / f"rank{dist.rank}" / "events.jsonl"
+        )
         events = EventLog(log_path, run_id=run_id, rank=dist.rank)
         stack.callback(events.close)
-        writer = strategy.make_writer(out / "checkpoints", cfg.checkpoint, events, remote,
-                                      opts.faults)
+        writer = strategy.make_writer(
+            out / "checkpoints", cfg.checkpoint, events, remote, opts.faults
+        )
         stack.callback(writer.close)
         w = cfg.watch
         rec: Recorder | NullRecorder = (
-            Recorder(out, dist.rank, world_size=dist.world_size, interval_s=w.interval_s,
-                     faults=opts.faults) if w.enabled else NullRecorder())
+            Recorder(
+                out,
+                dist.rank,
+                world_size=dist.world_size,
+                interval_s=w.interval_s,
+                faults=opts.faults,
+            )
+            if w.enabled
+            else NullRecorder()
+        )
         stack.enter_context(SignalSource(flag, cfg.preempt.signal))
-        stack.enter_context(cloud_watcher(cfg.preempt, flag, events.emit,
-                                          local_rank=dist.local_rank))
+        stack.enter_context(
+            cloud_watcher(cfg.preempt, flag, events.emit, local_rank=dist.local_rank)
+        )
         stack.enter_context(rec)
         stack.enter_context(rec.trace_collectives())
         yield Run(cfg, opts, out, strategy, flag, events, writer, rec, remote)

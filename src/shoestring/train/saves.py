@@ -9,8 +9,9 @@ knowing about process groups. Unit-tested with a fake clock.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from shoestring.checkpoint.interval import AutoInterval, IntervalPolicy
 from shoestring.train.config import CheckpointConfig
@@ -39,19 +40,37 @@ class SavePolicy:
     _pending: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, c: CheckpointConfig, step: int, *, failures: int = 0,
-                    hours_observed: float = 0.0, clock: Clock = time.monotonic,
-                    share: Callable[[Any], Any] = _same) -> "SavePolicy":
+    def from_config(
+        cls,
+        c: CheckpointConfig,
+        step: int,
+        *,
+        failures: int = 0,
+        hours_observed: float = 0.0,
+        clock: Clock = time.monotonic,
+        share: Callable[[Any], Any] = _same,
+    ) -> SavePolicy:
         """The policy at ``step`` (a resume point or 0); ``failures``/``hours_observed``
         are this run's history (interval 'auto' only)."""
         auto = None
         if c.interval == "auto":
-            auto = AutoInterval(IntervalPolicy(mtbf_hours=c.mtbf_hours), failures=failures,
-                                hours_observed=hours_observed)
+            auto = AutoInterval(
+                IntervalPolicy(mtbf_hours=c.mtbf_hours),
+                failures=failures,
+                hours_observed=hours_observed,
+            )
         now = clock()
         # interval 'auto': the first save comes after every_steps (or 100) and times a save.
-        return cls(c.every_steps, c.every_seconds, auto, clock, share, last_save=now,
-                   next_auto_step=step + (c.every_steps or 100), _auto_clock=now)
+        return cls(
+            c.every_steps,
+            c.every_seconds,
+            auto,
+            clock,
+            share,
+            last_save=now,
+            next_auto_step=step + (c.every_steps or 100),
+            _auto_clock=now,
+        )
 
     def observe_step(self, seconds: float) -> None:
         if self.auto is not None:

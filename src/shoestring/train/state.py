@@ -12,8 +12,9 @@ Files (all written by the generic commit protocol, none pickled):
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,8 +54,10 @@ def _rng_capture() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     py_version, py_state, py_gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     tensors["numpy_keys"] = torch.from_numpy(np.asarray(np_keys, dtype=np.int64))
-    doc = {"python": [py_version, list(py_state), py_gauss],
-           "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)]}
+    doc = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
+    }
     return tensors, doc
 
 
@@ -70,9 +73,17 @@ def _rng_restore(tensors: Mapping[str, torch.Tensor], doc: Mapping[str, Any]) ->
     np.random.set_state((name, keys, pos, has_gauss, cached))
 
 
-def capture(progress: Progress, params: Mapping[str, torch.nn.Parameter],
-            optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, *, rank: int,
-            config: Mapping[str, Any], meta: Mapping[str, Any]) -> Snapshot:
+def capture(
+    progress: Progress,
+    params: Mapping[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    *,
+    rank: int,
+    config: Mapping[str, Any],
+    meta: Mapping[str, Any],
+) -> Snapshot:
     """Copy the complete training state to host memory (the blocking part of a save)."""
     osd = optimizer.state_dict()
     opt_tensors: dict[str, torch.Tensor] = {}
@@ -81,9 +92,11 @@ def capture(progress: Progress, params: Mapping[str, torch.nn.Parameter],
         # bitsandbytes packs its 8-bit state one level down
         # ("__bnb_optimizer_quant_state__": {state1, absmax1, qmap1, ...}); flatten it
         # as "<key>.<sub key>" and nest it back on restore.
-        flat = {f"{k}.{k2}" if isinstance(v, dict) else k: v2
-                for k, v in st.items() for k2, v2 in (v.items() if isinstance(v, dict)
-                                                      else [(None, v)])}
+        flat = {
+            f"{k}.{k2}" if isinstance(v, dict) else k: v2
+            for k, v in st.items()
+            for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])
+        }
         for k, v in flat.items():
             if torch.is_tensor(v):
                 opt_tensors[f"state.{idx}.{k}"] = v
@@ -100,20 +113,31 @@ def capture(progress: Progress, params: Mapping[str, torch.nn.Parameter],
         "rng": {str(rank): rng_doc},
         "config": dict(config),
     }
-    return make_snapshot(progress.step,
-                         {ADAPTER: dict(params), OPTIMIZER: opt_tensors, rng_file(rank): rng_tensors},
-                         {STATE: doc},
-                         {**meta, "step": progress.step, "consumed": progress.consumed})
+    return make_snapshot(
+        progress.step,
+        {ADAPTER: dict(params), OPTIMIZER: opt_tensors, rng_file(rank): rng_tensors},
+        {STATE: doc},
+        {**meta, "step": progress.step, "consumed": progress.consumed},
+    )
 
 
-def restore(tensors: Mapping[str, Mapping[str, torch.Tensor]], docs: Mapping[str, Any],
-            params: Mapping[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-            scheduler: Any, scaler: Any, *, rank: int) -> Progress:
+def restore(
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    docs: Mapping[str, Any],
+    params: Mapping[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    *,
+    rank: int,
+) -> Progress:
     doc = docs[STATE]
     if list(params) != doc["param_names"]:
         missing = sorted(set(doc["param_names"]) ^ set(params))[:5]
-        raise ValueError(f"checkpoint adapter does not match the model's trainable "
-                         f"parameters (e.g. {missing}); was lora.* or model.path changed?")
+        raise ValueError(
+            f"checkpoint adapter does not match the model's trainable "
+            f"parameters (e.g. {missing}); was lora.* or model.path changed?"
+        )
     adapter = tensors[ADAPTER]
     with torch.no_grad():
         for name, p in params.items():
@@ -145,6 +169,7 @@ def _put(st: dict[str, Any], key: str, v: Any) -> None:
 # At world size > 1 the adapter and optimizer go through torch.distributed.checkpoint
 # (FQN-keyed, resharded on load); each rank adds its RNG files, rank 0 the trainer state.
 
+
 def _dcp_options(**kw: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -153,23 +178,34 @@ def _dcp_options(**kw: Any) -> Any:
 
 def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The sharded state of ``model`` (plain, DDP or FSDP2) and its optimizer, by FQN."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
-    return {"model": get_model_state_dict(model, options=_dcp_options()),
-            "optim": get_optimizer_state_dict(model, optimizer, options=_dcp_options())}
+    return {
+        "model": get_model_state_dict(model, options=_dcp_options()),
+        "optim": get_optimizer_state_dict(model, optimizer, options=_dcp_options()),
+    }
 
 
-def rank_files(progress: Progress, scheduler: Any, scaler: Any, *, rank: int, world_size: int,
-               param_names: list[str], config: Mapping[str, Any]) -> dict[str, bytes]:
+def rank_files(
+    progress: Progress,
+    scheduler: Any,
+    scaler: Any,
+    *,
+    rank: int,
+    world_size: int,
+    param_names: list[str],
+    config: Mapping[str, Any],
+) -> dict[str, bytes]:
     """This rank's own small files of a sharded checkpoint (rank 0 adds the trainer state)."""
     import json
 
     from safetensors.torch import save
 
     rng_tensors, rng_doc = _rng_capture()
-    files = {rng_file(rank): save(rng_tensors),
-             rng_doc_file(rank): json.dumps(rng_doc).encode()}
+    files = {rng_file(rank): save(rng_tensors), rng_doc_file(rank): json.dumps(rng_doc).encode()}
     if rank == 0:
         doc = {
             "progress": asdict(progress),
@@ -187,8 +223,16 @@ def rng_doc_file(rank: int) -> str:
     return f"rng_rank{rank}.json"
 
 
-def restore_sharded(path: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, scaler: Any, *, rank: int, group: Any) -> tuple[Progress, bool]:
+def restore_sharded(
+    path: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    *,
+    rank: int,
+    group: Any,
+) -> tuple[Progress, bool]:
     """Load a DCP checkpoint into ``model`` at any world size (also a single process).
 
     Returns the progress and whether this rank found its own RNG streams (it
@@ -199,32 +243,42 @@ def restore_sharded(path: Any, model: torch.nn.Module, optimizer: torch.optim.Op
 
     import torch.distributed as dist
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
-                                                         set_optimizer_state_dict)
 
     path = Path(path)
     state = dcp_state(model, optimizer)
-    dcp_load(state, checkpoint_id=str(path), process_group=group,
-             no_dist=not dist.is_initialized())
+    dcp_load(state, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"], options=_dcp_options(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_dcp_options())
     doc = json.loads((path / STATE).read_text())
     _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
     own = (path / rng_file(rank)).is_file()
     if own:
-        _rng_restore(load_file(str(path / rng_file(rank))),
-                     json.loads((path / rng_doc_file(rank)).read_text()))
+        _rng_restore(
+            load_file(str(path / rng_file(rank))),
+            json.loads((path / rng_doc_file(rank)).read_text()),
+        )
     return Progress(**doc["progress"]), own
 
 
-def restore_full(tensors: Mapping[str, Mapping[str, torch.Tensor]], docs: Mapping[str, Any],
-                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 scaler: Any) -> Progress:
+def restore_full(
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    docs: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+) -> Progress:
     """Load a single-process checkpoint into a sharded (FSDP2) model: full tensors in,
     each rank keeps its shard."""
-    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     doc = docs[STATE]
     names: list[str] = doc["param_names"]
@@ -235,13 +289,13 @@ def restore_full(tensors: Mapping[str, Mapping[str, torch.Tensor]], docs: Mappin
     for key, v in doc["optimizer"]["scalars"].items():
         idx, k = key.split(".", 1)
         ostate.setdefault(names[int(idx)], {})[k] = v
-    groups = [dict(g, params=[names[i] for i in g["params"]])
-              for g in doc["optimizer"]["param_groups"]]
+    groups = [
+        dict(g, params=[names[i] for i in g["params"]]) for g in doc["optimizer"]["param_groups"]
+    ]
     full = _dcp_options(full_state_dict=True, strict=False)
     set_model_state_dict(model, dict(tensors[ADAPTER]), options=full)
     osd: Any = {"state": ostate, "param_groups": groups}  # keyed by FQN, as DCP expects
-    set_optimizer_state_dict(model, optimizer, osd,
-                             options=_dcp_options(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, osd, options=_dcp_options(full_state_dict=True))
     _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
     return Progress(**doc["progress"])
 
@@ -252,8 +306,9 @@ def _load_schedule(doc: Mapping[str, Any], scheduler: Any, scaler: Any, n_groups
     scheduler.load_state_dict(sched)
     # The loaded param-group lr came from the old schedule; if train.max_steps changed
     # (a resume-safe key) the new schedule decides the next step's lr. Unchanged: same value.
-    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
-                               scheduler.lr_lambdas):
+    for group, base, fn in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas
+    ):
         group["lr"] = base * fn(scheduler.last_epoch)
     if scaler is not None and doc.get("scaler"):
         scaler.load_state_dict(doc["scaler"])
@@ -302,8 +357,10 @@ def state_digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     """Digests of the complete adapter and optimizer state, whatever the sharding
     (a collective under FSDP2: call on every rank). Logged at resume so a run can prove
     what it continued from."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     full = _dcp_options(full_state_dict=True)  # (cpu_offload would leave ranks > 0 empty)
     msd = get_model_state_dict(model, options=full)

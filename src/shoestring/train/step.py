@@ -28,14 +28,15 @@ from shoestring.train.trainer import Trainer
 def _micro_batch(t: Trainer, idx: list[int], start: int, size: int) -> dict[str, torch.Tensor]:
     t_data = time.perf_counter()
     t.run.faults.hit("step.data")
-    batch = D.collate([t.data.examples[i] for i in idx[start:start + size]], t.tok.pad_token_id)
+    batch = D.collate([t.data.examples[i] for i in idx[start : start + size]], t.tok.pad_token_id)
     batch = to_device(batch, t.device)
     t.run.rec.work("data", time.perf_counter() - t_data, batch["input_ids"].numel())
     return batch
 
 
-def _forward_backward(t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor,
-                      last: bool) -> torch.Tensor:
+def _forward_backward(
+    t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor, last: bool
+) -> torch.Tensor:
     strategy, learner = t.run.strategy, t.learner
     t_fwd = time.perf_counter()
     with strategy.grad_sync(learner.wrapped, last):
@@ -59,16 +60,17 @@ def check_placement(t: Trainer, batch: dict[str, torch.Tensor]) -> None:
     """After the first step: everything on the strategy's device, or stop with the list."""
     wrong = misplaced(t.device, t.learner.model, t.learner.optimizer, batch)
     if wrong:
-        raise MisplacedTensorError(f"{len(wrong)} tensor(s) are not on {t.device}, the "
-                                   f"device training runs on: {'; '.join(wrong[:8])}")
+        raise MisplacedTensorError(
+            f"{len(wrong)} tensor(s) are not on {t.device}, the "
+            f"device training runs on: {'; '.join(wrong[:8])}"
+        )
 
 
 def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
     plan, cfg = t.data.batch, t.cfg.train
     t0 = time.perf_counter()
     idx = t.data.order.indices(progress.consumed, plan.batch_size)
-    n_items = torch.tensor(sum(D.label_count(t.data.examples[i]) for i in idx),
-                           device=t.device)
+    n_items = torch.tensor(sum(D.label_count(t.data.examples[i]) for i in idx), device=t.device)
     tokens = sum(len(t.data.examples[i].input_ids) for i in idx)
     chunks = list(plan.my_chunks())
     total = torch.zeros((), dtype=torch.float64, device=t.device)
@@ -89,8 +91,14 @@ def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
     progress.consumed += plan.batch_size
     progress.tokens += tokens
     dt = time.perf_counter() - t0
-    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-            "tokens_per_s": tokens / dt, "step_ms": dt * 1e3,
-            # Which samples made this step: equal across world sizes and resumes.
-            "batch_crc": zlib.crc32(struct.pack(f"<{len(idx)}q", *idx)),
-            **peak_memory(t.device)}
+    return {
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": tokens,
+        "tokens_per_s": tokens / dt,
+        "step_ms": dt * 1e3,
+        # Which samples made this step: equal across world sizes and resumes.
+        "batch_crc": zlib.crc32(struct.pack(f"<{len(idx)}q", *idx)),
+        **peak_memory(t.device),
+    }

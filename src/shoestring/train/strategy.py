@@ -12,22 +12,31 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Literal, Mapping, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
-from shoestring.checkpoint import (NO_FAULTS, FaultPlan, FileWriter, RemoteStore, SaveRequest,
-                                   Writer, load_files)
+from shoestring.checkpoint import (
+    NO_FAULTS,
+    FaultPlan,
+    FileWriter,
+    RemoteStore,
+    SaveRequest,
+    Writer,
+    load_files,
+)
 from shoestring.checkpoint.manifest import Manifest
 from shoestring.checkpoint.sharded import ShardedWriter, is_sharded
 from shoestring.config import ConfigError
-from shoestring.train.config import CheckpointConfig, FinetuneConfig
 from shoestring.distributed import ProcessGroups, barrier, broadcast_object
 from shoestring.events import EventLog
 from shoestring.preempt import PreemptionFlag
 from shoestring.train import parallel
 from shoestring.train import state as S
+from shoestring.train.config import CheckpointConfig, FinetuneConfig
 from shoestring.train.export import export_adapter, export_merged, export_merged_from
 from shoestring.train.learner import Learner
 
@@ -47,13 +56,29 @@ class Strategy(Protocol):
 
     def load_device(self) -> str: ...
     def wrap(self, model: Any, comm_hook: Any) -> torch.nn.Module: ...
-    def grad_sync(self, wrapped: torch.nn.Module, last: bool) -> ContextManager[None]: ...
-    def make_writer(self, root: Path, c: CheckpointConfig, events: EventLog,
-                    remote: RemoteStore | None, faults: FaultPlan) -> Writer: ...
-    def save(self, writer: Any, learner: Learner, progress: S.Progress, *, reason: str,
-             sync: bool, config: Mapping[str, Any], meta: Mapping[str, Any]) -> None: ...
-    def restore(self, path: Path, manifest: Manifest, learner: Learner,
-                check: ConfigCheck) -> tuple[S.Progress, bool]: ...
+    def grad_sync(self, wrapped: torch.nn.Module, last: bool) -> AbstractContextManager[None]: ...
+    def make_writer(
+        self,
+        root: Path,
+        c: CheckpointConfig,
+        events: EventLog,
+        remote: RemoteStore | None,
+        faults: FaultPlan,
+    ) -> Writer: ...
+    def save(
+        self,
+        writer: Any,
+        learner: Learner,
+        progress: S.Progress,
+        *,
+        reason: str,
+        sync: bool,
+        config: Mapping[str, Any],
+        meta: Mapping[str, Any],
+    ) -> None: ...
+    def restore(
+        self, path: Path, manifest: Manifest, learner: Learner, check: ConfigCheck
+    ) -> tuple[S.Progress, bool]: ...
     def evaluates_here(self) -> bool: ...
     def eval_stop(self, flag: PreemptionFlag) -> Callable[[], bool]: ...
     def stop_requested(self, flag: PreemptionFlag) -> bool: ...
@@ -61,8 +86,15 @@ class Strategy(Protocol):
     def share(self, obj: Any) -> Any: ...
     def barrier(self) -> None: ...
     def export(self, learner: Learner, tok: Any, out: Path) -> Path: ...
-    def export_merged(self, learner: Learner, final: Path, model_dir: Path,
-                      cfg: FinetuneConfig, tok: Any, out: Path) -> Path: ...
+    def export_merged(
+        self,
+        learner: Learner,
+        final: Path,
+        model_dir: Path,
+        cfg: FinetuneConfig,
+        tok: Any,
+        out: Path,
+    ) -> Path: ...
 
 
 class SingleDevice:
@@ -83,41 +115,80 @@ class SingleDevice:
     def wrap(self, model: Any, comm_hook: Any) -> torch.nn.Module:
         return model  # type: ignore[no-any-return]
 
-    def grad_sync(self, wrapped: torch.nn.Module, last: bool) -> ContextManager[None]:
+    def grad_sync(self, wrapped: torch.nn.Module, last: bool) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def make_writer(self, root: Path, c: CheckpointConfig, events: EventLog,
-                    remote: RemoteStore | None, faults: FaultPlan = NO_FAULTS) -> Writer:
-        return FileWriter(root, keep=c.keep, mode=c.async_mode, events=events, remote=remote,
-                          faults=faults)
+    def make_writer(
+        self,
+        root: Path,
+        c: CheckpointConfig,
+        events: EventLog,
+        remote: RemoteStore | None,
+        faults: FaultPlan = NO_FAULTS,
+    ) -> Writer:
+        return FileWriter(
+            root, keep=c.keep, mode=c.async_mode, events=events, remote=remote, faults=faults
+        )
 
-    def save(self, writer: Writer, learner: Learner, progress: S.Progress, *, reason: str,
-             sync: bool, config: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    def save(
+        self,
+        writer: Writer,
+        learner: Learner,
+        progress: S.Progress,
+        *,
+        reason: str,
+        sync: bool,
+        config: Mapping[str, Any],
+        meta: Mapping[str, Any],
+    ) -> None:
         t0 = time.perf_counter()
-        snap = S.capture(progress, learner.params, learner.optimizer, learner.scheduler,
-                         learner.scaler, rank=0, config=config, meta=meta)
+        snap = S.capture(
+            progress,
+            learner.params,
+            learner.optimizer,
+            learner.scheduler,
+            learner.scaler,
+            rank=0,
+            config=config,
+            meta=meta,
+        )
         req = SaveRequest.files(snap, capture_ms=_ms_since(t0))
         writer.submit(req, reason=reason, sync=sync)
 
-    def restore(self, path: Path, manifest: Manifest, learner: Learner,
-                check: ConfigCheck) -> tuple[S.Progress, bool]:
+    def restore(
+        self, path: Path, manifest: Manifest, learner: Learner, check: ConfigCheck
+    ) -> tuple[S.Progress, bool]:
         """Returns the progress and whether this rank found its own RNG streams."""
         if is_sharded(manifest.files):
             import json
 
             check(json.loads((path / S.STATE).read_text())["config"])
-            return S.restore_sharded(path, learner.wrapped, learner.optimizer,
-                                     learner.scheduler, learner.scaler, rank=self.rank,
-                                     group=self.checkpoint_group)
-        names = [n for n in manifest.files
-                 if not n.startswith("rng_rank") or n == S.rng_file(self.rank)]
+            return S.restore_sharded(
+                path,
+                learner.wrapped,
+                learner.optimizer,
+                learner.scheduler,
+                learner.scaler,
+                rank=self.rank,
+                group=self.checkpoint_group,
+            )
+        names = [
+            n for n in manifest.files if not n.startswith("rng_rank") or n == S.rng_file(self.rank)
+        ]
         tensors, docs = load_files(path, names)
         check(docs[S.STATE]["config"])
         return self._restore_files(tensors, docs, learner), S.rng_file(self.rank) in tensors
 
     def _restore_files(self, tensors: Any, docs: Any, learner: Learner) -> S.Progress:
-        return S.restore(tensors, docs, learner.params, learner.optimizer, learner.scheduler,
-                         learner.scaler, rank=self.rank)
+        return S.restore(
+            tensors,
+            docs,
+            learner.params,
+            learner.optimizer,
+            learner.scheduler,
+            learner.scaler,
+            rank=self.rank,
+        )
 
     def evaluates_here(self) -> bool:
         return True
@@ -140,8 +211,15 @@ class SingleDevice:
     def export(self, learner: Learner, tok: Any, out: Path) -> Path:
         return export_adapter(learner.model, tok, out)
 
-    def export_merged(self, learner: Learner, final: Path, model_dir: Path,
-                      cfg: FinetuneConfig, tok: Any, out: Path) -> Path:
+    def export_merged(
+        self,
+        learner: Learner,
+        final: Path,
+        model_dir: Path,
+        cfg: FinetuneConfig,
+        tok: Any,
+        out: Path,
+    ) -> Path:
         return export_merged(learner.model, tok, out)
 
 
@@ -154,19 +232,47 @@ class _Distributed(SingleDevice):
         self.checkpoint_group = groups.checkpoint_group
         self._agreed_stop = False  # the flag as all ranks saw it in the last agreement
 
-    def make_writer(self, root: Path, c: CheckpointConfig, events: EventLog,
-                    remote: RemoteStore | None, faults: FaultPlan = NO_FAULTS) -> Writer:
-        return ShardedWriter(root, rank=self.rank, group=self.checkpoint_group, keep=c.keep,
-                             mode="off" if c.async_mode == "off" else "thread", events=events,
-                             remote=remote, faults=faults)
+    def make_writer(
+        self,
+        root: Path,
+        c: CheckpointConfig,
+        events: EventLog,
+        remote: RemoteStore | None,
+        faults: FaultPlan = NO_FAULTS,
+    ) -> Writer:
+        return ShardedWriter(
+            root,
+            rank=self.rank,
+            group=self.checkpoint_group,
+            keep=c.keep,
+            mode="off" if c.async_mode == "off" else "thread",
+            events=events,
+            remote=remote,
+            faults=faults,
+        )
 
-    def save(self, writer: Writer, learner: Learner, progress: S.Progress, *, reason: str,
-             sync: bool, config: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    def save(
+        self,
+        writer: Writer,
+        learner: Learner,
+        progress: S.Progress,
+        *,
+        reason: str,
+        sync: bool,
+        config: Mapping[str, Any],
+        meta: Mapping[str, Any],
+    ) -> None:
         t0 = time.perf_counter()
         state = S.dcp_state(learner.wrapped, learner.optimizer)
-        own = S.rank_files(progress, learner.scheduler, learner.scaler, rank=self.rank,
-                           world_size=self.world_size, param_names=learner.param_names,
-                           config=config)
+        own = S.rank_files(
+            progress,
+            learner.scheduler,
+            learner.scaler,
+            rank=self.rank,
+            world_size=self.world_size,
+            param_names=learner.param_names,
+            config=config,
+        )
         req = SaveRequest.sharded(progress.step, state, own, meta, capture_ms=_ms_since(t0))
         writer.submit(req, reason=reason, sync=sync)
 
@@ -181,9 +287,14 @@ class _Distributed(SingleDevice):
         to stop (so every rank stops after the same step and saves together)."""
         import torch.distributed as dist
 
-        t = torch.stack([loss.to(torch.float64).reshape(()),
-                         torch.tensor(1.0 if flag.is_set() else 0.0, dtype=torch.float64,
-                                      device=loss.device)])
+        t = torch.stack(
+            [
+                loss.to(torch.float64).reshape(()),
+                torch.tensor(
+                    1.0 if flag.is_set() else 0.0, dtype=torch.float64, device=loss.device
+                ),
+            ]
+        )
         fault = faults.hit("step.agree")
         if fault == "skip":  # injected: this rank leaves the collective out
             return float(loss)
@@ -261,8 +372,9 @@ class FSDPStrategy(_Distributed):
 
     def _restore_files(self, tensors: Any, docs: Any, learner: Learner) -> S.Progress:
         # A single-process checkpoint: full tensors in, each rank keeps its shard.
-        return S.restore_full(tensors, docs, learner.wrapped, learner.optimizer,
-                              learner.scheduler, learner.scaler)
+        return S.restore_full(
+            tensors, docs, learner.wrapped, learner.optimizer, learner.scheduler, learner.scaler
+        )
 
     def eval_stop(self, flag: PreemptionFlag) -> Callable[[], bool]:
         # Every rank evaluates in lockstep (each forward needs every rank's shards):
@@ -275,8 +387,15 @@ class FSDPStrategy(_Distributed):
             return out / "final"
         return export_adapter(learner.model, tok, out, state_dict=state)
 
-    def export_merged(self, learner: Learner, final: Path, model_dir: Path,
-                      cfg: FinetuneConfig, tok: Any, out: Path) -> Path:
+    def export_merged(
+        self,
+        learner: Learner,
+        final: Path,
+        model_dir: Path,
+        cfg: FinetuneConfig,
+        tok: Any,
+        out: Path,
+    ) -> Path:
         # The in-memory model holds only shards: merge onto a freshly loaded base.
         return export_merged_from(model_dir, final, cfg.model, tok, out)
 
@@ -287,13 +406,16 @@ def make_strategy(cfg: FinetuneConfig, groups: ProcessGroups | None) -> Strategy
     if groups is None:
         return SingleDevice(device)
     if groups.backend == "nccl" and device.type != "cuda":
-        raise ConfigError(f"distributed.backend nccl needs train.device cuda, got "
-                          f"{cfg.train.device}")
+        raise ConfigError(
+            f"distributed.backend nccl needs train.device cuda, got {cfg.train.device}"
+        )
     kind = cfg.distributed.strategy
     if kind == "fsdp" and cfg.lora.quantize != "none":
-        raise ConfigError("lora.quantize: bitsandbytes-quantized weights cannot be sharded "
-                          "by distributed.strategy fsdp; use ddp (each rank holds the "
-                          "small quantized base) or lora.quantize none")
+        raise ConfigError(
+            "lora.quantize: bitsandbytes-quantized weights cannot be sharded "
+            "by distributed.strategy fsdp; use ddp (each rank holds the "
+            "small quantized base) or lora.quantize none"
+        )
     if kind == "ddp":
         return DDPStrategy(device, groups)
     if kind == "fsdp":

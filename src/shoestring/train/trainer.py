@@ -17,12 +17,17 @@ from typing import Any
 import torch
 
 from shoestring.config import to_flat
-from shoestring.train.config import FinetuneConfig, config_hash
 from shoestring.train import data as D
+from shoestring.train.config import FinetuneConfig, config_hash
 from shoestring.train.device import Precision, set_deterministic
 from shoestring.train.learner import Learner
-from shoestring.train.model import (apply_lora, fingerprint, load_base_model, load_tokenizer,
-                                    resolve_model_dir)
+from shoestring.train.model import (
+    apply_lora,
+    fingerprint,
+    load_base_model,
+    load_tokenizer,
+    resolve_model_dir,
+)
 from shoestring.train.parallel import BatchPlan
 from shoestring.train.run import Inputs, Run
 
@@ -38,13 +43,17 @@ class TrainData:
     batch: BatchPlan
 
     @classmethod
-    def build(cls, cfg: FinetuneConfig, inputs: Inputs, tok: Any, stop: Any) -> "TrainData":
+    def build(cls, cfg: FinetuneConfig, inputs: Inputs, tok: Any, stop: Any) -> TrainData:
         examples = D.tokenize(inputs.train_records, tok, cfg.data.max_length, stop)
         if cfg.data.packing:
             examples = D.pack(examples, cfg.data.max_length)
-        return cls(examples, D.tokenize(inputs.eval_records, tok, cfg.data.max_length, stop),
-                   inputs.eval_records, D.SampleOrder(len(examples), cfg.train.seed),
-                   inputs.batch)
+        return cls(
+            examples,
+            D.tokenize(inputs.eval_records, tok, cfg.data.max_length, stop),
+            inputs.eval_records,
+            D.SampleOrder(len(examples), cfg.train.seed),
+            inputs.batch,
+        )
 
 
 @dataclass
@@ -71,9 +80,14 @@ class Trainer:
 
     def meta(self) -> dict[str, Any]:
         """What every checkpoint's manifest records about the run."""
-        return {"config_hash": self.config_hash, "base_fingerprint": self.base_fp,
-                "world_size": self.run.strategy.world_size, "strategy": self.run.strategy.name,
-                "torch": torch.__version__, "kind": "finetune"}
+        return {
+            "config_hash": self.config_hash,
+            "base_fingerprint": self.base_fp,
+            "world_size": self.run.strategy.world_size,
+            "strategy": self.run.strategy.name,
+            "torch": torch.__version__,
+            "kind": "finetune",
+        }
 
 
 def _model_dir(cfg: FinetuneConfig, run: Run) -> Path:
@@ -120,5 +134,6 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
     data = TrainData.build(cfg, inputs, tok, run.flag.is_set)
     precision = Precision(cfg.train.precision, device)  # type: ignore[arg-type]
     learner = _learner(cfg, run, model_dir, precision)
-    return Trainer(cfg, run, model_dir, base_fp, tok, data, learner, precision, to_flat(cfg),
-                   config_hash(cfg))
+    return Trainer(
+        cfg, run, model_dir, base_fp, tok, data, learner, precision, to_flat(cfg), config_hash(cfg)
+    )

@@ -21,7 +21,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 log = logging.getLogger("shoestring.alerts")
 
@@ -61,8 +62,17 @@ class CallbackSink:
 class WebhookSink:
     """POST each alarm as JSON to ``url`` from a background thread, with retries."""
 
-    def __init__(self, url: str, job: str, host: str, *, timeout_s: float = 5.0,
-                 retries: int = 3, backoff_s: float = 1.0, max_queue: int = 100) -> None:
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        host: str,
+        *,
+        timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        max_queue: int = 100,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"webhook: expected an http(s) URL, got {url!r}")
         self.url, self.job, self.host = url, job, host
@@ -74,8 +84,14 @@ class WebhookSink:
         self._thread.start()
 
     def send(self, kind: str, fields: dict[str, Any]) -> None:
-        body = {"text": headline(self.job, kind, fields), "event": kind, "job": self.job,
-                "host": self.host, "ts": round(time.time(), 3), **fields}
+        body = {
+            "text": headline(self.job, kind, fields),
+            "event": kind,
+            "job": self.job,
+            "host": self.host,
+            "ts": round(time.time(), 3),
+            **fields,
+        }
         body["kind"] = fields.get("kind", kind)
         try:
             self._q.put_nowait(body)
@@ -85,9 +101,12 @@ class WebhookSink:
 
     def _post(self, body: dict[str, Any]) -> None:
         data = json.dumps(body, default=str).encode()
-        req = urllib.request.Request(self.url, data=data, method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              "User-Agent": "shoestring"})
+        req = urllib.request.Request(
+            self.url,
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/json", "User-Agent": "shoestring"},
+        )
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 - user URL
             resp.read()
 
@@ -104,10 +123,11 @@ class WebhookSink:
                 except (urllib.error.URLError, OSError, ValueError) as e:
                     if attempt == self.retries - 1:
                         self.failed += 1
-                        log.warning("alert webhook %s failed after %d tries: %s",
-                                    self.url, self.retries, e)
+                        log.warning(
+                            "alert webhook %s failed after %d tries: %s", self.url, self.retries, e
+                        )
                     else:
-                        time.sleep(self.backoff_s * 2 ** attempt)
+                        time.sleep(self.backoff_s * 2**attempt)
             self._q.task_done()
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -4,7 +4,8 @@ A hang stops a job; degradation only makes it cost more — a flapping link, a
 throttling GPU, a noisy neighbour. Each rank's recorder keeps cumulative totals
 over its quiet training steps (steps, tokens, time in ``train_step``, time in
 collectives). At every window boundary (``window_s``, one minute by default,
-longer if fewer than ``min_steps`` steps fell into it) the watchdog takes the deltas: a :class:`Window` per rank with the
+longer if fewer than ``min_steps`` steps fell into it) the watchdog takes the
+deltas: a :class:`Window` per rank with the
 communication time per step and the training throughput (tokens per second of
 ``train_step`` time, so evals, saves and restarts do not count as a drop).
 
@@ -19,8 +20,9 @@ metric recovers.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,11 @@ class Window:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(tokens_per_s=round(self.tokens_per_s, 3),
-                 comm_s_per_step=round(self.comm_s_per_step, 6),
-                 comm_share=round(self.comm_s / self.train_s, 4) if self.train_s > 0 else 0.0)
+        d.update(
+            tokens_per_s=round(self.tokens_per_s, 3),
+            comm_s_per_step=round(self.comm_s_per_step, 6),
+            comm_share=round(self.comm_s / self.train_s, 4) if self.train_s > 0 else 0.0,
+        )
         for k in ("t0", "t1", "train_s", "comm_s"):
             d[k] = round(d[k], 6)
         return d
@@ -84,8 +88,9 @@ class DegradationMonitor:
         self.policy = policy
         self._ranks: dict[int, _RankState] = {}
 
-    def observe(self, now: float, snaps: Mapping[int, Mapping[str, Any]]
-                ) -> tuple[list[Window], list[dict[str, Any]]]:
+    def observe(
+        self, now: float, snaps: Mapping[int, Mapping[str, Any]]
+    ) -> tuple[list[Window], list[dict[str, Any]]]:
         """Close the windows whose time has come: ``(windows, alarms)``, both maybe empty."""
         windows: list[Window] = []
         alarms: list[dict[str, Any]] = []
@@ -102,10 +107,15 @@ class DegradationMonitor:
             if now - t0 < self.policy.window_s or steps < self.policy.min_steps:
                 continue
             st.start = (now, dict(tot))
-            w = Window(rank=r, t0=t0, t1=now, steps=steps,
-                       tokens=int(tot["tokens"] - prev["tokens"]),
-                       train_s=tot["train_s"] - prev["train_s"],
-                       comm_s=tot["comm_s"] - prev["comm_s"])
+            w = Window(
+                rank=r,
+                t0=t0,
+                t1=now,
+                steps=steps,
+                tokens=int(tot["tokens"] - prev["tokens"]),
+                train_s=tot["train_s"] - prev["train_s"],
+                comm_s=tot["comm_s"] - prev["comm_s"],
+            )
             windows.append(w)
             alarms.extend(self._judge(st, w))
         return windows, alarms
@@ -116,15 +126,19 @@ class DegradationMonitor:
         n = len(st.history)
         if st.baseline is None:
             if n >= p.warmup_windows + p.baseline_windows:
-                base = st.history[p.warmup_windows:]
-                st.baseline = {"comm": statistics.median(x.comm_s_per_step for x in base),
-                               "throughput": statistics.median(x.tokens_per_s for x in base)}
+                base = st.history[p.warmup_windows :]
+                st.baseline = {
+                    "comm": statistics.median(x.comm_s_per_step for x in base),
+                    "throughput": statistics.median(x.tokens_per_s for x in base),
+                }
             return []
-        del st.history[:-p.consecutive]  # bounded memory
+        del st.history[: -p.consecutive]  # bounded memory
         b = st.baseline
-        bad = {"comm": b["comm"] > 0 and w.comm_s_per_step > b["comm"] * (1 + p.comm_rise),
-               "throughput": b["throughput"] > 0
-               and w.tokens_per_s < b["throughput"] * (1 - p.throughput_drop)}
+        bad = {
+            "comm": b["comm"] > 0 and w.comm_s_per_step > b["comm"] * (1 + p.comm_rise),
+            "throughput": b["throughput"] > 0
+            and w.tokens_per_s < b["throughput"] * (1 - p.throughput_drop),
+        }
         out = []
         for kind, is_bad in bad.items():
             st.streak[kind] = st.streak[kind] + 1 if is_bad else 0
@@ -132,19 +146,31 @@ class DegradationMonitor:
                 st.alarmed.discard(kind)
             if st.streak[kind] >= p.consecutive and kind not in st.alarmed:
                 st.alarmed.add(kind)
-                recent = st.history[-p.consecutive:]
+                recent = st.history[-p.consecutive :]
                 if kind == "comm":
                     now_v = statistics.median(x.comm_s_per_step for x in recent)
                     change = now_v / b["comm"] - 1.0
-                    msg = (f"communication time per step {now_v * 1e3:.2f} ms is "
-                           f"{change:+.0%} vs baseline {b['comm'] * 1e3:.2f} ms")
+                    msg = (
+                        f"communication time per step {now_v * 1e3:.2f} ms is "
+                        f"{change:+.0%} vs baseline {b['comm'] * 1e3:.2f} ms"
+                    )
                 else:
                     now_v = statistics.median(x.tokens_per_s for x in recent)
                     change = now_v / b["throughput"] - 1.0
-                    msg = (f"throughput {now_v:,.0f} tokens/s is {change:+.0%} vs "
-                           f"baseline {b['throughput']:,.0f}")
-                out.append({"kind": "comm_degraded" if kind == "comm" else "throughput_drop",
-                            "rank": w.rank, "windows": p.consecutive, "window_s": p.window_s,
-                            "baseline": round(b[kind], 6), "current": round(now_v, 6),
-                            "change": round(change, 4), "message": msg})
+                    msg = (
+                        f"throughput {now_v:,.0f} tokens/s is {change:+.0%} vs "
+                        f"baseline {b['throughput']:,.0f}"
+                    )
+                out.append(
+                    {
+                        "kind": "comm_degraded" if kind == "comm" else "throughput_drop",
+                        "rank": w.rank,
+                        "windows": p.consecutive,
+                        "window_s": p.window_s,
+                        "baseline": round(b[kind], 6),
+                        "current": round(now_v, 6),
+                        "change": round(change, 4),
+                        "message": msg,
+                    }
+                )
         return out

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 RANK_LABELS = ("job", "host", "rank")
 
@@ -32,9 +33,13 @@ class JobState:
         self.attempt = 0
         self.restarts = 0
 
-    def update(self, *, snaps: dict[int, dict[str, Any]] | None = None,
-               windows: list[dict[str, Any]] | None = None,
-               metrics: dict[str, Any] | None = None) -> None:
+    def update(
+        self,
+        *,
+        snaps: dict[int, dict[str, Any]] | None = None,
+        windows: list[dict[str, Any]] | None = None,
+        metrics: dict[str, Any] | None = None,
+    ) -> None:
         with self._lock:
             if snaps is not None:
                 self.snaps = dict(snaps)
@@ -56,9 +61,14 @@ class JobState:
 
     def copy(self) -> dict[str, Any]:
         with self._lock:
-            return {"snaps": dict(self.snaps), "windows": dict(self.windows),
-                    "metrics": dict(self.metrics), "alarms": dict(self.alarms),
-                    "attempt": self.attempt, "restarts": self.restarts}
+            return {
+                "snaps": dict(self.snaps),
+                "windows": dict(self.windows),
+                "metrics": dict(self.metrics),
+                "alarms": dict(self.alarms),
+                "attempt": self.attempt,
+                "restarts": self.restarts,
+            }
 
 
 class JobCollector:
@@ -80,8 +90,11 @@ class JobCollector:
     def _rank_families(snaps: dict[int, Any], labels: tuple[str, str], now: float) -> list[Any]:
         up = _gauge("shoestring_rank_up", "1 while the rank publishes fresh live state")
         step = _gauge("shoestring_step", "Last finished optimizer step of the rank")
-        since = _gauge("shoestring_seconds_in_phase", "Seconds the rank has been in its "
-                       "current phase", RANK_LABELS + ("phase",))
+        since = _gauge(
+            "shoestring_seconds_in_phase",
+            "Seconds the rank has been in its current phase",
+            RANK_LABELS + ("phase",),
+        )
         p50 = _gauge("shoestring_step_seconds_p50", "Median train-step time of the rank")
         p99 = _gauge("shoestring_step_seconds_p99", "p99 train-step time of the rank")
         open_c = _gauge("shoestring_open_collectives", "Collectives the rank is waiting in")
@@ -89,8 +102,9 @@ class JobCollector:
             lab = [*labels, str(r)]
             up.add_metric(lab, 1.0 if now - float(s.get("ts", 0)) < 15 else 0.0)
             step.add_metric(lab, float(s.get("step", 0)))
-            since.add_metric(lab + [str(s.get("phase", ""))],
-                             max(0.0, now - float(s.get("phase_start", now))))
+            since.add_metric(
+                lab + [str(s.get("phase", ""))], max(0.0, now - float(s.get("phase_start", now)))
+            )
             stats = (s.get("stats") or {}).get("train_step")
             if stats:
                 p50.add_metric(lab, float(stats["p50"]))
@@ -100,12 +114,17 @@ class JobCollector:
 
     @staticmethod
     def _window_families(windows: dict[int, Any], labels: tuple[str, str]) -> list[Any]:
-        tps = _gauge("shoestring_tokens_per_second", "Training throughput of the rank in the "
-                     "last window (tokens per second of train-step time)")
-        comm = _gauge("shoestring_comm_seconds_per_step", "Time in collectives per step, last "
-                      "window")
-        share = _gauge("shoestring_comm_share", "Share of train-step time spent in "
-                       "collectives, last window")
+        tps = _gauge(
+            "shoestring_tokens_per_second",
+            "Training throughput of the rank in the "
+            "last window (tokens per second of train-step time)",
+        )
+        comm = _gauge(
+            "shoestring_comm_seconds_per_step", "Time in collectives per step, last window"
+        )
+        share = _gauge(
+            "shoestring_comm_share", "Share of train-step time spent in collectives, last window"
+        )
         for r, w in sorted(windows.items()):
             lab = [*labels, str(r)]
             tps.add_metric(lab, float(w["tokens_per_s"]))
@@ -117,10 +136,12 @@ class JobCollector:
     def _process_families(ranks: dict[int, Any], labels: tuple[str, str]) -> list[Any]:
         cpu = _gauge("shoestring_process_cpu_percent", "CPU use of the rank's process")
         rss = _gauge("shoestring_process_resident_bytes", "Resident memory of the rank's process")
-        rd = _counter("shoestring_process_read_bytes", "Bytes read by the rank's process",
-                      RANK_LABELS)
-        wr = _counter("shoestring_process_written_bytes", "Bytes written by the rank's process",
-                      RANK_LABELS)
+        rd = _counter(
+            "shoestring_process_read_bytes", "Bytes read by the rank's process", RANK_LABELS
+        )
+        wr = _counter(
+            "shoestring_process_written_bytes", "Bytes written by the rank's process", RANK_LABELS
+        )
         for r, p in sorted(ranks.items()):
             lab = [*labels, str(r)]
             if "cpu_pct" in p:
@@ -133,11 +154,18 @@ class JobCollector:
 
     @staticmethod
     def _gpu_families(gpus: Any, labels: tuple[str, str]) -> list[Any]:
-        fams = {k: _gauge(f"shoestring_gpu_{k}", doc, ("job", "host", "gpu")) for k, doc in (
-            ("util_pct", "GPU utilisation %"), ("mem_used_bytes", "GPU memory used"),
-            ("mem_total_bytes", "GPU memory total"), ("sm_clock_mhz", "SM clock"),
-            ("clock_event_reasons", "NVML clock event (throttle) reasons bitmask"),
-            ("temp_c", "GPU temperature"), ("power_w", "GPU power draw"))}
+        fams = {
+            k: _gauge(f"shoestring_gpu_{k}", doc, ("job", "host", "gpu"))
+            for k, doc in (
+                ("util_pct", "GPU utilisation %"),
+                ("mem_used_bytes", "GPU memory used"),
+                ("mem_total_bytes", "GPU memory total"),
+                ("sm_clock_mhz", "SM clock"),
+                ("clock_event_reasons", "NVML clock event (throttle) reasons bitmask"),
+                ("temp_c", "GPU temperature"),
+                ("power_w", "GPU power draw"),
+            )
+        }
         for g in gpus:
             for k, fam in fams.items():
                 if k in g:
@@ -146,8 +174,9 @@ class JobCollector:
 
     @staticmethod
     def _counter_families(st: dict[str, Any], labels: tuple[str, str]) -> list[Any]:
-        alarms = _counter("shoestring_alarms", "Alarms raised by the watchdog",
-                          ("job", "host", "kind", "rank"))
+        alarms = _counter(
+            "shoestring_alarms", "Alarms raised by the watchdog", ("job", "host", "kind", "rank")
+        )
         for (kind, rank), n in sorted(st["alarms"].items()):
             alarms.add_metric([*labels, kind, rank], float(n))
         restarts = _counter("shoestring_restarts", "Restarts of the job", ("job", "host"))
@@ -174,8 +203,9 @@ class PrometheusExporter:
         try:
             from prometheus_client import CollectorRegistry, start_http_server
         except ImportError as e:
-            raise ImportError("--prometheus-port needs prometheus-client: "
-                              "pip install 'shoestring[watch]'") from e
+            raise ImportError(
+                "--prometheus-port needs prometheus-client: pip install 'shoestring[watch]'"
+            ) from e
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(JobCollector(state))
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)

@@ -45,9 +45,10 @@ import pickle
 import re
 import stat
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 #: Names under the run directory: dumps beside the verdicts, pipes beside the ranks' state.
 TRACE_NAME = "nccl_trace_rank_"
@@ -77,16 +78,21 @@ def installed_torch_version() -> str | None:
         return None
 
 
-def flight_recorder_env(env: Mapping[str, str], run_dir: Path, torch_version: str | None = None,
-                        buffer_size: int = BUFFER_ENTRIES) -> dict[str, str]:
+def flight_recorder_env(
+    env: Mapping[str, str],
+    run_dir: Path,
+    torch_version: str | None = None,
+    buffer_size: int = BUFFER_ENTRIES,
+) -> dict[str, str]:
     """The ranks' environment: ``env`` plus the flight-recorder variables it does not
     set already (a value the user set, even empty, is kept). Paths are absolute; the
     ring size is set only where ``torch_version`` needs it (:func:`records_by_default`)."""
     out = dict(env)
     root = Path(os.path.abspath(run_dir))
     if not records_by_default(torch_version):
-        out.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE",
-                       env.get("TORCH_FR_BUFFER_SIZE") or str(buffer_size))
+        out.setdefault(
+            "TORCH_NCCL_TRACE_BUFFER_SIZE", env.get("TORCH_FR_BUFFER_SIZE") or str(buffer_size)
+        )
     out.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if "TORCH_FR_DUMP_TEMP_FILE" not in env and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
         out["TORCH_FR_DUMP_TEMP_FILE"] = str(root / "verdicts" / TRACE_NAME)
@@ -102,7 +108,7 @@ class TracePaths:
     pipe_prefix: str | None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "TracePaths":
+    def from_env(cls, env: Mapping[str, str]) -> TracePaths:
         """As torch resolves them in a rank started with ``env``."""
         dump = env.get("TORCH_FR_DUMP_TEMP_FILE")
         if dump is None:
@@ -180,9 +186,15 @@ class Dumped:
     finished: bool = False
 
 
-def wait_for_dumps(dumps: Mapping[int, Path], before: Mapping[int, Sig | None], wait_s: float,
-                   *, poll_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
-                   sleep: Callable[[float], None] = time.sleep) -> dict[int, Dumped]:
+def wait_for_dumps(
+    dumps: Mapping[int, Path],
+    before: Mapping[int, Sig | None],
+    wait_s: float,
+    *,
+    poll_s: float = 0.1,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[int, Dumped]:
     """Wait until every dump is new (differs from ``before``), not empty and finished, or
     until ``wait_s`` passed. torch truncates the file and writes in place, so finished
     means unchanged over one poll and ending with pickle's STOP, or unchanged over
@@ -231,8 +243,10 @@ def _describe_entry(e: Mapping[str, Any]) -> str:
     pg_name = pg[0] if isinstance(pg, (tuple, list)) and pg else e.get("pg_id", "?")
     sizes = str(e.get("input_sizes", ""))
     sizes = sizes if len(sizes) <= 60 else sizes[:57] + "..."
-    return (f"{e.get('profiling_name', '?')} #{seq} {e.get('state', '?')} "
-            f"(pg {pg_name}, input sizes {sizes})")
+    return (
+        f"{e.get('profiling_name', '?')} #{seq} {e.get('state', '?')} "
+        f"(pg {pg_name}, input sizes {sizes})"
+    )
 
 
 def summarize(dump: Mapping[str, Any]) -> dict[str, Any]:
@@ -244,25 +258,34 @@ def summarize(dump: Mapping[str, Any]) -> dict[str, Any]:
         return {"summary": f"no collectives recorded (flight recorder v{version})", "entries": 0}
     last = entries[-1]
     # gloo's entries stay "scheduled" once retired: only NCCL's track start and completion.
-    pending = next((e for e in entries
-                    if e.get("state") != "completed" and not e.get("retired")), None)
+    pending = next(
+        (e for e in entries if e.get("state") != "completed" and not e.get("retired")), None
+    )
     line = f"last: {_describe_entry(last)}"
     if pending is not None and pending is not last:
         line += f"; oldest not completed: {_describe_entry(pending)}"
     seq = last.get("p2p_seq_id") if last.get("is_p2p") else last.get("collective_seq_id")
-    return {"summary": f"{line} [{len(entries)} entries, flight recorder v{version}]",
-            "entries": len(entries),
-            "last_collective": {"profiling_name": last.get("profiling_name"), "seq": seq,
-                                "state": last.get("state"),
-                                "process_group": last.get("process_group")}}
+    return {
+        "summary": f"{line} [{len(entries)} entries, flight recorder v{version}]",
+        "entries": len(entries),
+        "last_collective": {
+            "profiling_name": last.get("profiling_name"),
+            "seq": seq,
+            "state": last.get("state"),
+            "process_group": last.get("process_group"),
+        },
+    }
 
 
 def _attach(dump: Path, seen: Dumped, wait_s: float, keep_prefix: str) -> dict[str, Any]:
     """The verdict's record of one rank's dump: renamed so a later dump cannot overwrite
     it, with its size and summary; every failure becomes ``nccl_trace_error``."""
     if seen.sig is None:
-        return {"path": None, "nccl_trace_error": f"no new dump at {dump} within {wait_s:g}s "
-                "(flight recorder off, or the rank's NCCL monitor thread is stuck)"}
+        return {
+            "path": None,
+            "nccl_trace_error": f"no new dump at {dump} within {wait_s:g}s "
+            "(flight recorder off, or the rank's NCCL monitor thread is stuck)",
+        }
     kept = dump.with_name(keep_prefix + dump.name) if keep_prefix else dump
     try:
         os.replace(dump, kept)
@@ -274,15 +297,20 @@ def _attach(dump: Path, seen: Dumped, wait_s: float, keep_prefix: str) -> dict[s
     except Exception as e:  # noqa: BLE001 - a bad dump must never fail the verdict
         rec["nccl_trace_error"] = f"cannot read the dump: {type(e).__name__}: {e}"
     if not seen.finished:
-        rec["nccl_trace_error"] = (f"still being written after {wait_s:g}s, may be cut short"
-                                   + (f"; {rec['nccl_trace_error']}"
-                                      if "nccl_trace_error" in rec else ""))
+        rec["nccl_trace_error"] = f"still being written after {wait_s:g}s, may be cut short" + (
+            f"; {rec['nccl_trace_error']}" if "nccl_trace_error" in rec else ""
+        )
     return rec
 
 
-def collect_traces(paths: TracePaths, wait_s: float, keep_prefix: str = "", *,
-                   clock: Callable[[], float] = time.monotonic,
-                   sleep: Callable[[float], None] = time.sleep) -> dict[str, dict[str, Any]]:
+def collect_traces(
+    paths: TracePaths,
+    wait_s: float,
+    keep_prefix: str = "",
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, dict[str, Any]]:
     """Make every rank whose dump pipe exists dump its flight recorder; wait at most
     ``wait_s`` for the dumps. Keyed by rank (a string, as in the verdict's JSON): ``path``
     (``None`` without a dump), ``bytes``, ``summary``, or ``nccl_trace_error``. Empty
@@ -299,8 +327,10 @@ def collect_traces(paths: TracePaths, wait_s: float, keep_prefix: str = "", *,
         if why is not None:
             out[str(r)] = {"path": None, "nccl_trace_error": why}
         elif r not in dumps:
-            out[str(r)] = {"path": None, "nccl_trace_error": "dump location unknown "
-                           "(TORCH_FR_DUMP_TEMP_FILE is empty)"}
+            out[str(r)] = {
+                "path": None,
+                "nccl_trace_error": "dump location unknown (TORCH_FR_DUMP_TEMP_FILE is empty)",
+            }
         else:
             asked[r] = dumps[r]
     seen = wait_for_dumps(asked, before, wait_s, clock=clock, sleep=sleep) if asked else {}

@@ -20,8 +20,9 @@ first eval, the first checkpoint) gets ``first_timeout_s``. An alarm fires when
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,14 @@ class Verdict:
     detected_after_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "culprits": self.culprits, "summary": self.summary,
-                "collective": self.collective, "detected_after_s": round(self.detected_after_s, 3),
-                "ranks": {str(r): v for r, v in sorted(self.ranks.items())}}
+        return {
+            "kind": self.kind,
+            "culprits": self.culprits,
+            "summary": self.summary,
+            "collective": self.collective,
+            "detected_after_s": round(self.detected_after_s, 3),
+            "ranks": {str(r): v for r, v in sorted(self.ranks.items())},
+        }
 
 
 def _open(snap: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -66,15 +72,26 @@ def _desc(c: Mapping[str, Any]) -> str:
 def _rank_view(snap: Mapping[str, Any], now: float, policy: HangPolicy) -> dict[str, Any]:
     c = _open(snap)
     phase = snap["outer_phase"]
-    return {"step": snap["step"], "phase": snap["phase"], "outer_phase": phase,
-            "in_phase_s": round(now - snap["outer_start"], 3),
-            "budget_s": round(policy.budget(snap, phase), 3),
-            "waiting_in": _desc(c) if c else None, "last_seq": snap["seq"],
-            "pid": snap["pid"], "host": snap["host"]}
+    return {
+        "step": snap["step"],
+        "phase": snap["phase"],
+        "outer_phase": phase,
+        "in_phase_s": round(now - snap["outer_start"], 3),
+        "budget_s": round(policy.budget(snap, phase), 3),
+        "waiting_in": _desc(c) if c else None,
+        "last_seq": snap["seq"],
+        "pid": snap["pid"],
+        "host": snap["host"],
+    }
 
 
-def not_started(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPolicy,
-                world_size: int, since: float) -> Verdict | None:
+def not_started(
+    snaps: Mapping[int, Mapping[str, Any]],
+    now: float,
+    policy: HangPolicy,
+    world_size: int,
+    since: float,
+) -> Verdict | None:
     """A verdict when the attempt began more than ``first_timeout_s`` ago and some ranks
     never reached training: the ranks that never announced themselves (a process stuck
     or gone before joining), else those still forming the process group (rendezvous,
@@ -87,24 +104,38 @@ def not_started(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: Hang
     starting = sorted(r for r, s in snaps.items() if s.get("status") == "starting")
     if missing:
         culprits = missing
-        summary = (f"rank(s) {missing} never started ({waited:.0f}s after launch, no sign "
-                   f"of life)" + (f"; rank(s) {starting} wait for them to form the process "
-                                  f"group" if starting else ""))
+        summary = (
+            f"rank(s) {missing} never started ({waited:.0f}s after launch, no sign "
+            f"of life)"
+            + (f"; rank(s) {starting} wait for them to form the process group" if starting else "")
+        )
     elif starting:
         culprits = starting
-        summary = (f"rank(s) {starting} still forming the process group {waited:.0f}s after "
-                   f"launch (rendezvous / init_process_group)")
+        summary = (
+            f"rank(s) {starting} still forming the process group {waited:.0f}s after "
+            f"launch (rendezvous / init_process_group)"
+        )
     else:
         return None
-    views = {r: {"step": s.get("step"), "phase": s.get("phase"), "status": s.get("status"),
-                 "in_phase_s": round(now - float(s.get("ts", now)), 3),
-                 "budget_s": policy.first_timeout_s, "waiting_in": None,
-                 "pid": s.get("pid"), "host": s.get("host")} for r, s in snaps.items()}
+    views = {
+        r: {
+            "step": s.get("step"),
+            "phase": s.get("phase"),
+            "status": s.get("status"),
+            "in_phase_s": round(now - float(s.get("ts", now)), 3),
+            "budget_s": policy.first_timeout_s,
+            "waiting_in": None,
+            "pid": s.get("pid"),
+            "host": s.get("host"),
+        }
+        for r, s in snaps.items()
+    }
     return Verdict("not_started", culprits, summary, None, views, waited)
 
 
-def analyze(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPolicy,
-            world_size: int) -> Verdict | None:
+def analyze(
+    snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPolicy, world_size: int
+) -> Verdict | None:
     """A verdict if the job is hung now, else ``None``."""
     if not snaps:
         return None
@@ -115,38 +146,60 @@ def analyze(snaps: Mapping[int, Mapping[str, Any]], now: float, policy: HangPoli
 
     stale = [r for r, s in running.items() if now - s["ts"] > policy.stale_s]
     if stale:
-        return Verdict("stale", stale, f"rank(s) {stale} stopped publishing for more than "
-                       f"{policy.stale_s:.0f}s (process frozen or gone)", None, views,
-                       max(now - running[r]["ts"] for r in stale))
+        return Verdict(
+            "stale",
+            stale,
+            f"rank(s) {stale} stopped publishing for more than "
+            f"{policy.stale_s:.0f}s (process frozen or gone)",
+            None,
+            views,
+            max(now - running[r]["ts"] for r in stale),
+        )
 
     blocked = {r: c for r, s in running.items() if (c := _open(s)) is not None}
     free = [r for r in running if r not in blocked]
-    overdue = [r for r in free
-               if now - running[r]["outer_start"] > policy.budget(running[r],
-                                                                 running[r]["outer_phase"])]
+    overdue = [
+        r
+        for r in free
+        if now - running[r]["outer_start"] > policy.budget(running[r], running[r]["outer_phase"])
+    ]
     if overdue:
         waiting = sorted(blocked.items())
         coll = waiting[0][1] if waiting else None
         where = ""
         if coll is not None:
-            where = (f"; rank(s) {sorted(blocked)} wait in {_desc(coll)}, which rank(s) "
-                     f"{overdue} never entered (their last collective is "
-                     f"#{max(running[r]['seq'] for r in overdue)})")
-        phases = ", ".join(f"rank {r} in {running[r]['phase']} for "
-                           f"{now - running[r]['outer_start']:.1f}s (budget "
-                           f"{policy.budget(running[r], running[r]['outer_phase']):.1f}s)"
-                           for r in overdue)
-        return Verdict("stuck_rank", overdue, f"{phases}{where}", coll, views,
-                       max(now - running[r]["outer_start"] for r in overdue))
+            where = (
+                f"; rank(s) {sorted(blocked)} wait in {_desc(coll)}, which rank(s) "
+                f"{overdue} never entered (their last collective is "
+                f"#{max(running[r]['seq'] for r in overdue)})"
+            )
+        phases = ", ".join(
+            f"rank {r} in {running[r]['phase']} for "
+            f"{now - running[r]['outer_start']:.1f}s (budget "
+            f"{policy.budget(running[r], running[r]['outer_phase']):.1f}s)"
+            for r in overdue
+        )
+        return Verdict(
+            "stuck_rank",
+            overdue,
+            f"{phases}{where}",
+            coll,
+            views,
+            max(now - running[r]["outer_start"] for r in overdue),
+        )
 
     if free or not blocked:
         return None
     return _all_blocked(blocked, running, views, now, policy)
 
 
-def _all_blocked(blocked: Mapping[int, dict[str, Any]],
-                 running: Mapping[int, Mapping[str, Any]], views: Any, now: float,
-                 policy: HangPolicy) -> Verdict | None:
+def _all_blocked(
+    blocked: Mapping[int, dict[str, Any]],
+    running: Mapping[int, Mapping[str, Any]],
+    views: Any,
+    now: float,
+    policy: HangPolicy,
+) -> Verdict | None:
     """Everyone waits in a collective: hung past the budget? Same sequence number, same op
     and shapes (a hang in the collective), or not (a mismatch; the minority is the culprit)?"""
     last_entry = max(c["start"] for c in blocked.values())
@@ -163,10 +216,20 @@ def _all_blocked(blocked: Mapping[int, dict[str, Any]],
         for r, c in blocked.items():
             groups.setdefault((c["seq"], c["op"], str(c.get("shapes"))), []).append(r)
         odd = min(groups.values(), key=len) if len(groups) > 1 else sorted(blocked)
-        return Verdict("collective_mismatch", sorted(odd),
-                       f"ranks called different collectives: {detail}",
-                       blocked[sorted(odd)[0]], views, now - last_entry)
+        return Verdict(
+            "collective_mismatch",
+            sorted(odd),
+            f"ranks called different collectives: {detail}",
+            blocked[sorted(odd)[0]],
+            views,
+            now - last_entry,
+        )
     c = next(iter(blocked.values()))
-    return Verdict("collective_hang", sorted(blocked),
-                   f"all ranks entered {_desc(c)} and it has not completed for "
-                   f"{now - last_entry:.1f}s", c, views, now - last_entry)
+    return Verdict(
+        "collective_hang",
+        sorted(blocked),
+        f"all ranks entered {_desc(c)} and it has not completed for {now - last_entry:.1f}s",
+        c,
+        views,
+        now - last_entry,
+    )

@@ -11,7 +11,8 @@ power, and which rank's process holds memory on it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger("shoestring.watch")
 
@@ -44,8 +45,11 @@ class ProcessSampler:
                 if proc is None:
                     proc = self._procs[pid] = ps.Process(pid)
                 with proc.oneshot():
-                    rec: dict[str, Any] = {"pid": pid, "rss_bytes": proc.memory_info().rss,
-                                           "threads": proc.num_threads()}
+                    rec: dict[str, Any] = {
+                        "pid": pid,
+                        "rss_bytes": proc.memory_info().rss,
+                        "threads": proc.num_threads(),
+                    }
                     cpu = proc.cpu_percent(None)
                     if not first:  # the first call only starts psutil's interval
                         rec["cpu_pct"] = cpu
@@ -64,8 +68,12 @@ class ProcessSampler:
     def host(self) -> dict[str, Any]:
         ps = self._ps
         vm = ps.virtual_memory()
-        return {"cpu_pct": ps.cpu_percent(None), "mem_used_bytes": vm.total - vm.available,
-                "mem_total_bytes": vm.total, "load1": ps.getloadavg()[0]}
+        return {
+            "cpu_pct": ps.cpu_percent(None),
+            "mem_used_bytes": vm.total - vm.available,
+            "mem_total_bytes": vm.total,
+            "load1": ps.getloadavg()[0],
+        }
 
 
 class GpuSampler:
@@ -81,8 +89,9 @@ class GpuSampler:
             return
         try:
             pynvml.nvmlInit()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
-                             for i in range(pynvml.nvmlDeviceGetCount())]
+            self._handles = [
+                pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())
+            ]
         except pynvml.NVMLError as e:
             log.debug("NVML unavailable: %s", e)
             return
@@ -94,15 +103,16 @@ class GpuSampler:
         out: list[dict[str, Any]] = []
         for i, h in enumerate(self._handles):
             rec: dict[str, Any] = {"gpu": i}
-            for key, fn in (("util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
-                            ("mem_util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(h).memory),
-                            ("mem_used_bytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).used),
-                            ("mem_total_bytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).total),
-                            ("sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
-                            ("clock_event_reasons", lambda: _clock_reasons(nv, h)),
-                            ("temp_c", lambda: nv.nvmlDeviceGetTemperature(
-                                h, nv.NVML_TEMPERATURE_GPU)),
-                            ("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)):
+            for key, fn in (
+                ("util_pct", lambda h=h: nv.nvmlDeviceGetUtilizationRates(h).gpu),
+                ("mem_util_pct", lambda h=h: nv.nvmlDeviceGetUtilizationRates(h).memory),
+                ("mem_used_bytes", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).used),
+                ("mem_total_bytes", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).total),
+                ("sm_clock_mhz", lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                ("clock_event_reasons", lambda h=h: _clock_reasons(nv, h)),
+                ("temp_c", lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                ("power_w", lambda h=h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
+            ):
                 try:
                     rec[key] = fn()
                 except nv.NVMLError:
@@ -125,8 +135,10 @@ class GpuSampler:
 
 
 def _clock_reasons(nv: Any, h: Any) -> int:
-    fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-        nv.nvmlDeviceGetCurrentClocksThrottleReasons
+    fn = (
+        getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+    )
     return int(fn(h))
 
 
@@ -138,8 +150,10 @@ class MetricsSampler:
         self.gpus = GpuSampler()
 
     def sample(self, pids: Mapping[int, int]) -> dict[str, Any]:
-        rec: dict[str, Any] = {"host": self.procs.host(),
-                               "ranks": {str(r): v for r, v in self.procs.sample(pids).items()}}
+        rec: dict[str, Any] = {
+            "host": self.procs.host(),
+            "ranks": {str(r): v for r, v in self.procs.sample(pids).items()},
+        }
         if self.gpus.available:
             rec["gpus"] = self.gpus.sample({pid: r for r, pid in pids.items()})
         return rec

@@ -42,17 +42,30 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 #: Signal that makes a rank dump all thread stacks (faulthandler, no ptrace needed).
 STACK_SIGNAL = signal.SIGRTMIN + 3
 
 #: torch.distributed functions traced by :meth:`Recorder.trace_collectives`.
-TRACED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
-          "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all_single",
-          "all_gather_object", "broadcast_object_list",
-          "all_gather_single", "reduce_scatter_single")  # the last two: FSDP2's, torch >= 2.12
+TRACED = (
+    "all_reduce",
+    "broadcast",
+    "barrier",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all_single",
+    "all_gather_object",
+    "broadcast_object_list",
+    "all_gather_single",
+    "reduce_scatter_single",
+)  # the last two: FSDP2's, torch >= 2.12
 
 LIVE = "live.json"
 STACKS = "stacks.txt"
@@ -70,9 +83,18 @@ def _quantile(xs: list[float], q: float) -> float:
 class Recorder:
     """One per rank. Thread-safe; cheap to call from the training thread."""
 
-    def __init__(self, run_dir: Path, rank: int, *, world_size: int = 1, interval_s: float = 1.0,
-                 window: int = 200, ring: int = 64, clock: Callable[[], float] = time.time,
-                 faults: Any = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        *,
+        world_size: int = 1,
+        interval_s: float = 1.0,
+        window: int = 200,
+        ring: int = 64,
+        clock: Callable[[], float] = time.time,
+        faults: Any = None,
+    ) -> None:
         self.dir = rank_dir(run_dir, rank)
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
         self._clock = clock
@@ -100,13 +122,14 @@ class Recorder:
         self._step_comm_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._stack_file = open(self.dir / STACKS, "a")
         faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
         self._status = "running"
-        self._thread = threading.Thread(target=self._publish_loop, name="shoestring-recorder",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._publish_loop, name="shoestring-recorder", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -155,8 +178,7 @@ class Recorder:
             self._step = step
             for part, (sec, tok) in self._work_step.items() if count_work else ():
                 if tok > 0:
-                    self._work.setdefault(part, deque(maxlen=self._window)).append(
-                        (sec, tok, step))
+                    self._work.setdefault(part, deque(maxlen=self._window)).append((sec, tok, step))
             if count_work:
                 t = self._totals
                 t["steps"] += 1
@@ -170,14 +192,25 @@ class Recorder:
         with self._lock:
             self._seq += 1
             seq = self._seq
-            self._open[seq] = {"seq": seq, "op": op, "group": group, "shapes": shapes,
-                               "dtype": dtype, "start": self._clock(), "end": None}
+            self._open[seq] = {
+                "seq": seq,
+                "op": op,
+                "group": group,
+                "shapes": shapes,
+                "dtype": dtype,
+                "start": self._clock(),
+                "end": None,
+            }
         return seq
 
     def _begin_on(self, op: str, group: str, tensors: Sequence[Any]) -> int:
         """:meth:`_begin` described by the tensors a collective is called with."""
-        return self._begin(op, group, [list(getattr(t, "shape", ())) for t in tensors],
-                           str(getattr(tensors[0], "dtype", "")) if tensors else "")
+        return self._begin(
+            op,
+            group,
+            [list(getattr(t, "shape", ())) for t in tensors],
+            str(getattr(tensors[0], "dtype", "")) if tensors else "",
+        )
 
     def _end(self, seq: int) -> None:
         with self._lock:
@@ -254,8 +287,11 @@ class Recorder:
         @functools.wraps(fn)
         def traced(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._depth, "n", 0)
-            if depth or threading.get_ident() != self._traced_thread \
-                    or not on_default_group(kwargs.get("group")):
+            if (
+                depth
+                or threading.get_ident() != self._traced_thread
+                or not on_default_group(kwargs.get("group"))
+            ):
                 return fn(*args, **kwargs)
             tensors = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape")][:1]
             self._depth.n = 1
@@ -276,6 +312,7 @@ class Recorder:
                 self._depth.n = 0
                 if not closed_later:
                     self._end(seq)
+
         return traced
 
     # ------------------------------------------------------------------ publishing
@@ -284,22 +321,39 @@ class Recorder:
         with self._lock:
             phase, since = self._phase[-1] if self._phase else ("idle", now)
             outer = self._phase[0][0] if self._phase else "idle"
-            stats = {k: {"n": len(v), "p50": round(_quantile(list(v), 0.5), 6),
-                         "p99": round(_quantile(list(v), 0.99), 6), "max": round(max(v), 6)}
-                     for k, v in self._durations.items() if v}
+            stats = {
+                k: {
+                    "n": len(v),
+                    "p50": round(_quantile(list(v), 0.5), 6),
+                    "p99": round(_quantile(list(v), 0.99), 6),
+                    "max": round(max(v), 6),
+                }
+                for k, v in self._durations.items()
+                if v
+            }
             open_ = sorted(self._open.values(), key=lambda r: r["seq"])
-            return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                    "host": socket.gethostname(), "ts": now, "status": self._status,
-                    "step": self._step, "phase": phase, "outer_phase": outer,
-                    "phase_start": since,
-                    "outer_start": self._phase[0][1] if self._phase else now,
-                    "seq": self._seq,
-                    "open_collectives": [dict(r) for r in open_],
-                    "recent_collectives": [dict(r) for r in list(self._recent)[-8:]],
-                    "stats": stats,
-                    "totals": {k: round(v, 6) for k, v in self._totals.items()},
-                    "work": {k: [[round(sec, 9), int(tok), step] for sec, tok, step
-                                 in list(v)[-64:]] for k, v in self._work.items()}}
+            return {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "ts": now,
+                "status": self._status,
+                "step": self._step,
+                "phase": phase,
+                "outer_phase": outer,
+                "phase_start": since,
+                "outer_start": self._phase[0][1] if self._phase else now,
+                "seq": self._seq,
+                "open_collectives": [dict(r) for r in open_],
+                "recent_collectives": [dict(r) for r in list(self._recent)[-8:]],
+                "stats": stats,
+                "totals": {k: round(v, 6) for k, v in self._totals.items()},
+                "work": {
+                    k: [[round(sec, 9), int(tok), step] for sec, tok, step in list(v)[-64:]]
+                    for k, v in self._work.items()
+                },
+            }
 
     def publish(self) -> None:
         snap = self.snapshot()
@@ -330,13 +384,21 @@ class StartupBeacon:
         self.rank, self.world_size = rank, world_size
         self._stack_file: Any = None
 
-    def __enter__(self) -> "StartupBeacon":
+    def __enter__(self) -> StartupBeacon:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._stack_file = open(self.dir / STACKS, "a")
         faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
-        snap = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                "host": socket.gethostname(), "ts": time.time(), "status": "starting",
-                "step": 0, "phase": "start", "seq": 0}
+        snap = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "ts": time.time(),
+            "status": "starting",
+            "step": 0,
+            "phase": "start",
+            "seq": 0,
+        }
         tmp = self.dir / f".{LIVE}.tmp"
         tmp.write_text(json.dumps(snap, separators=(",", ":")))
         os.replace(tmp, self.dir / LIVE)
@@ -365,7 +427,7 @@ class NullRecorder:
     def trace_collectives(self) -> Iterator[None]:
         yield
 
-    def __enter__(self) -> "NullRecorder":
+    def __enter__(self) -> NullRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -30,8 +30,9 @@ lasting a few steps is not an alarm.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 PARTS = ("data", "forward")
 
@@ -71,8 +72,9 @@ def shared_cost_per_token(ranks: Sequence[Sequence[tuple[float, float]]]) -> flo
     return min(max(sxy / sxx, 0.0), cap)
 
 
-def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy,
-              back: int = 0) -> dict[str, Any] | None:
+def straggler(
+    snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy, back: int = 0
+) -> dict[str, Any] | None:
     """``{"rank", "part", "slower_by", "ms_per_step"}`` for the slowest straggler now, or None.
 
     Per part, each of a rank's last ``window`` steps is brought to the ranks' mean batch
@@ -90,18 +92,19 @@ def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy,
         work = s.get("work") or {}
         recent[r] = {}
         for part in PARTS:
-            xs = (work.get(part) or [])[:len(work.get(part) or []) - back]
+            xs = (work.get(part) or [])[: len(work.get(part) or []) - back]
             if len(xs) < policy.min_steps:
                 return None
-            recent[r][part] = [(float(x[0]), float(x[1])) for x in xs[-policy.window:]]
+            recent[r][part] = [(float(x[0]), float(x[1])) for x in xs[-policy.window :]]
     speed: dict[int, dict[str, float]] = {r: {} for r in recent}
     for part in PARTS:
         per_rank = [recent[r][part] for r in recent]
         b = shared_cost_per_token(per_rank)
         size = statistics.fmean(t for steps in per_rank for _, t in steps)
         for r in recent:
-            speed[r][part] = _lower_quartile([sec + b * (size - tok)
-                                              for sec, tok in recent[r][part]])
+            speed[r][part] = _lower_quartile(
+                [sec + b * (size - tok) for sec, tok in recent[r][part]]
+            )
     total = {r: sum(m.values()) for r, m in speed.items()}
     worst: dict[str, Any] | None = None
     for r, t in total.items():
@@ -111,11 +114,18 @@ def straggler(snaps: Mapping[int, Mapping[str, Any]], policy: StragglerPolicy,
             continue
         excess = t / ref - 1.0
         if worst is None or excess > worst["slower_by"]:
-            part = max(PARTS, key=lambda p: speed[r][p]
-                       - statistics.median(speed[q][p] for q in peers))
-            worst = {"rank": r, "part": part, "slower_by": round(excess, 4),
-                     "ms_per_step": {str(q): {p: round(v * 1e3, 4) for p, v in m.items()}
-                                     for q, m in sorted(speed.items())}}
+            part = max(
+                PARTS, key=lambda p: speed[r][p] - statistics.median(speed[q][p] for q in peers)
+            )
+            worst = {
+                "rank": r,
+                "part": part,
+                "slower_by": round(excess, 4),
+                "ms_per_step": {
+                    str(q): {p: round(v * 1e3, 4) for p, v in m.items()}
+                    for q, m in sorted(speed.items())
+                },
+            }
     return worst
 
 
@@ -147,8 +157,9 @@ class StragglerWatch:
             return None
         self._reported.add((rank, found["part"]))
         back = self.policy.confirm_steps - 1  # how far back the verdict holds
-        while (earlier := straggler(snaps, self.policy, back + 1)) is not None \
-                and earlier["rank"] == rank:
+        while (earlier := straggler(snaps, self.policy, back + 1)) is not None and earlier[
+            "rank"
+        ] == rank:
             back += 1
         work = snaps[rank]["work"][found["part"]]
         found["step"] = int(snaps[rank].get("step") or work[-1][2])

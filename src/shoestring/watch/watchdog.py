@@ -13,8 +13,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from shoestring.watch.degrade import DegradationMonitor, DegradePolicy
 from shoestring.watch.hang import HangPolicy, Verdict, analyze, not_started
@@ -37,8 +38,11 @@ def read_snapshots(run_dir: Path, since: float) -> dict[int, dict[str, Any]]:
     return out
 
 
-def capture_stacks(run_dir: Path, snaps: dict[int, dict[str, Any]], wait_s: float = 1.0,
-                   ) -> dict[int, str]:
+def capture_stacks(
+    run_dir: Path,
+    snaps: dict[int, dict[str, Any]],
+    wait_s: float = 1.0,
+) -> dict[int, str]:
     """Signal each live rank to dump all thread stacks; return what each one wrote."""
     host = os.uname().nodename
     sizes: dict[int, int] = {}
@@ -76,16 +80,26 @@ class Watchdog:
     every ``metrics_interval_s`` when given.
     """
 
-    def __init__(self, run_dir: Path, policy: HangPolicy, on_hang: Callable[[Verdict], None],
-                 *, on_alarm: Record | None = None, on_record: Record | None = None,
-                 on_snapshots: Callable[[dict[int, dict[str, Any]]], None] | None = None,
-                 stragglers: StragglerPolicy = StragglerPolicy(),
-                 degrade: DegradePolicy | None = None, sampler: Any = None,
-                 metrics_interval_s: float = 10.0,
-                 poll_s: float = 1.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        policy: HangPolicy,
+        on_hang: Callable[[Verdict], None],
+        *,
+        on_alarm: Record | None = None,
+        on_record: Record | None = None,
+        on_snapshots: Callable[[dict[int, dict[str, Any]]], None] | None = None,
+        stragglers: StragglerPolicy | None = None,
+        degrade: DegradePolicy | None = None,
+        sampler: Any = None,
+        metrics_interval_s: float = 10.0,
+        poll_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.run_dir, self.policy, self.on_hang = run_dir, policy, on_hang
         self.on_alarm, self.on_record, self.on_snapshots = on_alarm, on_record, on_snapshots
-        self.stragglers, self.degrade_policy = StragglerWatch(stragglers), degrade
+        self.stragglers = StragglerWatch(stragglers or StragglerPolicy())
+        self.degrade_policy = degrade
         self.sampler, self.metrics_interval_s = sampler, metrics_interval_s
         self.poll_s, self._clock = poll_s, clock
         self.verdict: Verdict | None = None
@@ -95,13 +109,12 @@ class Watchdog:
         self._degrade: DegradationMonitor | None = None
         self._next_sample = 0.0
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         self._since = self._clock()
         if self.degrade_policy is not None:
             self._degrade = DegradationMonitor(self.degrade_policy)
         self._next_sample = self._since + min(1.0, self.metrics_interval_s)
-        self._thread = threading.Thread(target=self._loop, name="shoestring-watchdog",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="shoestring-watchdog", daemon=True)
         self._thread.start()
         return self
 
@@ -132,8 +145,9 @@ class Watchdog:
         self._check_windows(snaps)
         self._sample(snaps)
         now = self._clock()
-        verdict = analyze(snaps, now, self.policy, world) or \
-            not_started(snaps, now, self.policy, world, self._since)
+        verdict = analyze(snaps, now, self.policy, world) or not_started(
+            snaps, now, self.policy, world, self._since
+        )
         if verdict is None:
             return None
         stacks = capture_stacks(self.run_dir, {r: snaps[r] for r in snaps})
@@ -141,17 +155,20 @@ class Watchdog:
             verdict.ranks.setdefault(r, {})["stacks"] = text
         return verdict
 
-    def _check_stragglers(self, snaps: dict[int, dict[str, Any]], world: int,
-                          status: str = "running") -> None:
+    def _check_stragglers(
+        self, snaps: dict[int, dict[str, Any]], world: int, status: str = "running"
+    ) -> None:
         running = {r: s for r, s in snaps.items() if s.get("status") == status}
         if self.on_alarm is None or len(running) < max(world, 2):
             return
         found = self.stragglers.observe(running)
         if found is None:
             return
-        found["message"] = (f"its {found['part']} work is {found['slower_by']:.0%} slower than "
-                            f"its peers' for the same batch size (since step "
-                            f"{found['slower_since_step']})")
+        found["message"] = (
+            f"its {found['part']} work is {found['slower_by']:.0%} slower than "
+            f"its peers' for the same batch size (since step "
+            f"{found['slower_since_step']})"
+        )
         self.on_alarm("straggler", found)
 
     def _check_windows(self, snaps: dict[int, dict[str, Any]]) -> None:
@@ -172,8 +189,11 @@ class Watchdog:
             return
         self._next_sample = now + self.metrics_interval_s
         host = os.uname().nodename
-        pids = {r: int(s["pid"]) for r, s in snaps.items()
-                if s.get("host") == host and s.get("status") == "running"}
+        pids = {
+            r: int(s["pid"])
+            for r, s in snaps.items()
+            if s.get("host") == host and s.get("status") == "running"
+        }
         rec = self.sampler.sample(pids)
         if self.on_record is not None:
             self.on_record("metrics", rec)
