@@ -43,12 +43,12 @@ def test_exported_adapter_loads_in_peft_with_the_trained_weights(
 ) -> None:
     from peft import PeftModel
 
+    from shoestring.hf import load_tokenizer
     from shoestring.train.config import LoraSection, ModelConfig
     from shoestring.train.export import export_adapter
     from shoestring.train.model import (
         apply_lora,
         load_base_model,
-        load_tokenizer,
         resolve_model_dir,
         trainable_parameters,
     )

@@ -212,7 +212,7 @@ def jobs() -> multiprocessing.context.BaseContext:
             "shoestring.cli",
             "shoestring.infer.job",
             "shoestring.infer.engine",
-            "shoestring.train.model",
+            "shoestring.hf",
         ]
     )
     return ctx

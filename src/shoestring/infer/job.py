@@ -253,7 +253,7 @@ def _device(cfg: InferConfig) -> torch.device:
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
-    from shoestring.train.model import load_tokenizer, quiet_hf
+    from shoestring.hf import load_tokenizer, quiet_hf
 
     quiet_hf()
     try:
@@ -287,7 +287,7 @@ def _identity(
     cfg: InferConfig, input_sha: str, model_dir: Path, adapter: LoraDelta | None
 ) -> dict[str, Any]:
     """What must not change between attempts of one run directory (run.json)."""
-    from shoestring.train.model import fingerprint
+    from shoestring.hf import fingerprint
 
     flat = to_flat(cfg)
     return {

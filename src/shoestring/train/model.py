@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shoestring.config import ConfigError
+from shoestring.hf import quiet_hf
 from shoestring.train.config import LoraSection, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
@@ -33,56 +31,6 @@ def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
     if not (p / "config.json").is_file():
         raise ConfigError(f"model.path: {p} has no config.json")
     return p
-
-
-def fingerprint(model_dir: Path, sample: int = 1 << 20) -> str:
-    """A cheap, content-based id of the base model.
-
-    Hashes config.json and, for each weight file, its name, size, safetensors
-    header (names, dtypes, shapes, offsets) and the first and last MiB. Any
-    re-download of different weights, a re-quantization or a swapped shard
-    changes it; hashing every byte of a 14 GB model at each start would not be
-    cheap enough.
-    """
-    h = hashlib.sha256()
-    h.update((model_dir / "config.json").read_bytes())
-    for p in sorted(model_dir.iterdir()):
-        if not p.name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        size = p.stat().st_size
-        h.update(f"{p.name}:{size}".encode())
-        with open(p, "rb") as f:
-            if p.suffix == ".safetensors" and size >= 8:
-                (n,) = struct.unpack("<Q", f.read(8))
-                h.update(f.read(min(n, size - 8)))
-            f.seek(0)
-            h.update(f.read(sample))
-            if size > sample:
-                f.seek(max(size - sample, 0))
-                h.update(f.read(sample))
-    return h.hexdigest()[:32]
-
-
-def load_tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    if tok.pad_token_id is None:
-        # Padding is masked out of attention and loss, so EOS is a safe pad.
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def quiet_hf() -> None:
-    """Our own progress display is the one users read; silence the library's bars."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    warnings.filterwarnings(
-        "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
-    )
 
 
 BNB_HINT = "needs bitsandbytes >= 0.50 (x86/aarch64 CPU and CUDA): pip install 'shoestring[qlora]'"

@@ -17,15 +17,14 @@ from typing import Any
 import torch
 
 from shoestring.config import to_flat
+from shoestring.hf import fingerprint, load_tokenizer
 from shoestring.train import data as D
 from shoestring.train.config import FinetuneConfig, config_hash
 from shoestring.train.device import Precision, set_deterministic
 from shoestring.train.learner import Learner
 from shoestring.train.model import (
     apply_lora,
-    fingerprint,
     load_base_model,
-    load_tokenizer,
     resolve_model_dir,
 )
 from shoestring.train.parallel import BatchPlan
