@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shoestring.config import load  # noqa: E402
+from shoestring.gpus import GiB, find_gpu  # noqa: E402
 from shoestring.plan.arch import PRESETS  # noqa: E402
 from shoestring.plan.estimate import Schedule, make_plan  # noqa: E402
-from shoestring.plan.gpus import GiB, find_gpu  # noqa: E402
 from shoestring.plan.workload import arch_for, workload_from_config  # noqa: E402
 from shoestring.train.config import FinetuneConfig  # noqa: E402
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CLI, FAST, read_events
-from shoestring.plan.gpus import CATALOG
+from shoestring.gpus import CATALOG
 from shoestring.report.html import render
 from shoestring.report.ledger import compute, price_for
 from shoestring.report.timeline import load

@@ -174,7 +174,7 @@ def test_catalog_prices_have_source_and_date() -> None:
     ],
 )
 def test_detected_device_names_map_to_the_catalog(device: str, name: str | None) -> None:
-    from shoestring.plan.gpus import detect_gpu_name
+    from shoestring.gpus import detect_gpu_name
 
     assert detect_gpu_name(device) == name
 

@@ -6,9 +6,9 @@ a fit verdict, the largest micro-batch / sequence that fit, advice, and time and
 cost estimates. ``shoestring plan`` prints it; ``shoestring finetune`` checks it.
 """
 
+from shoestring.gpus import CATALOG, GPU, find_gpu
 from shoestring.plan.arch import PRESETS, Arch, load_arch
 from shoestring.plan.estimate import Plan, Schedule, make_plan
-from shoestring.plan.gpus import CATALOG, GPU, find_gpu
 from shoestring.plan.memory import Workload, activation_bytes
 
 __all__ = [

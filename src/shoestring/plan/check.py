@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.config import ConfigError
+from shoestring.gpus import GPU, GiB, detect_gpu_name, find_gpu
 from shoestring.plan.estimate import Plan, Schedule, make_plan
-from shoestring.plan.gpus import GPU, GiB, detect_gpu_name, find_gpu
 from shoestring.plan.workload import arch_for, workload_from_config
 from shoestring.train.config import FinetuneConfig
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from shoestring import exitcodes
 from shoestring.config import Invocation, knob, positive, unit_interval
+from shoestring.gpus import CATALOG, GiB, find_gpu
 from shoestring.plan.arch import LINEARS, PRESETS
-from shoestring.plan.gpus import CATALOG, GiB, find_gpu
 from shoestring.plan.memory import Method
 from shoestring.train.config import ComputeDtype, Optimizer, Quantize
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shoestring.plan.gpus import CATALOG, GPU, GiB, MiB
+from shoestring.gpus import CATALOG, GPU, GiB, MiB
 from shoestring.plan.memory import (
     Workload,
     activation_bytes,

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from shoestring.gpus import GiB
 from shoestring.plan.estimate import Plan
-from shoestring.plan.gpus import GiB
 
 _LABELS = {
     "weights": "weights",

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.config import ConfigError, load
+from shoestring.gpus import GPU
 from shoestring.plan.arch import LINEARS, Arch, from_hf_config, load_arch
-from shoestring.plan.gpus import GPU
 from shoestring.plan.memory import Method, Workload
 from shoestring.train.config import FinetuneConfig
 

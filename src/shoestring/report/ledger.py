@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from shoestring.gpus import CATALOG, detect_gpu_name
 from shoestring.report.timeline import Timeline, load
 
 
@@ -30,8 +31,6 @@ class Price:
 
 def price_for(device: str | None, market: str = "spot", usd_per_hour: float = 0.0) -> Price:
     """A price from the catalog (or an explicit override) for one device-hour."""
-    from shoestring.plan.gpus import CATALOG, detect_gpu_name
-
     name = detect_gpu_name(device or "") if device else None
     g = CATALOG.get(name) if name else None
     od = g.on_demand_usd_h if g else None
