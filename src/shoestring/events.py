@@ -91,14 +91,28 @@ class EventLog:
         self.close()
 
 
-def read_events(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Yield the records of an event log, skipping a torn last line."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+def read_events(path: str | Path, *, tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
+    """Yield the records of an event log, skipping a torn last line (and any line that
+    is not JSON). A missing file has no records. ``tail_bytes``: read only the last N
+    bytes (the first, partial line is dropped), so the cost does not grow with the log."""
+    try:
+        with open(path, "rb") as f:
+            if tail_bytes is not None:
+                f.seek(0, os.SEEK_END)
+                start = max(f.tell() - tail_bytes, 0)
+                f.seek(start)
+                if start:
+                    f.readline()  # the partial line the seek landed in
+            raw = f.read()
+    except FileNotFoundError:
+        return
+    for line in raw.decode("utf-8", "replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            yield rec

@@ -19,7 +19,6 @@ and under ``PreemptMode=REQUEUE`` Slurm requeues the job itself.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shlex
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoestring import exitcodes
+from shoestring.events import read_events
 from shoestring.supervise.config import time_limit_s
 
 if TYPE_CHECKING:
@@ -233,15 +233,7 @@ def grace_from_events(records: Iterable[Mapping[str, Any]]) -> tuple[int, str]:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a torn last line
-    return out
+    return list(read_events(path))
 
 
 # --------------------------------------------------------------------------- requeue

@@ -7,7 +7,6 @@ it in whatever format it was written (files or DCP shards, any world size).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +16,7 @@ from shoestring.checkpoint import find_resume_point
 from shoestring.checkpoint.manifest import verify_dir
 from shoestring.checkpoint.sharded import is_sharded
 from shoestring.config import ConfigError, to_flat
+from shoestring.events import read_events
 from shoestring.train import state as S
 from shoestring.train.config import RESUME_SAFE_PREFIXES, FinetuneConfig, resume_relevant
 from shoestring.train.trainer import Trainer
@@ -46,20 +46,10 @@ def check_compatible(saved: Mapping[str, Any], cfg: FinetuneConfig, where: str) 
 
 def last_logged_step(events_path: Path) -> int | None:
     """The last ``step`` event of the previous attempts (read from the file's tail)."""
-    if not events_path.exists():
-        return None
-    with open(events_path, "rb") as f:
-        f.seek(0, 2)
-        f.seek(max(f.tell() - (1 << 20), 0))
-        tail = f.read().decode("utf-8", "replace").splitlines()
-    for line in reversed(tail):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("event") == "step":
-            return int(rec["step"])
-    return None
+    steps = [
+        r["step"] for r in read_events(events_path, tail_bytes=1 << 20) if r.get("event") == "step"
+    ]
+    return int(steps[-1]) if steps else None
 
 
 def _choose(t: Trainer, mode: str) -> tuple[int, str, str] | None:
