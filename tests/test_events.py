@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from shoestring.events import EventLog, read_events
 from shoestring.train.resume import last_logged_step
 
@@ -29,3 +31,26 @@ def test_tail_reads_only_the_end_and_drops_the_partial_first_line(tmp_path: Path
     assert [r["step"] for r in tail] == list(range(990, 1000))
     assert last_logged_step(p) == 999
     assert last_logged_step(tmp_path / "none.jsonl") is None
+
+
+def test_atomic_write_replaces_whole_and_leaves_no_temp_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from shoestring.fsio import atomic_write
+
+    p = tmp_path / "run.json"
+    atomic_write(p, b'{"a": 1}')
+    atomic_write(p, b'{"a": 2}', durable=False)
+    assert p.read_bytes() == b'{"a": 2}'
+    assert [q.name for q in tmp_path.iterdir()] == ["run.json"]
+
+    def fail(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(p, b'{"a": 3}')
+    assert p.read_bytes() == b'{"a": 2}'  # the old content, whole
+    assert [q.name for q in tmp_path.iterdir()] == ["run.json"]  # no temp file left

@@ -31,6 +31,7 @@ from shoestring.checkpoint.manifest import (
     sha256_bytes,
     sha256_file,
 )
+from shoestring.fsio import fsync_dir
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
@@ -42,14 +43,6 @@ def step_dirname(step: int) -> str:
 def parse_step(name: str) -> int | None:
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file_durably(path: Path, data: bytes | memoryview, faults: FaultPlan = NO_FAULTS) -> None:

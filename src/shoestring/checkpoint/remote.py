@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
-from shoestring.checkpoint.local import fsync_dir, parse_step, replace_dir, step_dirname
+from shoestring.checkpoint.local import parse_step, replace_dir, step_dirname
 from shoestring.checkpoint.manifest import MANIFEST, CorruptCheckpoint, Manifest, verify_dir
+from shoestring.fsio import fsync_dir
 
 
 def _fsspec() -> Any:

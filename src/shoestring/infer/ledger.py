@@ -13,7 +13,6 @@ missing chunks.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,15 +24,14 @@ from shoestring.checkpoint.local import (
     clean_stale,
     commit_local,
     committed_steps,
-    fsync_dir,
     quarantine,
     remove_checkpoint,
     step_dirname,
-    write_file_durably,
 )
 from shoestring.checkpoint.manifest import MANIFEST, CorruptCheckpoint, read_manifest, sha256_bytes
 from shoestring.config import ConfigError
 from shoestring.events import EventLog
+from shoestring.fsio import atomic_write
 from shoestring.infer import partial
 from shoestring.infer.decode import GenState
 from shoestring.infer.engine import StreamingCausalLM
@@ -111,10 +109,7 @@ class RunRecord:
 
 
 def write_json_durably(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    write_file_durably(tmp, json.dumps(obj, indent=2, sort_keys=True).encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True).encode())
 
 
 @dataclass
@@ -262,10 +257,7 @@ class ChunkLedger:
             (self.chunks_root / step_dirname(k) / CHUNK_FILE).read_bytes()
             for k in range(self.n_chunks)
         )
-        tmp = output.with_name(f".{output.name}.tmp-{uuid.uuid4().hex[:8]}")
-        write_file_durably(tmp, data)
-        os.replace(tmp, output)
-        fsync_dir(output.parent)
+        atomic_write(output, data)
         return len(data)
 
     def close(self) -> None:

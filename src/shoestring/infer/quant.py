@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from shoestring.checkpoint.local import fsync_dir, replace_dir
+from shoestring.checkpoint.local import replace_dir
+from shoestring.fsio import fsync_dir
 from shoestring.infer.codecs import Scheme, dequantize, quantize
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.shards import (

@@ -20,6 +20,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from shoestring.fsio import atomic_write
 from shoestring.report import svg
 from shoestring.report.live import read_live
 from shoestring.report.timeline import Alarm, Attempt, Timeline, load, median
@@ -817,7 +818,5 @@ def write_report(
     out = Path(output) if output is not None else run_dir / "report.html"
     page = render(timeline if timeline is not None else load(run_dir), sections)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
+    atomic_write(out, page.encode("utf-8"))
     return out

@@ -23,6 +23,7 @@ from shoestring.checkpoint.local import clean_stale
 from shoestring.config import ConfigError, to_yaml
 from shoestring.distributed import DistEnv, ProcessGroups
 from shoestring.events import EventLog
+from shoestring.fsio import atomic_write
 from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
 from shoestring.train import data as D
 from shoestring.train.builtin import BUILTIN_TASK, builtin_records
@@ -129,9 +130,7 @@ def _run_id(out: Path) -> str:
     if p.exists():
         return str(json.loads(p.read_text())["run_id"])
     rid = uuid.uuid4().hex[:12]
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"run_id": rid, "created": time.time()}))
-    tmp.replace(p)
+    atomic_write(p, json.dumps({"run_id": rid, "created": time.time()}).encode())
     return rid
 
 

@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from shoestring.fsio import atomic_write
+
 #: Signal that makes a rank dump all thread stacks (faulthandler, no ptrace needed).
 STACK_SIGNAL = signal.SIGRTMIN + 3
 
@@ -357,10 +359,10 @@ class Recorder:
 
     def publish(self) -> None:
         snap = self.snapshot()
-        tmp = self.dir / f".{LIVE}.tmp"
-        try:
-            tmp.write_text(json.dumps(snap, separators=(",", ":")))
-            os.replace(tmp, self.dir / LIVE)
+        try:  # rewritten every second, meaningless after a restart: atomic, not durable
+            atomic_write(
+                self.dir / LIVE, json.dumps(snap, separators=(",", ":")).encode(), durable=False
+            )
         except OSError:
             pass  # a full disk must not stop training; the watchdog sees a stale file
 
@@ -399,9 +401,9 @@ class StartupBeacon:
             "phase": "start",
             "seq": 0,
         }
-        tmp = self.dir / f".{LIVE}.tmp"
-        tmp.write_text(json.dumps(snap, separators=(",", ":")))
-        os.replace(tmp, self.dir / LIVE)
+        atomic_write(
+            self.dir / LIVE, json.dumps(snap, separators=(",", ":")).encode(), durable=False
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,42 @@
+"""Writing a file so that a reader sees the old or the new content, never half of it.
+
+One implementation for every small file a run keeps beside its checkpoints (run.json,
+config identity, the assembled inference output, reports, live state): write a
+uniquely named temp file in the same directory, then ``os.replace`` it into place.
+``durable`` (the default) also fsyncs the file before the rename and the directory
+after it, so the new content survives a power cut, not only a crash. Only state that
+is rewritten every second and means nothing after a restart (a rank's ``live.json``)
+passes ``durable=False``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically (and durably unless ``durable=False``)."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
