@@ -36,6 +36,7 @@ from shoestring.config import (
 )
 from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
 from shoestring.report.cli import ReportConfig, TopConfig
+from shoestring.rundir import RunDir
 from shoestring.supervise.config import SLURM_EPILOG, RunConfig, SlurmConfig
 from shoestring.train.config import FinetuneConfig, FinetuneOptions
 
@@ -104,7 +105,7 @@ def _finetune(cfg: FinetuneConfig, call: Invocation) -> int:
     from shoestring.train.loop import RunOptions, finetune
 
     resume = _finetune_options(call).resume
-    if resume == "never" and committed_steps(Path(cfg.output_dir) / "checkpoints"):
+    if resume == "never" and committed_steps(RunDir(Path(cfg.output_dir)).checkpoints):
         raise ConfigError(
             f"--resume never: {cfg.output_dir} already has checkpoints; "
             "choose another output_dir or delete them yourself"

@@ -12,13 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-LIVE = "live.json"  # the recorder's file name (shoestring.watch.recorder.LIVE)
+from shoestring.rundir import RunDir
 
 
 def read_live(run_dir: Path) -> dict[int, dict[str, Any]]:
     """Every rank's latest snapshot, by rank."""
     out: dict[int, dict[str, Any]] = {}
-    for p in (Path(run_dir) / "ranks").glob(f"rank*/{LIVE}"):
+    for p in RunDir(Path(run_dir)).live_files():
         try:
             snap = json.loads(p.read_text())
             rank = int(snap.get("rank", p.parent.name[4:]))

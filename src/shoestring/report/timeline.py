@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoestring.rundir import RunDir
+
 #: Events that report a problem: listed in the alarms table and marked on the timeline.
 #: ``alarm`` is the generic kind (its own ``kind`` field says which).
 ALARM_EVENTS = frozenset(
@@ -144,7 +146,7 @@ class Timeline:
             if rid and rid != "supervisor":
                 return str(rid)
         try:
-            return str(json.loads((self.run_dir / "run.json").read_text())["run_id"])
+            return str(json.loads(RunDir(self.run_dir).run_json.read_text())["run_id"])
         except (OSError, ValueError, KeyError, TypeError):
             return "?"
 
@@ -225,9 +227,10 @@ class Timeline:
 # ---------------------------------------------------------------------- reading
 def event_files(run_dir: Path) -> list[Path]:
     """Rank 0's log, then every other rank's, in rank order."""
-    files = [run_dir / "events.jsonl"]
+    rd = RunDir(run_dir)
+    files = [rd.events]
     rank_files = []
-    for p in (run_dir / "ranks").glob("rank*/events.jsonl"):
+    for p in rd.event_files()[1:]:
         try:
             rank_files.append((int(p.parent.name[4:]), p))
         except ValueError:

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from shoestring.report.live import Tail, read_live
 from shoestring.report.timeline import ALARM_EVENTS, SUPERVISOR_RANK, Alarm, Event, to_alarm
+from shoestring.rundir import RunDir
 
 #: A running rank whose snapshot is older than this is shown as stale.
 STALE_S = 5.0
@@ -76,9 +77,7 @@ class Top:
 
     # ------------------------------------------------------------------ reading
     def _files(self) -> list[Path]:
-        files = [self.run_dir / "events.jsonl"]
-        files += sorted((self.run_dir / "ranks").glob("rank*/events.jsonl"))
-        return [p for p in files if p.is_file()]
+        return [p for p in RunDir(self.run_dir).event_files() if p.is_file()]
 
     def poll(self) -> None:
         recs: list[dict[str, Any]] = []

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoestring import exitcodes
 from shoestring.events import read_events
+from shoestring.rundir import RunDir
 from shoestring.supervise.config import time_limit_s
 
 if TYPE_CHECKING:
@@ -341,7 +342,7 @@ def options_from_config(
                 f"{what} {v!r} contains whitespace, which #SBATCH lines "
                 "cannot carry; choose a path without it"
             )
-    grace, why = grace_from_events(read_records(run_dir / "events.jsonl"))
+    grace, why = grace_from_events(read_records(RunDir(run_dir).events))
     if cfg.grace is not None:
         grace, why = cfg.grace, "set by grace"
     limit = time_limit_s(cfg.time) if cfg.time else None

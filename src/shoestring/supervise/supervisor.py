@@ -25,6 +25,7 @@ from typing import Any
 from shoestring import exitcodes
 from shoestring.config import ConfigError, Invocation
 from shoestring.events import EventLog
+from shoestring.rundir import RunDir
 from shoestring.supervise.config import RunConfig, SlurmRequeue
 from shoestring.supervise.launch import LaunchSpec, launch_argv
 from shoestring.supervise.slurm import requeue_after_signal
@@ -119,12 +120,8 @@ class Supervisor:
     def _events(self) -> EventLog | None:
         if self.cfg.run_dir is None:
             return None
-        run_id = "supervisor"
-        try:
-            run_id = json.loads((self.cfg.run_dir / "run.json").read_text())["run_id"]
-        except (OSError, ValueError, KeyError):
-            pass
-        return EventLog(self.cfg.run_dir / "events.jsonl", run_id=run_id, rank=-1)
+        rd = RunDir(self.cfg.run_dir)
+        return EventLog(rd.events, run_id=rd.run_id() or "supervisor", rank=-1)
 
     def _emit(self, event: str, **fields: object) -> None:
         # Opened per record and only between attempts: rank 0 owns the file while a job runs.
@@ -156,7 +153,7 @@ class Supervisor:
         self._hung = verdict
         rec = verdict.to_json()
         assert self.cfg.run_dir is not None
-        vdir = self.cfg.run_dir / "verdicts"
+        vdir = RunDir(self.cfg.run_dir).verdicts
         vdir.mkdir(parents=True, exist_ok=True)
         stem = f"hang-{int(time.time() * 1000)}"
         self._attach_nccl_traces(rec, f"{stem}.")
@@ -278,7 +275,7 @@ class Supervisor:
 
     def _cost_line(self) -> None:
         """The run's cost ledger over all attempts, one line on stderr."""
-        if self.cfg.run_dir is None or not (self.cfg.run_dir / "events.jsonl").exists():
+        if self.cfg.run_dir is None or not (RunDir(self.cfg.run_dir).events).exists():
             return
         from shoestring.report.ledger import compute
         from shoestring.report.timeline import load
@@ -290,13 +287,13 @@ class Supervisor:
 
     def _job_preempted(self, since: float) -> bool:
         """Did rank 0 of this attempt log a committed emergency checkpoint?"""
-        if self.cfg.run_dir is None or not (self.cfg.run_dir / "events.jsonl").exists():
+        if self.cfg.run_dir is None or not (RunDir(self.cfg.run_dir).events).exists():
             return False
         from shoestring.events import read_events
 
         return any(
             e.get("event") == "preempt" and e.get("saved") and e.get("ts", 0) >= since
-            for e in read_events(self.cfg.run_dir / "events.jsonl")
+            for e in read_events(RunDir(self.cfg.run_dir).events)
         )
 
     def _watchdog(self) -> Watchdog:

@@ -55,9 +55,9 @@ def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
 def _save_policy(t: Trainer, step: int) -> SavePolicy:
     c, run = t.cfg.checkpoint, t.run
     failures, hours = 0, 0.0
-    if c.interval == "auto" and run.strategy.rank == 0 and (run.out / "events.jsonl").exists():
+    if c.interval == "auto" and run.strategy.rank == 0 and run.dir.events.exists():
         run.events.sync()
-        failures, hours = history_from_events(read_events(run.out / "events.jsonl"))
+        failures, hours = history_from_events(read_events(run.dir.events))
     return SavePolicy.from_config(
         c, step, failures=failures, hours_observed=hours, share=run.strategy.share
     )

@@ -111,7 +111,7 @@ def resume(t: Trainer, mode: str) -> S.Progress:
 def _report(
     t: Trainer, progress: S.Progress, path: Path, source: str, saved_world: int, sharded: bool
 ) -> None:
-    last = last_logged_step(t.run.out / "events.jsonl")
+    last = last_logged_step(t.run.dir.events)
     lost = max((last or 0) - progress.step, 0)
     world = t.run.strategy.world_size
     t.run.events.emit(

@@ -25,6 +25,7 @@ from shoestring.distributed import DistEnv, ProcessGroups
 from shoestring.events import EventLog
 from shoestring.fsio import atomic_write
 from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
+from shoestring.rundir import RunDir
 from shoestring.train import data as D
 from shoestring.train.builtin import BUILTIN_TASK, builtin_records
 from shoestring.train.config import FinetuneConfig
@@ -90,7 +91,7 @@ class Inputs:
 
 def _remote_store(cfg: FinetuneConfig, rank: int) -> RemoteStore | None:
     storage = cfg.checkpoint.storage
-    local = Path(cfg.output_dir) / "checkpoints"
+    local = RunDir(Path(cfg.output_dir)).checkpoints
     if not storage or Path(storage).expanduser().resolve() == local.resolve():
         return None
     remote = RemoteStore(storage)
@@ -117,20 +118,25 @@ class Run:
     remote: RemoteStore | None
 
     @property
+    def dir(self) -> RunDir:
+        return RunDir(self.out)
+
+    @property
     def ckroot(self) -> Path:
-        return self.out / "checkpoints"
+        return self.dir.checkpoints
 
     @property
     def faults(self) -> FaultPlan:
         return self.opts.faults
 
 
-def _run_id(out: Path) -> str:
-    p = out / "run.json"
-    if p.exists():
-        return str(json.loads(p.read_text())["run_id"])
+def _run_id(rd: RunDir) -> str:
+    """The run's stable id: read from run.json, or created with it on the first start."""
+    existing = rd.run_id()
+    if existing is not None:
+        return existing
     rid = uuid.uuid4().hex[:12]
-    atomic_write(p, json.dumps({"run_id": rid, "created": time.time()}).encode())
+    atomic_write(rd.run_json, json.dumps({"run_id": rid, "created": time.time()}).encode())
     return rid
 
 
@@ -138,10 +144,11 @@ def _prepare_dir(cfg: FinetuneConfig, out: Path, strategy: Strategy) -> str:
     """Rank 0 creates the run directory; every rank gets the run id."""
     run_id = ""
     if strategy.rank == 0:
+        rd = RunDir(out)
         out.mkdir(parents=True, exist_ok=True)
-        run_id = _run_id(out)
-        clean_stale(out / "checkpoints")
-        (out / "config.yaml").write_text(to_yaml(cfg))
+        run_id = _run_id(rd)
+        clean_stale(rd.checkpoints)
+        atomic_write(rd.config_yaml, to_yaml(cfg).encode())
     return str(strategy.share(run_id))
 
 
@@ -171,15 +178,10 @@ def open_run(cfg: FinetuneConfig, opts: RunOptions, remote: RemoteStore | None) 
         strategy = make_strategy(cfg, groups)
         run_id = _prepare_dir(cfg, out, strategy)
         # Rank 0 owns events.jsonl; other ranks log beside it (the watchdog reads those).
-        log_path = (
-            out / "events.jsonl"
-            if dist.rank == 0
-            else out / "ranks" / f"rank{dist.rank}" / "events.jsonl"
-        )
-        events = EventLog(log_path, run_id=run_id, rank=dist.rank)
+        events = EventLog(RunDir(out).rank_events(dist.rank), run_id=run_id, rank=dist.rank)
         stack.callback(events.close)
         writer = strategy.make_writer(
-            out / "checkpoints", cfg.checkpoint, events, remote, opts.faults
+            RunDir(out).checkpoints, cfg.checkpoint, events, remote, opts.faults
         )
         stack.callback(writer.close)
         w = cfg.watch

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoestring.rundir import RunDir
+
 #: Names under the run directory: dumps beside the verdicts, pipes beside the ranks' state.
 TRACE_NAME = "nccl_trace_rank_"
 PIPE_NAME = "nccl_pipe_rank_"
@@ -95,8 +97,8 @@ def flight_recorder_env(
         )
     out.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if "TORCH_FR_DUMP_TEMP_FILE" not in env and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
-        out["TORCH_FR_DUMP_TEMP_FILE"] = str(root / "verdicts" / TRACE_NAME)
-    out.setdefault("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", str(root / "ranks" / PIPE_NAME))
+        out["TORCH_FR_DUMP_TEMP_FILE"] = str(RunDir(root).verdicts / TRACE_NAME)
+    out.setdefault("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", str(RunDir(root).ranks / PIPE_NAME))
     return out
 
 

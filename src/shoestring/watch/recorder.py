@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.fsio import atomic_write
+from shoestring.rundir import LIVE, RunDir
 
 #: Signal that makes a rank dump all thread stacks (faulthandler, no ptrace needed).
 STACK_SIGNAL = signal.SIGRTMIN + 3
@@ -69,12 +70,11 @@ TRACED = (
     "reduce_scatter_single",
 )  # the last two: FSDP2's, torch >= 2.12
 
-LIVE = "live.json"
 STACKS = "stacks.txt"
 
 
 def rank_dir(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / "ranks" / f"rank{rank}"
+    return RunDir(Path(run_dir)).rank_dir(rank)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -382,7 +382,7 @@ class StartupBeacon:
     """
 
     def __init__(self, run_dir: Path, rank: int, world_size: int) -> None:
-        self.dir = Path(run_dir) / "ranks" / f"rank{rank}"
+        self.dir = rank_dir(run_dir, rank)
         self.rank, self.world_size = rank, world_size
         self._stack_file: Any = None
 

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shoestring.rundir import RunDir
 from shoestring.watch.degrade import DegradationMonitor, DegradePolicy
 from shoestring.watch.hang import HangPolicy, Verdict, analyze, not_started
-from shoestring.watch.recorder import LIVE, STACK_SIGNAL, STACKS
+from shoestring.watch.recorder import STACK_SIGNAL, STACKS
 from shoestring.watch.straggler import StragglerPolicy, StragglerWatch
 
 log = logging.getLogger("shoestring.watch")
@@ -28,7 +29,7 @@ log = logging.getLogger("shoestring.watch")
 def read_snapshots(run_dir: Path, since: float) -> dict[int, dict[str, Any]]:
     """Live snapshots written after ``since`` (older ones belong to an earlier attempt)."""
     out: dict[int, dict[str, Any]] = {}
-    for p in (run_dir / "ranks").glob(f"rank*/{LIVE}"):
+    for p in RunDir(run_dir).live_files():
         try:
             snap = json.loads(p.read_text())
         except (OSError, ValueError):
@@ -47,7 +48,7 @@ def capture_stacks(
     host = os.uname().nodename
     sizes: dict[int, int] = {}
     for r, s in snaps.items():
-        path = run_dir / "ranks" / f"rank{r}" / STACKS
+        path = RunDir(run_dir).rank_dir(r) / STACKS
         sizes[r] = path.stat().st_size if path.exists() else 0
         if s.get("host") == host:
             try:
@@ -57,7 +58,7 @@ def capture_stacks(
     time.sleep(wait_s)
     stacks: dict[int, str] = {}
     for r in snaps:
-        path = run_dir / "ranks" / f"rank{r}" / STACKS
+        path = RunDir(run_dir).rank_dir(r) / STACKS
         try:
             with open(path, "rb") as f:
                 f.seek(sizes[r])
