@@ -122,10 +122,6 @@ class Run:
         return RunDir(self.out)
 
     @property
-    def ckroot(self) -> Path:
-        return self.dir.checkpoints
-
-    @property
     def faults(self) -> FaultPlan:
         return self.opts.faults
 

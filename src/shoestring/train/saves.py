@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from shoestring.checkpoint.interval import AutoInterval, IntervalPolicy
@@ -37,7 +37,6 @@ class SavePolicy:
     next_auto_step: int = 0
     _auto_clock: float = 0.0
     _auto_last: int = -1
-    _pending: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_config(
