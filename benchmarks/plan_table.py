@@ -28,7 +28,7 @@ def _arch(path: str) -> tuple[object, str]:
     p = Path(path)
     if path.startswith("builtin:") or p.is_dir():
         return arch_for(path, "model.path"), path
-    key = p.name.lower().removesuffix("-hf")
+    key = p.name.lower().removesuffix("-hf").removeprefix("meta-")
     if key in PRESETS:
         return PRESETS[key], f"preset {key}"
     raise SystemExit(f"{path}: not here and no preset named {key!r}")

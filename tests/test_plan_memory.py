@@ -290,3 +290,55 @@ def test_activations_scale_linearly_in_batch_and_layers() -> None:
     assert two == pytest.approx(2 * one, rel=1e-3)
     gc = M.activation_bytes(M.Workload(**{**base.__dict__, "gradient_checkpointing": True}))
     assert gc.saved < one / 5 and gc.recompute == M.activation_bytes(base).per_layer
+
+
+AUTOCAST_CASES = [
+    # shape, batch, seq, quantize, dropout, gc, padded
+    (dict(h=192, f=640, layers=2, heads=3, kv=1, vocab=1000), 3, 48, "none", 0.1, False, False),
+    (dict(h=128, f=384, layers=2, heads=4, kv=2, vocab=320), 2, 32, "none", 0.0, False, True),
+    (dict(h=128, f=384, layers=2, heads=2, kv=2, vocab=320), 4, 16, "nf4", 0.05, False, True),
+    (dict(h=256, f=768, layers=3, heads=4, kv=2, vocab=2048), 2, 64, "none", 0.05, False, False),
+]
+
+
+@pytest.mark.parametrize(
+    "case", AUTOCAST_CASES, ids=lambda c: f"{c[3]}-p{c[4]}-{'gc' if c[5] else 'nogc'}-pad{c[6]}"
+)
+def test_activation_bytes_under_autocast(tmp_path: Path, case: tuple[Any, ...]) -> None:
+    """``train.precision bf16`` runs the step under autocast: the fp32 LoRA matmuls then
+    run (and save their inputs) in bf16. CPU autocast applies the same cast policy to
+    ``linear`` as CUDA's, so the saved bytes are measured here."""
+    shape, b, s, quantize, dropout, gc, padded = case
+    torch.set_num_threads(1)
+    model_dir, cfg = _tiny_dir(tmp_path, **shape)
+    model = _lora_model(
+        model_dir, "bfloat16", quantize, r=8, dropout=dropout, targets=["all-linear"], gc=gc
+    )
+    model.train()
+    ids = torch.randint(0, shape["vocab"], (b, s), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, s // 2 :] = 0
+
+    def forward() -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=ids, attention_mask=mask, labels=ids)
+
+    measured = saved_activation_bytes(model, forward)
+    w = M.Workload(
+        arch=from_hf_config(cfg.to_dict()),
+        method="qlora" if quantize != "none" else "lora",
+        quantize=quantize,
+        dtype="bfloat16",
+        lora_r=8,
+        lora_dropout=dropout,
+        seq_len=s,
+        micro_batch=b,
+        gradient_checkpointing=gc,
+        padded=padded,
+        device="cpu",
+        autocast=True,
+    )
+    without = M.activation_bytes(M.Workload(**{**w.__dict__, "autocast": False})).saved
+    assert without > measured * 1.05  # the autocast term matters at these shapes
+    _within(M.activation_bytes(w).saved, measured, 0.05)

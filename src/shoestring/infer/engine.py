@@ -266,12 +266,15 @@ class StreamingCausalLM:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         t = mb.input_ids.shape[1]
-        pos = (mb.attention_mask.long().cumsum(-1) - 1).clamp_(min=0)[:, -t:]
+        # The micro-batch's mask is host bookkeeping (decode appends to it); the
+        # positions, masks and rotary tables are built from a copy on the compute device.
+        mask = mb.attention_mask.to(self.device, non_blocking=True)
+        pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)[:, -t:]
         kinds = {self._mask_kind(i) for i in range(len(self.layers))}
         kw = dict(
             config=self.config,
             inputs_embeds=mb.hidden,
-            attention_mask=mb.attention_mask,
+            attention_mask=mask,
             cache=mb.cache,
             position_ids=pos,
         )

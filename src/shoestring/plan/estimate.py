@@ -18,6 +18,11 @@ from shoestring.plan.memory import (
 #: CUDA context + cuBLAS workspace outside ``max_memory_allocated`` (seen as
 #: 300-600 MiB in the research notes; uncalibrated until benchmarks/plan_vs_cuda.py runs).
 CUDA_CONTEXT_BYTES = 500 * MiB
+#: cuBLAS workspace, which torch takes from its caching allocator (so it is inside
+#: ``max_memory_allocated``) for the stream that runs the matmuls: 32 MiB is torch's
+#: default on sm90 (H100/H200); older GPUs get 8 MiB + 128 KiB, so this is an upper
+#: bound there. The 2026-12-04 H200 check left ~37 MiB unexplained on a 100 MB run.
+CUBLAS_WORKSPACE_BYTES = 32 * MiB
 #: Allocator fragmentation allowance on the dynamic (activation) part.
 FRAGMENTATION = 0.05
 #: Model FLOPs utilization assumed per method (uncalibrated). QLoRA's 1.6x
@@ -72,6 +77,7 @@ def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
         "optimizer": optimizer_bytes(w),
         "activations": act.saved + act.held,
         "logits_and_backward_transient": max(act.logits, act.recompute),
+        "workspace": CUBLAS_WORKSPACE_BYTES if w.device == "cuda" else 0,
         "overhead": (CUDA_CONTEXT_BYTES if w.device == "cuda" else 0)
         + int(FRAGMENTATION * dynamic),
     }

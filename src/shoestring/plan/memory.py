@@ -59,6 +59,9 @@ class Workload:
     optimizer: Optimizer = "adamw"
     padded: bool = True  # batches carry an attention mask (no packing)
     device: str = "cuda"  # cuda | cpu: dropout masks are 1-byte bools on CUDA only
+    #: The step runs under 16-bit autocast (``train.precision bf16|fp16`` on a 16-bit
+    #: model): the fp32 LoRA matmuls then run, and save their inputs, in ``dtype``.
+    autocast: bool = False
     double_quant: bool = True
 
     @property
@@ -195,17 +198,25 @@ def _linear(
     if name not in w.adapted:
         return x_rg
     cast = e != 4  # PEFT casts the input to the fp32 adapter dtype, per module
+    # Under autocast, lora_A/lora_B cast their fp32 inputs back to the compute dtype
+    # and save those copies: the adapter matmuls run in 16 bits.
+    lora_e = e if w.autocast else 4
     mask_bytes = 1 if w.device == "cuda" else 4  # native_dropout bool mask vs CPU scaled mask
     if w.lora_dropout > 0:
         if x_rg:
-            t.add("lora_inputs", T * din * mask_bytes)
-        t.add("lora_inputs", T * din * 4)  # dropped input, saved by lora_A
+            t.add("lora_inputs", T * din * mask_bytes)  # dropout runs on the fp32 cast
+        t.add("lora_inputs", T * din * lora_e)  # dropped input, saved by lora_A
     elif cast:
-        t.add("lora_inputs", T * din * 4)
+        t.add("lora_inputs", T * din * lora_e)
     elif group not in shared:
         shared.add(group)
         t.add("lora_inputs", T * din * 4)
-    t.add("lora_inputs", T * w.lora_r * 4)  # lora_A output, saved by lora_B
+    t.add("lora_inputs", T * w.lora_r * lora_e)  # lora_A output, saved by lora_B
+    if w.autocast:
+        # autocast's cached 16-bit copies of the fp32 adapter weights, saved for the
+        # input gradients: lora_B's always, lora_A's only if its input requires grad.
+        dout = w.arch.linear_shapes()[name][1]
+        t.add("lora_weights", w.lora_r * (dout + (din if x_rg else 0)) * e)
     return True
 
 

@@ -58,6 +58,9 @@ def workload_from_config(
     dtype = cfg.model.dtype
     if dtype == "auto":
         dtype = "bfloat16" if gpu is None or gpu.bf16_flops else "float16"
+    precision = t.precision
+    if precision == "auto":  # as train.device.resolve: 16-bit autocast on a GPU
+        precision = "fp32" if device == "cpu" else "bf16"
     mb = t.micro_batch_size or max(t.batch_size // world_size, 1)
     accum = max(t.batch_size // (mb * world_size), 1)
     method: Method = "qlora" if cfg.lora.quantize != "none" else "lora"
@@ -76,6 +79,7 @@ def workload_from_config(
         optimizer=t.optimizer,
         padded=not cfg.data.packing,
         device=device,
+        autocast=precision != "fp32" and dtype != "float32",
     )
     return w, t.max_steps
 
@@ -133,6 +137,7 @@ def resolve_request(
             arch=arch_for(req.model, "--model"),
             gradient_checkpointing=True,
             dtype="bfloat16" if gpu.bf16_flops else "float16",
+            autocast=True,  # finetune's train.precision auto on a GPU
         )
         steps = 1000
     method = req.method or w.method
