@@ -14,35 +14,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-IGNORE_INDEX = -100
+from shoestring.data.records import IGNORE_INDEX, DataError, Example, Record
 
-
-class DataError(ValueError):
-    """Bad training data; the message names the file and line."""
-
-
-@dataclass(frozen=True)
-class Record:
-    source: str  # "file.jsonl:12"
-    prompt: str | None
-    completion: str | None
-    text: str | None
-
-    @property
-    def is_pair(self) -> bool:
-        return self.text is None
-
-
-@dataclass(frozen=True)
-class Example:
-    input_ids: list[int]
-    labels: list[int]
+__all__ = ["IGNORE_INDEX", "DataError", "Example", "Record"]
 
 
 class Tokenizer(Protocol):
@@ -65,14 +44,14 @@ def parse_record(obj: Any, where: str) -> Record:
             raise DataError(f"{where}: 'text' must be a string")
         if not obj["text"]:
             raise DataError(f"{where}: 'text' is empty")
-        return Record(where, None, None, obj["text"])
+        return Record(where, text=obj["text"])
     if "prompt" in keys and "completion" in keys:
         for k in ("prompt", "completion"):
             if not isinstance(obj[k], str):
                 raise DataError(f"{where}: '{k}' must be a string")
         if not obj["completion"]:
             raise DataError(f"{where}: 'completion' is empty")
-        return Record(where, obj["prompt"], obj["completion"], None)
+        return Record(where, prompt=obj["prompt"], completion=obj["completion"])
     missing = (
         "'completion'"
         if "prompt" in keys
