@@ -107,7 +107,7 @@ def _trainer(tmp: Path, cache: Path, *over: str) -> Iterator[Trainer]:
         0,
     )
     opts = RunOptions(resume="never", cache_dir=cache, tty=False)
-    inputs = Inputs.prepare(cfg, opts.dist)
+    inputs = Inputs.prepare(cfg, opts.dist, opts.cache_dir)
     with open_run(cfg, opts, inputs.remote) as run:
         yield build_trainer(cfg, run, inputs)
 

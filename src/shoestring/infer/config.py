@@ -69,8 +69,9 @@ class InferModelConfig:
 class IOConfig:
     input: str = knob(
         "",
-        'Input JSONL: one {"prompt": ...} object per line; in score mode '
-        'also "completion" (a string) or "choices" (a list of strings).',
+        'Input JSONL: one {"prompt": ...} or OpenAI-style {"messages": [...]} object '
+        "per line (conversations are rendered with the model's chat template); in "
+        'score mode also "completion" (a string) or "choices" (a list of strings).',
     )
     output: str = knob(
         "",
@@ -93,7 +94,16 @@ class GenerateConfig:
         choices=("generate", "score"),
     )
     max_new_tokens: int = knob(32, "Tokens to generate per prompt (greedy).", check=positive)
-    stop_at_eos: bool = knob(True, "Stop a sequence at the tokenizer's EOS token.")
+    stop_at_eos: bool = knob(
+        True,
+        "Stop a sequence at the tokenizer's EOS token (and, for conversations, at the "
+        "chat template's end-of-turn token).",
+    )
+    chat_template: str = knob(
+        "",
+        'Jinja file overriding the tokenizer\'s chat template for "messages" inputs '
+        "(use the one the adapter was trained with). Empty: the tokenizer's own.",
+    )
 
 
 @dataclass

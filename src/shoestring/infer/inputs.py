@@ -9,15 +9,35 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.config import ConfigError
+from shoestring.data.formats import parse_record as parse_data_record
+from shoestring.data.records import DataError
 
 
 @dataclass(frozen=True)
 class Record:
     line: int  # 1-based line number in the input
-    prompt: str
+    prompt: str  # "" for a conversation: ``messages`` is rendered with the chat template
     completion: str | None = None
     choices: tuple[str, ...] | None = None
     id: Any = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+
+
+def _prompt(obj: dict[str, Any], where: str) -> tuple[str, Any, Any]:
+    """The prompt text, or the conversation (OpenAI ``messages`` [+ ``tools``]) to render."""
+    if "messages" in obj:
+        try:
+            chat = parse_data_record(
+                {k: obj[k] for k in ("messages", "tools") if k in obj}, where, "messages"
+            )
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+        return "", chat.messages, chat.tools
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        raise ConfigError(f'{where}: needs a string "prompt" or a "messages" list')
+    return prompt, None, None
 
 
 def read_records(path: Path, mode: str) -> tuple[list[Record], str]:
@@ -37,9 +57,7 @@ def read_records(path: Path, mode: str) -> tuple[list[Record], str]:
             raise ConfigError(f"{where}: not valid JSON: {e}") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        prompt = obj.get("prompt")
-        if not isinstance(prompt, str):
-            raise ConfigError(f'{where}: needs a string "prompt"')
+        prompt, messages, tools = _prompt(obj, where)
         completion, choices = obj.get("completion"), obj.get("choices")
         if mode == "score":
             if (completion is None) == (choices is None):
@@ -64,6 +82,8 @@ def read_records(path: Path, mode: str) -> tuple[list[Record], str]:
                 completion,
                 tuple(choices) if choices is not None else None,
                 obj.get("id"),
+                messages,
+                tools,
             )
         )
     if not records:

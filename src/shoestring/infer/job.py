@@ -23,6 +23,7 @@ caches back to the last whole pass, saves the generation state (also every
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -112,12 +113,15 @@ class InferJob:
             torch.set_num_threads(cfg.job.num_threads)
         device = _device(cfg)
         tok = _load_tokenizer(model_dir)
-        work = tokenize(records, tok, cfg.generate.mode)
+        template = _chat_template(cfg)
+        work = tokenize(records, tok, cfg.generate.mode, template)
         prior = RunRecord.read(run_dir)
         engine = _build_engine(cfg, model_dir, device, prior)
         if adapter is not None:
             adapter.check(set(engine.refs))
         identity = _identity(cfg, input_sha, model_dir, adapter)
+        if template is not None:  # outputs depend on it; unset keeps older run dirs valid
+            identity["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
         if prior is not None:
             prior.check(identity)
         scheme = cfg.compress.scheme
@@ -250,6 +254,19 @@ def _device(cfg: InferConfig) -> torch.device:
         if cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
         else "cpu"
     )
+
+
+def _chat_template(cfg: InferConfig) -> str | None:
+    """The ``generate.chat_template`` file's Jinja source, checked (None: the tokenizer's)."""
+    if not cfg.generate.chat_template:
+        return None
+    from shoestring.data.chat import load_template
+    from shoestring.data.records import DataError
+
+    try:
+        return load_template(cfg.generate.chat_template)
+    except DataError as e:
+        raise ConfigError(f"generate.chat_template: {e}") from None
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

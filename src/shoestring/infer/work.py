@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shoestring.config import ConfigError
+from shoestring.data.chat import end_of_turn_ids, prompt_ids
+from shoestring.data.records import DataError
 from shoestring.infer.decode import Generated, Scored
 from shoestring.infer.inputs import Record
 
@@ -29,10 +31,22 @@ class Work:
         return [(i, j) for i in records for j in range(len(self.seqs[i]))]
 
 
-def tokenize(records: list[Record], tok: Any, mode: str) -> Work:
+def _context(r: Record, tok: Any, template: str | None) -> list[int]:
+    """The prompt's tokens: a conversation rendered with the chat template (with the
+    assistant header, as training rendered it), else the text with the tokenizer's
+    special tokens."""
+    if r.messages is None:
+        return list(tok(r.prompt)["input_ids"])
+    try:
+        return prompt_ids(r.messages, tok, template, r.tools)
+    except DataError as e:
+        raise ConfigError(f"io.input: line {r.line}: {e}") from None
+
+
+def tokenize(records: list[Record], tok: Any, mode: str, template: str | None = None) -> Work:
     seqs, starts = [], []
     for r in records:
-        ctx = tok(r.prompt)["input_ids"]
+        ctx = _context(r, tok, template)
         if mode == "generate":
             if not ctx:
                 raise ConfigError(f"io.input: line {r.line}: the prompt has no tokens")
@@ -48,10 +62,18 @@ def tokenize(records: list[Record], tok: Any, mode: str) -> Work:
         conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
         seqs.append([ctx + c for c in conts])
         starts.append([len(ctx)] * len(conts))
+    return Work(records, seqs, starts, *_stops(records, tok, template))
+
+
+def _stops(records: list[Record], tok: Any, template: str | None) -> tuple[set[int], int]:
+    """EOS ids (plus the template's end-of-turn tokens when any prompt is a
+    conversation) and the pad id."""
     eos = tok.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    if any(r.messages is not None for r in records):
+        eos_ids |= set(end_of_turn_ids(tok, template))
     pad = tok.pad_token_id if tok.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
-    return Work(records, seqs, starts, eos_ids, pad)
+    return eos_ids, pad
 
 
 def output_lines(

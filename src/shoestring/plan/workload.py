@@ -77,7 +77,9 @@ def workload_from_config(
         grad_accum=accum,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         optimizer=t.optimizer,
-        padded=not cfg.data.packing,
+        # Packed rows get a block-diagonal mask (per-sample position ids), except under
+        # flash attention, which packs by position ids without a mask.
+        padded=not cfg.data.packing or cfg.model.attn_implementation != "flash_attention_2",
         device=device,
         autocast=precision != "fp32" and dtype != "float32",
     )

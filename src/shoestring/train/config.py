@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shoestring.config import knob, non_negative, positive, to_flat, unit_interval
+from shoestring.data.records import Format as DataFormat
+from shoestring.data.records import LossOn, Truncate
 
 # --------------------------------------------------------------------------- choices
 
@@ -62,20 +64,58 @@ class ModelConfig:
 class DataConfig:
     train: str = knob(
         "builtin:reverse",
-        'Training JSONL: one {"text": ...} or '
-        '{"prompt": ..., "completion": ...} object per line. '
+        "Training data: a .jsonl/.json/.parquet/.csv file, a folder of such shards, a "
+        "datasets save_to_disk folder, an fsspec URL (s3://, gs://, ...) of any of these, "
+        "or a Hugging Face dataset name (needs the Hub, or its local cache). "
         "'builtin:reverse' uses the bundled word-reversal task.",
     )
     eval: str = knob(
         "auto",
-        "Held-out JSONL in the same format. 'auto': the bundled task's "
-        "held-out split when data.train is built in, else none. Empty: no eval.",
+        "Held-out data, in any form data.train takes, or a fraction of data.train "
+        "(e.g. 0.05, split with train.seed). 'auto': the bundled task's held-out split "
+        "when data.train is built in, else none. Empty: no eval.",
+    )
+    format: DataFormat = knob(
+        "auto",
+        "Record shape: text, prompt_completion, messages (OpenAI chat), alpaca, "
+        "sharegpt; 'auto' detects it per file from the first record (logged).",
+    )
+    chat_template: str = knob(
+        "",
+        "Jinja file overriding the tokenizer's chat template (conversations, eval and "
+        "infer all use it). Empty: the tokenizer's own.",
+    )
+    loss_on: LossOn = knob(
+        "assistant",
+        "Conversations: train on every token ('all'), every assistant turn "
+        "('assistant', end-of-turn tokens included) or the last one ('last_assistant').",
     )
     max_length: int = knob(
-        64, "Maximum tokens per sample (packing block size when packing).", check=positive
+        64, "Maximum tokens per sample (the packed row length when packing).", check=positive
+    )
+    truncate: Truncate = knob(
+        "right",
+        "Samples over max_length: keep the start ('right'), keep the end ('left') or "
+        "drop them ('drop'); counted in the 'data' event.",
     )
     packing: bool = knob(
-        False, "Pack samples into max_length blocks instead of padding each batch."
+        False,
+        "Pack whole samples into max_length rows (best fit); attention never crosses "
+        "samples (per-sample position ids).",
+    )
+    cache: bool = knob(
+        True,
+        "Tokenize once into a memory-mapped cache (under ~/.cache/shoestring/data) "
+        "that restarts and other ranks reuse.",
+    )
+    cache_storage: str = knob(
+        "",
+        "fsspec URL to publish the tokenized cache to, so a new machine downloads it "
+        "instead of tokenizing. Empty: <checkpoint.storage>/data-cache when "
+        "checkpoint.storage is a URL or folder, else local only.",
+    )
+    workers: int = knob(
+        0, "Tokenizer processes on a cache miss (0: one per CPU core).", check=non_negative
     )
 
 
@@ -363,6 +403,8 @@ RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "preempt.",
     "export.",
     "data.eval",
+    "data.cache",
+    "data.workers",
     "distributed.",
     "watch.",
     "cost.",
@@ -370,8 +412,21 @@ RESUME_SAFE_PREFIXES: tuple[str, ...] = (
 )
 
 
+def eval_fraction(spec: str) -> float | None:
+    """``data.eval`` as a fraction of the training data (``0.05``), or None (a source)."""
+    try:
+        value = float(spec)
+    except ValueError:
+        return None
+    return value if 0 < value < 1 else None
+
+
 def resume_relevant(flat: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in flat.items() if not k.startswith(RESUME_SAFE_PREFIXES)}
+    kept = {k: v for k, v in flat.items() if not k.startswith(RESUME_SAFE_PREFIXES)}
+    fraction = eval_fraction(str(flat.get("data.eval", "")))
+    if fraction is not None:  # a held-out fraction changes which samples are trained on
+        kept["data.eval"] = fraction
+    return kept
 
 
 def config_hash(cfg: FinetuneConfig) -> str:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shoestring.train.data import IGNORE_INDEX, Example, Record, collate
+from shoestring.data.chat import end_of_turn_ids, prompt_ids
+from shoestring.data.records import IGNORE_INDEX, Example, Record
 from shoestring.train.device import to_device
+from shoestring.train.samples import collate_padded
 
 
 @torch.no_grad()
@@ -34,7 +37,7 @@ def eval_loss(
         for i in range(0, len(examples), batch_size):
             if should_stop():
                 return None
-            batch = to_device(collate(examples[i : i + batch_size], pad_id), device)
+            batch = to_device(collate_padded(examples[i : i + batch_size], pad_id), device)
             labels = batch.pop("labels")
             logits = model(**batch).logits.float()
             shift_logits = logits[:, :-1].reshape(-1, logits.size(-1))
@@ -50,33 +53,64 @@ def eval_loss(
     return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": count}
 
 
+@dataclass(frozen=True)
+class Probe:
+    """One exact-match question: the prompt as training rendered it, and the answer."""
+
+    prompt: list[int]
+    want: str
+    stop: tuple[int, ...]
+
+
+def probes(records: Sequence[Record], tok: Any, template: str | None) -> list[Probe]:
+    """Prompt+completion records and conversations ending in an assistant turn, rendered
+    the way training renders them (BOS + prompt; the chat template up to the answer)."""
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+    out: list[Probe] = []
+    for r in records:
+        if r.messages is not None:
+            last = r.messages[-1]
+            if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+                ids = prompt_ids(r.messages[:-1], tok, template, r.tools)
+                stop = tuple(end_of_turn_ids(tok, template)) or eos
+                out.append(Probe(ids, last["content"], stop))
+        elif r.is_pair:
+            ids = bos + tok.encode(r.prompt or "", add_special_tokens=False)
+            out.append(Probe(ids, r.completion or "", eos))
+    return out
+
+
+def _answer(tok: Any, row: list[int], stop: tuple[int, ...]) -> str:
+    cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+    return str(tok.decode(row[:cut], skip_special_tokens=True))
+
+
 @torch.no_grad()
 def exact_match(
     model: Any,
     tok: Any,
-    records: Sequence[Record],
+    items: Sequence[Probe],
     max_new_tokens: int,
     batch_size: int,
     should_stop: Callable[[], bool],
     device: torch.device | None = None,
 ) -> dict[str, float] | None:
-    """Greedy-decode each prompt; count completions reproduced exactly (up to EOS)."""
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    groups: dict[int, list[tuple[list[int], str]]] = defaultdict(list)
-    for r in records:
-        ids = bos + tok.encode(r.prompt or "", add_special_tokens=False)
-        groups[len(ids)].append((ids, r.completion or ""))
+    """Greedy-decode each prompt; count answers reproduced exactly (up to a stop token)."""
+    groups: dict[int, list[Probe]] = defaultdict(list)
+    for p in items:
+        groups[len(p.prompt)].append(p)
     was_training = model.training
     model.eval()
     hits = n = 0
     try:
-        for _length, items in sorted(groups.items()):
+        for _length, group in sorted(groups.items()):
             # Same-length prompts batch without padding, so no position-id subtleties.
-            for i in range(0, len(items), batch_size):
+            for i in range(0, len(group), batch_size):
                 if should_stop():
                     return None
-                chunk = items[i : i + batch_size]
-                ids = torch.tensor([c[0] for c in chunk], device=device)
+                chunk = group[i : i + batch_size]
+                ids = torch.tensor([p.prompt for p in chunk], device=device)
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=torch.ones_like(ids),
@@ -84,12 +118,10 @@ def exact_match(
                     do_sample=False,
                     use_cache=True,
                     pad_token_id=tok.pad_token_id,
-                    eos_token_id=tok.eos_token_id,
+                    eos_token_id=list(chunk[0].stop) or None,
                 )
-                for row, (_ids, want) in zip(out[:, ids.size(1) :].tolist(), chunk):
-                    if tok.eos_token_id in row:
-                        row = row[: row.index(tok.eos_token_id)]
-                    hits += int(tok.decode(row, skip_special_tokens=True) == want)
+                for row, p in zip(out[:, ids.size(1) :].tolist(), chunk):
+                    hits += int(_answer(tok, row, p.stop) == p.want)
                     n += 1
     finally:
         model.train(was_training)

@@ -37,7 +37,7 @@ def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
     """Run (or resume) a fine-tuning job; returns an exit code from :mod:`shoestring.exitcodes`."""
     opts = opts or RunOptions()
     cfg = resolve(cfg, opts.accelerator or Accelerator.probe(), opts.dist.local_rank)
-    inputs = Inputs.prepare(cfg, opts.dist)
+    inputs = Inputs.prepare(cfg, opts.dist, opts.cache_dir)
     with open_run(cfg, opts, inputs.remote) as run:
         try:
             with run.rec.phase("setup"):
@@ -81,7 +81,7 @@ def save(t: Trainer, progress: S.Progress, reason: str, *, sync: bool) -> float:
 
 def evaluate(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
     """Loss/perplexity and exact match on the held-out set, where the strategy says."""
-    if not t.data.eval_records or not t.run.strategy.evaluates_here():
+    if not t.data.eval_examples or not t.run.strategy.evaluates_here():
         return None
     c, model = t.cfg.eval, t.learner.model
     t0 = time.perf_counter()
@@ -95,9 +95,9 @@ def evaluate(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
             stop,
             t.device,
         )
-        pairs = [r for r in t.data.eval_records[: c.max_samples or None] if r.is_pair]
-        if res is not None and c.exact_match and pairs:
-            em = exact_match(model, t.tok, pairs, c.max_new_tokens, c.batch_size, stop, t.device)
+        probes = t.data.probes[: c.max_samples or None]
+        if res is not None and c.exact_match and probes:
+            em = exact_match(model, t.tok, probes, c.max_new_tokens, c.batch_size, stop, t.device)
             res = None if em is None else {**res, **em}
     if res is None:
         return None
@@ -116,7 +116,8 @@ def begin(t: Trainer, progress: S.Progress) -> ProgressDisplay:
         model=str(t.model_dir),
         base_fingerprint=t.base_fp,
         config_hash=t.config_hash,
-        train_samples=len(t.data.examples),
+        train_samples=t.data.samples_count,
+        train_rows=len(t.data.samples),
         world_size=run.strategy.world_size,
         strategy=run.strategy.name,
         micro_batch_size=t.data.batch.micro_batch_size,

@@ -26,9 +26,8 @@ from shoestring.events import EventLog
 from shoestring.fsio import atomic_write
 from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
 from shoestring.rundir import RunDir
-from shoestring.train import data as D
-from shoestring.train.builtin import BUILTIN_TASK, builtin_records
 from shoestring.train.config import FinetuneConfig
+from shoestring.train.dataset import DataInputs
 from shoestring.train.device import Accelerator
 from shoestring.train.model import require_bitsandbytes
 from shoestring.train.parallel import BatchPlan
@@ -54,23 +53,17 @@ class RunOptions:
     ledger: Callable[[Path], tuple[dict[str, Any], str]] | None = None
 
 
-def _records(spec: str, split: str) -> list[D.Record]:
-    if spec == BUILTIN_TASK:
-        return D.from_dicts(builtin_records(split), f"{BUILTIN_TASK}[{split}]")
-    return D.read_jsonl(spec)
-
-
 @dataclass(frozen=True)
 class Inputs:
-    """The data records, the batch split and the checkpoint store, checked."""
+    """The data (sources, template, parsed records), the batch split and the checkpoint
+    store, checked before anything is written or loaded."""
 
-    train_records: list[D.Record]
-    eval_records: list[D.Record]
+    data: DataInputs
     batch: BatchPlan
     remote: RemoteStore | None
 
     @classmethod
-    def prepare(cls, cfg: FinetuneConfig, dist: DistEnv) -> Inputs:
+    def prepare(cls, cfg: FinetuneConfig, dist: DistEnv, cache_dir: Path) -> Inputs:
         if cfg.lora.quantize != "none":
             require_bitsandbytes("lora.quantize")
         if cfg.train.optimizer != "adamw":
@@ -78,15 +71,16 @@ class Inputs:
         batch = BatchPlan.make(
             cfg.train.batch_size, cfg.train.micro_batch_size, dist.world_size, dist.rank
         )
-        eval_spec = cfg.data.eval
-        if eval_spec == "auto":
-            eval_spec = BUILTIN_TASK if cfg.data.train == BUILTIN_TASK else ""
-        return cls(
-            _records(cfg.data.train, "train"),
-            _records(eval_spec, "eval") if eval_spec else [],
-            batch,
-            _remote_store(cfg, dist.rank),
-        )
+        return cls(DataInputs.prepare(cfg, cache_dir), batch, _remote_store(cfg, dist.rank))
+
+
+def data_cache_storage(cfg: FinetuneConfig) -> str | None:
+    """Where the tokenized cache is published: ``data.cache_storage``, else next to the
+    remote checkpoints (``<checkpoint.storage>/data-cache``), else nowhere."""
+    if cfg.data.cache_storage:
+        return cfg.data.cache_storage
+    storage = cfg.checkpoint.storage
+    return f"{storage.rstrip('/')}/data-cache" if storage else None
 
 
 def _remote_store(cfg: FinetuneConfig, rank: int) -> RemoteStore | None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from shoestring.train import data as D
 from shoestring.train import state as S
 from shoestring.train.device import peak_memory, to_device
 from shoestring.train.model import check_lora_gradients
@@ -28,7 +27,7 @@ from shoestring.train.trainer import Trainer
 def _micro_batch(t: Trainer, idx: list[int], start: int, size: int) -> dict[str, torch.Tensor]:
     t_data = time.perf_counter()
     t.run.faults.hit("step.data")
-    batch = D.collate([t.data.examples[i] for i in idx[start : start + size]], t.tok.pad_token_id)
+    batch = t.data.samples.collate(idx[start : start + size], t.tok.pad_token_id)
     batch = to_device(batch, t.device)
     t.run.rec.work("data", time.perf_counter() - t_data, batch["input_ids"].numel())
     return batch
@@ -70,8 +69,9 @@ def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
     plan, cfg = t.data.batch, t.cfg.train
     t0 = time.perf_counter()
     idx = t.data.order.indices(progress.consumed, plan.batch_size)
-    n_items = torch.tensor(sum(D.label_count(t.data.examples[i]) for i in idx), device=t.device)
-    tokens = sum(len(t.data.examples[i].input_ids) for i in idx)
+    samples = t.data.samples
+    n_items = torch.tensor(sum(samples.label_tokens(i) for i in idx), device=t.device)
+    tokens = sum(samples.tokens(i) for i in idx)
     chunks = list(plan.my_chunks())
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     for k, (chunk, start, size) in enumerate(chunks):

@@ -18,8 +18,8 @@ import torch
 
 from shoestring.config import to_flat
 from shoestring.hf import fingerprint, load_tokenizer
-from shoestring.train import data as D
 from shoestring.train.config import FinetuneConfig, config_hash
+from shoestring.train.dataset import DataContext, TrainData, load_train_data
 from shoestring.train.device import Precision, set_deterministic
 from shoestring.train.learner import Learner
 from shoestring.train.model import (
@@ -27,32 +27,7 @@ from shoestring.train.model import (
     load_base_model,
     resolve_model_dir,
 )
-from shoestring.train.parallel import BatchPlan
-from shoestring.train.run import Inputs, Run
-
-
-@dataclass(frozen=True)
-class TrainData:
-    """Tokenized examples and the sample order; the records are kept for exact match."""
-
-    examples: list[D.Example]
-    eval_examples: list[D.Example]
-    eval_records: list[D.Record]
-    order: D.SampleOrder
-    batch: BatchPlan
-
-    @classmethod
-    def build(cls, cfg: FinetuneConfig, inputs: Inputs, tok: Any, stop: Any) -> TrainData:
-        examples = D.tokenize(inputs.train_records, tok, cfg.data.max_length, stop)
-        if cfg.data.packing:
-            examples = D.pack(examples, cfg.data.max_length)
-        return cls(
-            examples,
-            D.tokenize(inputs.eval_records, tok, cfg.data.max_length, stop),
-            inputs.eval_records,
-            D.SampleOrder(len(examples), cfg.train.seed),
-            inputs.batch,
-        )
+from shoestring.train.run import Inputs, Run, data_cache_storage
 
 
 @dataclass
@@ -118,6 +93,16 @@ def _learner(cfg: FinetuneConfig, run: Run, model_dir: Path, precision: Precisio
     return Learner.build(model, wrapped, cfg.train, precision.make_scaler())
 
 
+def _data_context(cfg: FinetuneConfig, run: Run) -> DataContext:
+    return DataContext(
+        cache_dir=run.opts.cache_dir,
+        remote=data_cache_storage(cfg) if cfg.data.cache else None,
+        events=run.events,
+        should_stop=run.flag.is_set,
+        tty=bool(run.opts.tty) and run.strategy.rank == 0,
+    )
+
+
 def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -130,7 +115,7 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
     _plan_check(cfg, run, model_dir)
     base_fp = fingerprint(model_dir)
     tok = load_tokenizer(model_dir)
-    data = TrainData.build(cfg, inputs, tok, run.flag.is_set)
+    data = load_train_data(cfg, inputs.data, inputs.batch, tok, _data_context(cfg, run))
     precision = Precision(cfg.train.precision, device)  # type: ignore[arg-type]
     learner = _learner(cfg, run, model_dir, precision)
     return Trainer(

@@ -1,0 +1,272 @@
+"""Records → examples (token ids and labels), truncated to ``data.max_length``.
+
+Three kinds of record: ``text`` (loss on every token after BOS), ``pair`` (loss on
+the completion and EOS) and ``chat`` (rendered by the chat template; loss per
+``data.loss_on``, see :mod:`shoestring.data.chat`). Text and pairs give exactly the
+ids and labels the trainer has always given, so existing runs keep their hashes.
+
+Records are tokenized in chunks with batch encoding; ``workers > 1`` spreads the
+chunks over a process pool. The result is the same for any number of workers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoestring.data.chat import encode_with_offsets, label_tokens, render_chat, require_fast
+from shoestring.data.records import (
+    IGNORE_INDEX,
+    DataError,
+    Example,
+    LossOn,
+    Record,
+    Truncate,
+)
+
+#: Records per unit of work: ``should_stop`` is polled and progress shown per chunk.
+CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class TokenizeSpec:
+    """How records become examples (the ``data.*`` settings that matter here)."""
+
+    max_length: int
+    loss_on: LossOn = "assistant"
+    truncate: Truncate = "right"
+    #: Jinja source overriding the tokenizer's template (``data.chat_template``, already read).
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_length < 1:
+            raise ValueError(f"data.max_length must be at least 1, got {self.max_length}")
+
+
+@dataclass
+class TokenizeStats:
+    """What tokenizing did: kept samples, truncated and dropped ones, token counts."""
+
+    samples: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    label_tokens: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)  # "text" / "pair" / "chat" → records
+
+    def add(self, other: TokenizeStats) -> None:
+        self.samples += other.samples
+        self.truncated += other.truncated
+        self.dropped += other.dropped
+        self.tokens += other.tokens
+        self.label_tokens += other.label_tokens
+        for kind, n in other.kinds.items():
+            self.kinds[kind] = self.kinds.get(kind, 0) + n
+
+
+ChunkResult = tuple[list[Example], TokenizeStats]
+ChunkResults = Generator[ChunkResult, None, None]
+
+
+# --------------------------------------------------------------------------- one chunk
+
+
+def _encode_plain(tok: Any, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    if not callable(tok):  # a bare ``encode(text, add_special_tokens)`` tokenizer
+        return [list(tok.encode(text, add_special_tokens=False)) for text in texts]
+    enc = tok(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)
+    return [list(ids) for ids in enc["input_ids"]]
+
+
+def _plain_pieces(r: Record) -> list[str]:
+    return [r.text] if r.text is not None else [r.prompt or "", r.completion or ""]
+
+
+def _plain_example(
+    r: Record, pieces: Iterator[list[int]], bos: list[int], eos: list[int]
+) -> Example:
+    """Exactly ``shoestring.train.data.tokenize`` before truncation."""
+    if r.text is not None:
+        ids = bos + next(pieces) + eos
+        labels = list(ids)
+        if bos:
+            labels[0] = IGNORE_INDEX
+        return Example(ids, labels)
+    prompt = bos + next(pieces)
+    completion = next(pieces) + eos
+    return Example(prompt + completion, [IGNORE_INDEX] * len(prompt) + completion)
+
+
+def _chat_examples(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> Iterator[Example]:
+    if not records:
+        return iter(())
+    require_fast(tok)
+    rendered = [render_chat(r, tok, spec) for r in records]
+    all_ids, all_offsets = encode_with_offsets(tok, [c.text for c in rendered])
+    return (
+        Example(ids, label_tokens(ids, offsets, c.spans))
+        for ids, offsets, c in zip(all_ids, all_offsets, rendered, strict=True)
+    )
+
+
+def _untruncated(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> list[Example]:
+    """Examples of a chunk in order, encoded in one batch per kind of record."""
+    plain = [r for r in records if r.kind != "chat"]
+    pieces = iter(_encode_plain(tok, [p for r in plain for p in _plain_pieces(r)]))
+    chats = _chat_examples([r for r in records if r.kind == "chat"], tok, spec)
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    return [
+        next(chats) if r.kind == "chat" else _plain_example(r, pieces, bos, eos) for r in records
+    ]
+
+
+def _fit(r: Record, ex: Example, spec: TokenizeSpec) -> tuple[Example | None, bool]:
+    """Apply ``data.truncate``; ``(None, ...)`` when the sample is dropped."""
+    limit = spec.max_length
+    over = len(ex.input_ids) > limit
+    if over and spec.truncate == "drop":
+        return None, True
+    if over:
+        keep = slice(None, limit) if spec.truncate == "right" else slice(-limit, None)
+        ex = Example(ex.input_ids[keep], ex.labels[keep])
+    if all(x == IGNORE_INDEX for x in ex.labels[1:]):
+        if spec.truncate == "drop":
+            return None, over
+        hint = "prompt too long?" if spec.truncate == "right" else "answer too short?"
+        raise DataError(
+            f"{r.source}: nothing to learn after truncation to data.max_length={limit} ({hint})"
+        )
+    return ex, over
+
+
+def tokenize_record(r: Record, tok: Any, spec: TokenizeSpec) -> tuple[Example | None, bool]:
+    """One record → ``(example, was over max_length)``; the example is ``None`` when
+    ``data.truncate=drop`` drops it."""
+    return _fit(r, _untruncated([r], tok, spec)[0], spec)
+
+
+def _tokenize_chunk(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> ChunkResult:
+    out: list[Example] = []
+    stats = TokenizeStats()
+    for r, ex in zip(records, _untruncated(records, tok, spec), strict=True):
+        stats.kinds[r.kind] = stats.kinds.get(r.kind, 0) + 1
+        fitted, over = _fit(r, ex, spec)
+        if fitted is None:
+            stats.dropped += 1
+            continue
+        out.append(fitted)
+        stats.samples += 1
+        stats.truncated += int(over)
+        stats.tokens += len(fitted.input_ids)
+        stats.label_tokens += sum(1 for x in fitted.labels[1:] if x != IGNORE_INDEX)
+    return out, stats
+
+
+# --------------------------------------------------------------------------- many chunks
+
+
+def _chunk_bounds(n: int) -> list[tuple[int, int]]:
+    return [(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK)]
+
+
+def _sequential(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> ChunkResults:
+    for start, end in _chunk_bounds(len(records)):
+        yield _tokenize_chunk(records[start:end], tok, spec)
+
+
+#: Set once in each pool worker process by ``_start_worker`` (inherited, not pickled,
+#: under fork); the parent never sets it.
+_WORKER_JOB: list[tuple[Sequence[Record], Any, TokenizeSpec]] = []
+
+
+def _start_worker(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> None:
+    _WORKER_JOB[:] = [(records, tok, spec)]
+
+
+def _worker_chunk(bounds: tuple[int, int]) -> ChunkResult:
+    records, tok, spec = _WORKER_JOB[0]
+    return _tokenize_chunk(records[bounds[0] : bounds[1]], tok, spec)
+
+
+def _parallel(
+    records: Sequence[Record], tok: Any, spec: TokenizeSpec, workers: int
+) -> ChunkResults:
+    """Chunks over a process pool, results in record order. Under fork (Linux) the
+    workers inherit the records and tokenizer; only chunk bounds and results travel."""
+    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(records, tok, spec)
+    )
+    try:
+        yield from pool.map(_worker_chunk, _chunk_bounds(len(records)))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def tokenize_records(
+    records: Sequence[Record],
+    tok: Any,
+    spec: TokenizeSpec,
+    *,
+    workers: int = 1,
+    progress: bool = False,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> tuple[list[Example], TokenizeStats]:
+    """All records → examples, in record order, the same for any ``workers``.
+
+    ``should_stop`` is polled between chunks (``InterruptedError`` when it says so);
+    ``progress`` shows a bar on stderr.
+    """
+    from tqdm import tqdm
+
+    pool_size = min(workers, len(_chunk_bounds(len(records))))
+    results = (
+        _parallel(records, tok, spec, pool_size)
+        if pool_size > 1
+        else _sequential(records, tok, spec)
+    )
+    examples: list[Example] = []
+    stats = TokenizeStats()
+    bar = tqdm(
+        total=len(records),
+        desc="tokenizing",
+        unit=" samples",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    with closing(results), bar:
+        while True:
+            if should_stop():
+                raise InterruptedError("preempted while tokenizing")
+            chunk = next(results, None)
+            if chunk is None:
+                break
+            examples += chunk[0]
+            stats.add(chunk[1])
+            bar.update(sum(chunk[1].kinds.values()))
+    return examples, stats
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_chat_ready(tok: Any, spec: TokenizeSpec, needs_chat: bool) -> None:
+    """Before any model is loaded: conversations need a chat template and offsets."""
+    if not needs_chat:
+        return
+    if spec.chat_template is None and not getattr(tok, "chat_template", None):
+        name = getattr(tok, "name_or_path", "") or "the model"
+        raise DataError(
+            f"the training data has conversations (messages), but the tokenizer of {name} "
+            "has no chat template (a base model?); set data.chat_template FILE to a Jinja "
+            "chat template, e.g. the instruct model's"
+        )
+    require_fast(tok)

@@ -1,0 +1,284 @@
+"""A run's data: sources → tokenized examples (cached) → samples, eval examples, probes.
+
+:class:`DataInputs` is the cheap part, done before anything is written or loaded:
+find the sources and their content digests, read the chat template, parse the
+held-out records, and parse the training records unless a committed tokenized
+cache already exists for them (so a malformed file fails with ``file:line``
+before a run directory exists). :func:`load_train_data` then maps the cache — or
+builds it once (in parallel) and publishes it next to the checkpoints — and packs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shoestring.config import ConfigError
+from shoestring.data.cache import CacheWriter, TokenCache, cache_key, open_or_build
+from shoestring.data.chat import load_template
+from shoestring.data.records import DataError, Example, Record
+from shoestring.data.sources import read_records, resolve_source, split_eval
+from shoestring.data.tokenize import TokenizeSpec, check_chat_ready, tokenize_records
+from shoestring.events import EventLog
+from shoestring.train.builtin import BUILTIN_MODEL, BUILTIN_TASK, builtin_records
+from shoestring.train.config import FinetuneConfig, eval_fraction
+from shoestring.train.data import SampleOrder, from_dicts
+from shoestring.train.evaluate import Probe, probes
+from shoestring.train.parallel import BatchPlan
+from shoestring.train.samples import ExampleStore, PackedSamples, PaddedSamples, Samples
+
+#: Files that decide how a model directory's tokenizer encodes and renders text.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where records come from: a content digest (for the cache key) and a reader."""
+
+    spec: str
+    digest: str
+    read: Callable[[], tuple[list[Record], Mapping[str, str]]]
+
+
+def _builtin_origin(split: str) -> Origin:
+    rows = builtin_records(split)
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+    name = f"{BUILTIN_TASK}[{split}]"
+    return Origin(name, digest, lambda: (from_dicts(rows, name), {name: "prompt_completion"}))
+
+
+def origin(spec: str, split: str, cfg: FinetuneConfig, cache_dir: Path) -> Origin:
+    if spec == BUILTIN_TASK:
+        return _builtin_origin(split)
+    key = "data.train" if split == "train" else "data.eval"
+    source = resolve_source(spec, cache_dir / "sources", key=key)
+    fmt = cfg.data.format
+    return Origin(spec, source.digest, lambda: read_records(source, fmt))
+
+
+def tokenizer_fingerprint(model_path: str) -> str:
+    """Content hash of the tokenizer files of a model directory (the built-in one is code)."""
+    if model_path == BUILTIN_MODEL:
+        return BUILTIN_MODEL
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        p = Path(model_path).expanduser() / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def token_spec(cfg: FinetuneConfig, template: str | None) -> TokenizeSpec:
+    d = cfg.data
+    return TokenizeSpec(d.max_length, d.loss_on, d.truncate, template)
+
+
+def train_cache_key(cfg: FinetuneConfig, train: Origin, template: str | None) -> str:
+    d = cfg.data
+    return cache_key(
+        {
+            "data": train.digest,
+            "format": d.format,
+            "tokenizer": tokenizer_fingerprint(cfg.model.path),
+            "template": hashlib.sha256((template or "").encode()).hexdigest(),
+            "max_length": d.max_length,
+            "loss_on": d.loss_on,
+            "truncate": d.truncate,
+            "eval_fraction": str(eval_fraction(d.eval)),
+            "seed": cfg.train.seed if eval_fraction(d.eval) else 0,
+        }
+    )
+
+
+def cache_root(cache_dir: Path) -> Path:
+    return cache_dir / "data"
+
+
+@dataclass(frozen=True)
+class DataInputs:
+    """Checked before anything is written: sources, template, held-out records, and the
+    training records themselves unless a tokenized cache for them is committed here."""
+
+    train: Origin
+    key: str
+    template: str | None
+    train_records: list[Record] | None
+    eval_records: list[Record]
+    formats: Mapping[str, str]
+
+    @classmethod
+    def prepare(cls, cfg: FinetuneConfig, cache_dir: Path) -> DataInputs:
+        template = load_template(cfg.data.chat_template) if cfg.data.chat_template else None
+        train = origin(cfg.data.train, "train", cfg, cache_dir)
+        key = train_cache_key(cfg, train, template)
+        records: list[Record] | None = None
+        formats: Mapping[str, str] = {}
+        cached = cfg.data.cache and (cache_root(cache_dir) / key / "manifest.json").is_file()
+        if not cached or eval_fraction(cfg.data.eval) is not None:
+            records, formats = train.read()
+        eval_records = _eval_records(cfg, records, cache_dir)
+        if records is not None and eval_fraction(cfg.data.eval) is not None:
+            records, _ = split_eval(records, eval_fraction(cfg.data.eval) or 0, cfg.train.seed)
+        return cls(train, key, template, records, eval_records, formats)
+
+
+def _eval_records(cfg: FinetuneConfig, train: list[Record] | None, cache_dir: Path) -> list[Record]:
+    spec = cfg.data.eval
+    fraction = eval_fraction(spec)
+    if fraction is not None:
+        assert train is not None
+        return split_eval(train, fraction, cfg.train.seed)[1]
+    if spec == "auto":
+        spec = BUILTIN_TASK if cfg.data.train == BUILTIN_TASK else ""
+    if not spec:
+        return []
+    try:
+        float(spec)
+    except ValueError:
+        return origin(spec, "eval", cfg, cache_dir).read()[0]
+    raise ConfigError(f"data.eval: a fraction must be between 0 and 1 (exclusive), got {spec}")
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """What the step and the evaluation read."""
+
+    samples: Samples
+    eval_examples: list[Example]
+    probes: list[Probe]
+    order: SampleOrder
+    batch: BatchPlan
+    samples_count: int  # tokenized training samples (before packing)
+
+
+@dataclass(frozen=True)
+class DataContext:
+    """What loading needs from the run: where caches live, its log, and its stop flag."""
+
+    cache_dir: Path
+    remote: str | None
+    events: EventLog
+    should_stop: Callable[[], bool]
+    tty: bool = False
+
+
+def _fill(
+    cfg: FinetuneConfig, inputs: DataInputs, tok: Any, ctx: DataContext
+) -> Callable[[CacheWriter], dict[str, Any]]:
+    def fill(writer: CacheWriter) -> dict[str, Any]:
+        records, formats = (
+            (inputs.train_records, inputs.formats)
+            if inputs.train_records is not None
+            else inputs.train.read()
+        )
+        spec = token_spec(cfg, inputs.template)
+        check_chat_ready(tok, spec, any(r.kind == "chat" for r in records))
+        workers = cfg.data.workers or os.cpu_count() or 1
+        examples, stats = tokenize_records(
+            records, tok, spec, workers=workers, progress=ctx.tty, should_stop=ctx.should_stop
+        )
+        if not examples:
+            raise DataError(f"{inputs.train.spec}: no sample is left after data.truncate")
+        writer.add_many(examples)
+        return {"stats": vars(stats), "formats": formats, "records": len(records)}
+
+    return fill
+
+
+def _store(
+    cfg: FinetuneConfig, inputs: DataInputs, tok: Any, ctx: DataContext
+) -> tuple[ExampleStore, Sequence[int], dict[str, Any]]:
+    fill = _fill(cfg, inputs, tok, ctx)
+    if not cfg.data.cache:
+        mem = _MemoryWriter()
+        meta = fill(mem)  # type: ignore[arg-type]
+        return mem.examples, [len(e.input_ids) for e in mem.examples], {**meta, "cache": "off"}
+    store, status = open_or_build(cache_root(ctx.cache_dir), inputs.key, fill, remote=ctx.remote)
+    return store, store.lengths.tolist(), {**store.meta, "cache": status}
+
+
+class _MemoryWriter:
+    """The cache writer's interface over a list (``data.cache false``)."""
+
+    def __init__(self) -> None:
+        self.examples: list[Example] = []
+
+    def add(self, ex: Example) -> None:
+        self.examples.append(ex)
+
+    def add_many(self, exs: Sequence[Example]) -> None:
+        self.examples.extend(exs)
+
+
+def load_train_data(
+    cfg: FinetuneConfig, inputs: DataInputs, batch: BatchPlan, tok: Any, ctx: DataContext
+) -> TrainData:
+    t0 = time.perf_counter()
+    store, lengths, meta = _store(cfg, inputs, tok, ctx)
+    samples: Samples = (
+        PackedSamples.pack(
+            store,
+            lengths,
+            cfg.data.max_length,
+            flatten=cfg.model.attn_implementation == "flash_attention_2",
+        )
+        if cfg.data.packing
+        else PaddedSamples(store)
+    )
+    spec = token_spec(cfg, inputs.template)
+    if inputs.eval_records:
+        check_chat_ready(tok, spec, any(r.kind == "chat" for r in inputs.eval_records))
+    eval_examples, _ = tokenize_records(inputs.eval_records, tok, replace(spec, truncate="drop"))
+    _emit_data_event(ctx.events, inputs, meta, len(lengths), len(samples), sum(lengths), t0)
+    return TrainData(
+        samples,
+        eval_examples,
+        probes(inputs.eval_records, tok, inputs.template),
+        SampleOrder(len(samples), cfg.train.seed),
+        batch,
+        len(lengths),
+    )
+
+
+def _emit_data_event(
+    events: EventLog,
+    inputs: DataInputs,
+    meta: dict[str, Any],
+    samples: int,
+    rows: int,
+    tokens: int,
+    t0: float,
+) -> None:
+    stats = meta.get("stats", {})
+    events.emit(
+        "data",
+        source=inputs.train.spec,
+        formats=meta.get("formats", inputs.formats),
+        cache=meta.get("cache"),
+        cache_key=inputs.key,
+        samples=samples,
+        rows=rows,
+        tokens=tokens,
+        truncated=stats.get("truncated", 0),
+        dropped=stats.get("dropped", 0),
+        eval_samples=len(inputs.eval_records),
+        seconds=round(time.perf_counter() - t0, 3),
+    )
+
+
+__all__ = ["DataInputs", "TrainData", "DataContext", "load_train_data", "TokenCache"]

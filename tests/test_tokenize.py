@@ -1,0 +1,207 @@
+"""Records → examples: parity with the trainer's tokenizer for text and pairs, the three
+truncation modes and their stats, and the same result for any number of workers."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+import shoestring.data.tokenize as tokenize_module
+from chat_fixtures import chatml_tokenizer, multi_turn, plain_tokenizer
+from shoestring.data.records import IGNORE_INDEX, DataError, Example, Record
+from shoestring.data.tokenize import (
+    TokenizeSpec,
+    TokenizeStats,
+    tokenize_record,
+    tokenize_records,
+)
+from shoestring.train import data as train_data
+from shoestring.train.builtin import builtin_records
+
+
+def _mixed_plain(n: int) -> list[Record]:
+    """Pairs from the built-in task, texts (some non-ASCII, one empty prompt) between them."""
+    pairs = train_data.from_dicts(builtin_records("train")[:n], "reverse")
+    out: list[Record] = []
+    for i, r in enumerate(pairs):
+        out.append(r)
+        if i % 3 == 0:
+            out.append(Record(f"texts.jsonl:{i}", text=f"text {i}: naïve café 東京 " * (i % 5 + 1)))
+        if i % 7 == 0:
+            out.append(Record(f"pairs.jsonl:{i}", prompt="", completion=f"answer {i}"))
+    return out
+
+
+def _chat(i: int) -> Record:
+    messages = [dict(m, content=f"{m['content']} #{i}") for m in multi_turn()]
+    return Record(f"chats.jsonl:{i + 1}", messages=tuple(messages))
+
+
+def _labelled(ex: Example) -> int:
+    return sum(1 for x in ex.labels[1:] if x != IGNORE_INDEX)
+
+
+@pytest.mark.parametrize("max_length", [24, 48, 512])
+def test_text_and_pairs_match_the_trainers_tokenizer(max_length: int) -> None:
+    """Existing runs hash their examples: text and pairs must not change by a byte."""
+    tok = plain_tokenizer()
+    records = _mixed_plain(300)
+    expected = train_data.tokenize(records, tok, max_length)
+    examples, stats = tokenize_records(records, tok, TokenizeSpec(max_length))
+    assert examples == expected
+    assert [tokenize_record(r, tok, TokenizeSpec(max_length))[0] for r in records] == expected
+    assert stats.samples == len(records) and stats.dropped == 0
+    assert stats.kinds == {"pair": sum(r.is_pair for r in records), "text": stats.kinds["text"]}
+    assert stats.tokens == sum(len(ex.input_ids) for ex in expected)
+    assert stats.label_tokens == sum(train_data.label_count(ex) for ex in expected)
+    over = sum(len(e.input_ids) > max_length for e in train_data.tokenize(records, tok, 10**6))
+    assert stats.truncated == over and (over > 0) == (max_length < 512)
+
+
+class EncodeOnlyTokenizer:
+    """A tokenizer with nothing but ``encode`` (the trainer's ``Tokenizer`` protocol)."""
+
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+    pad_token_id: int | None = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [b + 3 for b in text.encode()]
+
+
+def test_an_encode_only_tokenizer_still_works() -> None:
+    records = _mixed_plain(40)
+    tok = EncodeOnlyTokenizer()
+    examples, _ = tokenize_records(records, tok, TokenizeSpec(32))
+    assert examples == train_data.tokenize(records, tok, 32)
+
+
+def test_truncate_right_keeps_the_start_and_left_keeps_the_end() -> None:
+    tok = plain_tokenizer()
+    text = Record("t.jsonl:1", text="abcdefghijklmnopqrstuvwxyz")
+    full, _ = tokenize_record(text, tok, TokenizeSpec(1000))
+    assert full is not None and len(full.input_ids) == 28  # BOS + 26 bytes + EOS
+    right, cut = tokenize_record(text, tok, TokenizeSpec(10, truncate="right"))
+    assert cut and right == Example(full.input_ids[:10], full.labels[:10])
+    left, cut = tokenize_record(text, tok, TokenizeSpec(10, truncate="left"))
+    assert cut and left == Example(full.input_ids[-10:], full.labels[-10:])
+    assert tok.decode(left.input_ids, skip_special_tokens=True) == "abcdefghijklmnopqrstuvwxyz"[-9:]
+    short, cut = tokenize_record(text, tok, TokenizeSpec(28, truncate="drop"))
+    assert not cut and short == full
+    assert tokenize_record(text, tok, TokenizeSpec(27, truncate="drop")) == (None, True)
+
+
+def test_left_truncation_of_a_conversation_keeps_the_last_answer() -> None:
+    tok = chatml_tokenizer()
+    r = _chat(0)
+    full, _ = tokenize_record(r, tok, TokenizeSpec(4096))
+    assert full is not None
+    left, cut = tokenize_record(r, tok, TokenizeSpec(40, truncate="left"))
+    assert cut and left is not None and len(left.input_ids) == 40
+    tail = tok.decode(left.input_ids, skip_special_tokens=False)
+    assert tail.endswith("You're welcome. #0<|im_end|>\n")
+    assert left.labels == full.labels[-40:]
+    # Kept from the start, the same 40 tokens hold no answer.
+    with pytest.raises(DataError, match=r"chats\.jsonl:1: nothing to learn .*max_length=40"):
+        tokenize_record(r, tok, TokenizeSpec(40, truncate="right"))
+    right, _ = tokenize_record(r, tok, TokenizeSpec(120, truncate="right"))
+    assert right is not None and right.input_ids == full.input_ids[:120]
+    assert 0 < _labelled(right) < _labelled(full)
+
+
+def test_nothing_to_learn_after_truncation_is_an_error_unless_dropping() -> None:
+    tok = plain_tokenizer()
+    long_prompt = Record("pairs.jsonl:7", prompt="x" * 50, completion=" y")
+    with pytest.raises(DataError, match=r"pairs\.jsonl:7: nothing to learn .*data\.max_length=20"):
+        tokenize_record(long_prompt, tok, TokenizeSpec(20))
+    ok = Record("pairs.jsonl:8", prompt="p", completion=" y")
+    examples, stats = tokenize_records(
+        [ok, long_prompt, ok], tok, TokenizeSpec(20, truncate="drop")
+    )
+    assert len(examples) == 2 and stats.dropped == 1 and stats.samples == 2
+    assert stats.kinds == {"pair": 3}
+    # Left truncation keeps the completion of the same record.
+    left, _ = tokenize_record(long_prompt, tok, TokenizeSpec(20, truncate="left"))
+    assert left is not None and _labelled(left) == 3  # " y" and EOS
+
+
+def test_drop_skips_samples_over_max_length_and_counts_them() -> None:
+    tok = chatml_tokenizer()
+    records = [
+        Record("t.jsonl:1", text="short"),
+        Record("t.jsonl:2", text="long " * 30),
+        _chat(0),
+        Record("p.jsonl:1", prompt="q", completion="a"),
+    ]
+    examples, stats = tokenize_records(records, tok, TokenizeSpec(120, truncate="drop"))
+    assert len(examples) == 2
+    assert stats == TokenizeStats(
+        samples=2,
+        truncated=0,
+        dropped=2,
+        tokens=sum(len(ex.input_ids) for ex in examples),
+        label_tokens=sum(_labelled(ex) for ex in examples),
+        kinds={"text": 2, "chat": 1, "pair": 1},
+    )
+    _, right = tokenize_records(records, tok, TokenizeSpec(120, truncate="right"))
+    assert right.samples == 4 and right.truncated == 2 and right.dropped == 0
+
+
+def test_many_workers_give_the_same_examples_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokenize_module, "CHUNK", 16)  # many chunks from few records
+    tok = chatml_tokenizer()
+    records: list[Record] = []
+    for i, r in enumerate(_mixed_plain(60)):
+        records.append(r)
+        if i % 2 == 0:
+            records.append(_chat(i))
+    spec = TokenizeSpec(96, truncate="drop")
+    one = tokenize_records(records, tok, spec, workers=1)
+    two = tokenize_records(records, tok, spec, workers=2)
+    assert len(records) > 5 * 16 and one[1].dropped > 0 and one[1].kinds["chat"] > 0
+    assert two == one
+
+
+def test_a_bad_record_in_a_worker_fails_with_its_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokenize_module, "CHUNK", 4)
+    tok = chatml_tokenizer()
+    records = [_chat(i) for i in range(12)]
+    records[9] = Record("chats.jsonl:10", messages=({"role": "user", "content": "no answer"},))
+    with pytest.raises(DataError, match=r"chats\.jsonl:10: nothing to learn"):
+        tokenize_records(records, tok, TokenizeSpec(4096), workers=2)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_should_stop_interrupts_between_chunks(
+    monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    monkeypatch.setattr(tokenize_module, "CHUNK", 8)
+    polls: list[int] = []
+
+    def stop_on_third_poll() -> bool:
+        polls.append(1)
+        return len(polls) >= 3
+
+    records = _mixed_plain(40)
+    with pytest.raises(InterruptedError, match="preempted while tokenizing"):
+        tokenize_records(
+            records,
+            plain_tokenizer(),
+            TokenizeSpec(64),
+            workers=workers,
+            should_stop=stop_on_third_poll,
+        )
+    assert len(polls) == 3
+
+
+def test_progress_bar_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    records: list[Any] = _mixed_plain(20)
+    tokenize_records(records, plain_tokenizer(), TokenizeSpec(64), progress=True)
+    captured = capsys.readouterr()
+    assert "tokenizing" in captured.err and str(len(records)) in captured.err
+    assert captured.out == ""
+    tokenize_records(records, plain_tokenizer(), TokenizeSpec(64))
+    assert capsys.readouterr().err == ""
+    assert sys.stderr is not None
