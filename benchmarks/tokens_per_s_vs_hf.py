@@ -180,6 +180,7 @@ def run_hf(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
         TrainingArguments,
     )
 
+    from shoestring.data.tokenize import TokenizeSpec, tokenize_records
     from shoestring.train import data as D
     from shoestring.train.builtin import builtin_records
 
@@ -188,7 +189,7 @@ def run_hf(a: argparse.Namespace, mdir: Path, out: Path) -> dict[str, Any]:
     records = builtin_records("train")
     examples = tokenize(records, tok, a.max_length)
     # same examples as shoestring's own tokenizer (sanity check, outside any timing)
-    ref = D.tokenize(D.from_dicts(records, "train"), tok, a.max_length)
+    ref = tokenize_records(D.from_dicts(records, "train"), tok, TokenizeSpec(a.max_length))[0]
     assert all(
         e["input_ids"] == r.input_ids and e["labels"] == r.labels for e, r in zip(examples, ref)
     ), "tokenization differs from shoestring's"

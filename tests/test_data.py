@@ -7,15 +7,19 @@ from pathlib import Path
 import pytest
 
 from shoestring.cli import main
-from shoestring.train.data import (
-    IGNORE_INDEX,
-    DataError,
-    SampleOrder,
-    collate,
-    pack,
-    read_jsonl,
-    tokenize,
-)
+from shoestring.data.records import IGNORE_INDEX, DataError, Record
+from shoestring.data.sources import read_records, resolve_source
+from shoestring.data.tokenize import TokenizeSpec, tokenize_records
+from shoestring.train.data import SampleOrder
+from shoestring.train.samples import collate_padded
+
+
+def read_jsonl(path: Path) -> list[Record]:
+    return read_records(resolve_source(str(path), path.parent / "cache"), "auto")[0]
+
+
+def tokenize(records: list[Record], tok: object, max_length: int) -> list:
+    return tokenize_records(records, tok, TokenizeSpec(max_length))[0]
 
 
 class ByteTok:
@@ -80,15 +84,13 @@ def read_jsonl_text(text: str) -> list:
 
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write(text)
-    return read_jsonl(f.name)
+    return read_jsonl(Path(f.name))
 
 
-def test_pack_and_collate() -> None:
+def test_collate_pads_and_masks() -> None:
     recs = read_jsonl_text('{"text": "abcdef"}\n{"text": "ghij"}\n')
     ex = tokenize(recs, ByteTok(), 64)
-    blocks = pack(ex, 4)
-    assert [len(b.input_ids) for b in blocks] == [4, 4, 4]
-    batch = collate(ex, pad_id=0)
+    batch = collate_padded(ex, pad_id=0)
     assert batch["input_ids"].shape == (2, 8)
     assert batch["attention_mask"][1].tolist() == [1] * 6 + [0, 0]
     assert batch["labels"][1, 6:].tolist() == [IGNORE_INDEX] * 2

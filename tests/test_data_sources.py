@@ -54,8 +54,8 @@ def test_jsonl_file(tmp_path: Path) -> None:
 def test_jsonl_gz_and_blank_lines(tmp_path: Path) -> None:
     p = tmp_path / "t.jsonl.gz"
     with gzip.open(p, "wt") as f:
-        f.write('{"text": "a"}\n\n{"prompt": "p", "completion": "c"}\n')
-    with pytest.raises(DataError, match=re.escape(f"{p}:3: a prompt_completion record, but")):
+        f.write('{"text": "a"}\n\n{"messages": [{"role": "user", "content": "c"}]}\n')
+    with pytest.raises(DataError, match=re.escape(f"{p}:3: a messages record, but")):
         load(p, tmp_path / "cache")
     p.write_bytes(gzip.compress(b'\n{"text": "a"}\n\n{"text": "b"}\n'))
     source, records, _ = load(p, tmp_path / "cache")

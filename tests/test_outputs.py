@@ -54,7 +54,10 @@ def test_event_log_schema(cli: CLI, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     ev = read_events(out)
     kinds = [e["event"] for e in ev]
-    assert kinds[0] == "run_start" and kinds[-2:] == ["run_end", "cost"]
+    assert kinds[:2] == ["run_start", "data"] and kinds[-2:] == ["run_end", "cost"]
+    data = ev[1]
+    assert data["cache"] in ("built", "hit") and data["samples"] == ev[0]["train_samples"] > 0
+    assert data["tokens"] > 0 and data["truncated"] >= 0 and data["eval_samples"] > 0
     steps = [e for e in ev if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 13))
     for e in steps:

@@ -12,9 +12,13 @@ import torch
 
 from shoestring.data.packing import collate_packed, flatten_packed, pack_bins, packing_stats
 from shoestring.data.records import IGNORE_INDEX, DataError, Example
-from shoestring.train.data import label_count
 
 # --- pack_bins ---------------------------------------------------------------------------
+
+
+def label_count(ex: Example) -> int:
+    """Label tokens that enter the loss when the sample runs alone (the first never does)."""
+    return sum(1 for t in ex.labels[1:] if t != IGNORE_INDEX)
 
 
 def _loads(bins: Sequence[Sequence[int]], lengths: numpy.ndarray) -> list[int]:

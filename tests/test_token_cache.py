@@ -289,6 +289,21 @@ def test_publish_then_remote_hit_on_a_fresh_machine(tmp_path: Path, kind: str) -
     assert open_or_build(tmp_path / "vm2", "k", fill, remote=remote)[1] == "hit"
 
 
+def test_a_local_hit_publishes_a_cache_the_bucket_lacks(tmp_path: Path) -> None:
+    """Built before ``data.cache_storage`` was set (or its upload failed): the next start
+    that has a bucket uploads it, so a fresh machine downloads instead of tokenizing."""
+    remote = _remote_url("memory", tmp_path)
+    fill = Fill(wide_examples())
+    assert open_or_build(tmp_path / "vm1", "k", fill)[1] == "built"
+    fs, root = fsspec.core.url_to_fs(remote)
+    assert not fs.exists(f"{root}/k/manifest.json")
+    assert open_or_build(tmp_path / "vm1", "k", fill, remote=remote)[1] == "hit"
+    assert fs.exists(f"{root}/k/manifest.json")
+    cache, how = open_or_build(tmp_path / "vm2", "k", fill, remote=remote)
+    assert how == "remote_hit" and fill.calls == 1
+    assert read_all(cache) == wide_examples()
+
+
 def test_publish_uploads_the_manifest_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fsspec.implementations.memory import MemoryFileSystem
 

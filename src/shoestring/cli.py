@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return exitcodes.USAGE
     except Exception as e:  # noqa: BLE001 - a clear one-line error, traceback on request
         from shoestring.checkpoint import CheckpointSaveError
-        from shoestring.train.data import DataError
+        from shoestring.data.records import DataError
 
         if isinstance(e, DataError):
             print(f"shoestring {command}: error: {e}", file=sys.stderr)

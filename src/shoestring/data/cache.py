@@ -522,6 +522,15 @@ def _try_publish(remote: _RemoteDir, path: Path) -> None:
         log.warning("could not publish the tokenized cache to %s: %s", remote.url, e)
 
 
+def _publish_if_missing(remote: _RemoteDir, path: Path) -> None:
+    """Publish a local cache the bucket does not hold yet (logged, never raised)."""
+    try:
+        if remote.read_manifest() is None:
+            remote.publish(path)
+    except OSError as e:
+        log.warning("could not publish the tokenized cache to %s: %s", remote.url, e)
+
+
 # --------------------------------------------------------------------------- open_or_build
 @contextlib.contextmanager
 def _locked(lock_path: Path) -> Iterator[None]:
@@ -568,6 +577,8 @@ def open_or_build(
     if (path / MANIFEST).exists():
         cache = _try_open(path, verify)
         if cache is not None:
+            if remote:  # a cache built before the bucket was set, or whose upload failed
+                _publish_if_missing(_RemoteDir(remote, key, storage_options), path)
             return cache, "hit"
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f"{key}.lock"):

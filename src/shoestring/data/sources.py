@@ -421,22 +421,28 @@ def _units(source: Source) -> Iterator[tuple[str, Rows]]:
             yield file, _FILE_ROWS[source.kind](Path(file))
 
 
+#: Plain-text shapes may share a file (as they always could): each line is one or the other.
+PLAIN: frozenset[str] = frozenset({"text", "prompt_completion"})
+
+
 def _parse_unit(unit: str, rows: Rows, fmt: Format) -> tuple[list[Record], ConcreteFormat]:
     records: list[Record] = []
     unit_format: ConcreteFormat | None = None if fmt == "auto" else fmt
     first = ""
     for where, obj in rows:
+        record_format = unit_format
         if fmt == "auto":
-            found = detect_format(obj, where)
+            record_format = detect_format(obj, where)
             if unit_format is None:
-                unit_format, first = found, where
-            elif found != unit_format:
+                unit_format, first = record_format, where
+            elif record_format != unit_format and {record_format, unit_format} != PLAIN:
                 raise DataError(
-                    f"{where}: a {found} record, but {unit} holds {unit_format} records "
-                    f"(detected from {first}); keep one format per file or set data.format"
+                    f"{where}: a {record_format} record, but {unit} holds {unit_format} "
+                    f"records (detected from {first}); keep one format per file or set "
+                    "data.format"
                 )
-        assert unit_format is not None
-        records.append(parse_record(obj, where, unit_format))
+        assert record_format is not None
+        records.append(parse_record(obj, where, record_format))
     if unit_format is None or not records:
         raise DataError(f"{unit}: no records")
     return records, unit_format

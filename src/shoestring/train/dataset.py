@@ -25,7 +25,6 @@ from shoestring.data.chat import load_template
 from shoestring.data.records import DataError, Example, Record
 from shoestring.data.sources import read_records, resolve_source, split_eval
 from shoestring.data.tokenize import TokenizeSpec, check_chat_ready, tokenize_records
-from shoestring.events import EventLog
 from shoestring.train.builtin import BUILTIN_MODEL, BUILTIN_TASK, builtin_records
 from shoestring.train.config import FinetuneConfig, eval_fraction
 from shoestring.train.data import SampleOrder, from_dicts
@@ -164,15 +163,15 @@ class TrainData:
     order: SampleOrder
     batch: BatchPlan
     samples_count: int  # tokenized training samples (before packing)
+    summary: dict[str, Any]  # the ``data`` event's fields, logged after ``run_start``
 
 
 @dataclass(frozen=True)
 class DataContext:
-    """What loading needs from the run: where caches live, its log, and its stop flag."""
+    """What loading needs from the run: where caches live and its stop flag."""
 
     cache_dir: Path
     remote: str | None
-    events: EventLog
     should_stop: Callable[[], bool]
     tty: bool = False
 
@@ -244,7 +243,7 @@ def load_train_data(
     if inputs.eval_records:
         check_chat_ready(tok, spec, any(r.kind == "chat" for r in inputs.eval_records))
     eval_examples, _ = tokenize_records(inputs.eval_records, tok, replace(spec, truncate="drop"))
-    _emit_data_event(ctx.events, inputs, meta, len(lengths), len(samples), sum(lengths), t0)
+    summary = _data_summary(inputs, meta, len(lengths), len(samples), sum(lengths), t0)
     return TrainData(
         samples,
         eval_examples,
@@ -252,21 +251,20 @@ def load_train_data(
         SampleOrder(len(samples), cfg.train.seed),
         batch,
         len(lengths),
+        summary,
     )
 
 
-def _emit_data_event(
-    events: EventLog,
+def _data_summary(
     inputs: DataInputs,
     meta: dict[str, Any],
     samples: int,
     rows: int,
     tokens: int,
     t0: float,
-) -> None:
+) -> dict[str, Any]:
     stats = meta.get("stats", {})
-    events.emit(
-        "data",
+    return dict(
         source=inputs.train.spec,
         formats=meta.get("formats", inputs.formats),
         cache=meta.get("cache"),

@@ -132,6 +132,7 @@ def begin(t: Trainer, progress: S.Progress) -> ProgressDisplay:
         usd_per_hour=cfg.cost.usd_per_hour,
         **model_summary(t.learner.model),
     )
+    run.events.emit("data", **t.data.summary)
     display = ProgressDisplay(
         cfg.train.max_steps,
         progress.step,

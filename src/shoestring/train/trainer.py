@@ -97,7 +97,6 @@ def _data_context(cfg: FinetuneConfig, run: Run) -> DataContext:
     return DataContext(
         cache_dir=run.opts.cache_dir,
         remote=data_cache_storage(cfg) if cfg.data.cache else None,
-        events=run.events,
         should_stop=run.flag.is_set,
         tty=bool(run.opts.tty) and run.strategy.rank == 0,
     )
