@@ -83,11 +83,16 @@ def events(out: Path) -> list[dict[str, Any]]:
     return recs
 
 
+DATA_CACHE = "data-cache"  # the tokenized data the run publishes beside its checkpoints
+
+
 def remote_layout(srv: S3Server, prefix: str) -> Layout:
+    """The checkpoint dirs under ``prefix`` (the published data cache is not one)."""
     layout: Layout = defaultdict(dict)
     for key, size in srv.list_keys(prefix + "/").items():
         d, _, name = key[len(prefix) + 1 :].partition("/")
-        layout[d][name] = size
+        if d != DATA_CACHE:
+            layout[d][name] = size
     return dict(layout)
 
 
