@@ -41,9 +41,9 @@ def conversation(rng: random.Random) -> dict[str, Any]:
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
     msgs = [{"role": "system", "content": "You answer briefly."}]
-    for _ in range(rng.randint(1, 3)):
-        msgs.append({"role": "user", "content": sentence(rng.randint(8, 30)) + "?"})
-        msgs.append({"role": "assistant", "content": sentence(rng.randint(6, 25)) + "."})
+    for _ in range(rng.randint(1, 2)):  # ~200 characters of content per conversation
+        msgs.append({"role": "user", "content": sentence(rng.randint(4, 14)) + "?"})
+        msgs.append({"role": "assistant", "content": sentence(rng.randint(3, 12)) + "."})
     return {"messages": msgs}
 
 

@@ -28,7 +28,7 @@ from shoestring.data.chat import (
     render_chat,
 )
 from shoestring.data.records import IGNORE_INDEX, DataError, Example, LossOn, Record
-from shoestring.data.tokenize import TokenizeSpec, check_chat_ready
+from shoestring.data.tokenize import TokenizeSpec, check_chat_ready, tokenize_records
 
 # What each template writes for an assistant turn after its role header: an independent
 # oracle, written out by hand rather than derived from the rendering under test.
@@ -236,3 +236,37 @@ def test_a_saved_tokenizer_keeps_its_template(tmp_path: Path) -> None:
     r = _record(tool_turns(), [WEATHER_TOOL])
     assert chat_example(r, loaded, TokenizeSpec(4096)) == chat_example(r, tok, TokenizeSpec(4096))
     assert loaded.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "last_assistant", "all"])
+@pytest.mark.parametrize("make_tok", [chatml_tokenizer, llama3_tokenizer])
+def test_a_batch_renders_each_conversation_as_it_renders_alone(
+    make_tok: Any, loss_on: LossOn
+) -> None:
+    """tokenize_records renders a chunk's prefixes in one template call per kind and per
+    tools list: its examples equal the record-by-record ones, in order."""
+    tok = make_tok()
+    records = [
+        _record(multi_turn()),
+        _record(tool_turns(), [WEATHER_TOOL]),
+        _record(multi_turn()[2:]),  # opened by the assistant
+        _record(multi_turn()[:4]),  # ends with a user turn
+        _record(tool_turns(), [WEATHER_TOOL]),
+        _record(multi_turn()[:3]),
+    ]
+    spec = TokenizeSpec(4096, loss_on=loss_on)
+    examples, stats = tokenize_records(records, tok, spec)
+    assert stats.samples == len(records)
+    assert examples == [chat_example(r, tok, spec) for r in records]
+
+
+def test_a_template_failure_in_a_batch_names_its_record() -> None:
+    good = _record(multi_turn())
+    bad = Record("chats.jsonl:9", messages=({"role": "user", "content": "boom"},))
+    failing = (
+        "{% if messages[-1]['content'] == 'boom' %}{{ raise_exception('no boom') }}{% endif %}"
+    )
+    with pytest.raises(DataError, match=r"chats\.jsonl:9: the chat template failed.*no boom"):
+        tokenize_records(
+            [good, bad, good], chatml_tokenizer(), TokenizeSpec(64, "all", chat_template=failing)
+        )

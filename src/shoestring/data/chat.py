@@ -12,10 +12,14 @@ rewrites earlier turns is refused with a clear error rather than trained wrongly
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from shoestring.data.records import IGNORE_INDEX, DataError, Example, LossOn, Record
 
@@ -165,12 +169,11 @@ def _turn_ends(
     return rendered[: len(turns)], rendered[-1]
 
 
-def _assistant_spans(
-    r: Record, tok: Any, template: str | None, turns: Sequence[int]
+def _spans(
+    r: Record, turns: Sequence[int], starts: Sequence[str], ends: Sequence[str], full: str
 ) -> RenderedChat:
-    tools = _tools_arg(r.tools)
-    ends, full = _turn_ends(r, tok, template, turns, tools)
-    starts = _turn_starts(r, tok, template, turns, tools)
+    """Assistant turn ``i`` spans ``len(starts[i])`` to ``len(ends[i])``, when the renders
+    are prefixes of each other (else the template is not prefix-stable)."""
     spans: list[Span] = []
     for i, start, end in zip(turns, starts, ends, strict=True):
         if not end.startswith(start):
@@ -188,6 +191,15 @@ def _assistant_spans(
             )
         spans.append((len(start), len(end)))
     return RenderedChat(full, tuple(spans))
+
+
+def _assistant_spans(
+    r: Record, tok: Any, template: str | None, turns: Sequence[int]
+) -> RenderedChat:
+    tools = _tools_arg(r.tools)
+    ends, full = _turn_ends(r, tok, template, turns, tools)
+    starts = _turn_starts(r, tok, template, turns, tools)
+    return _spans(r, turns, starts, ends, full)
 
 
 def _render_error(r: Record, e: Exception) -> DataError:
@@ -221,23 +233,156 @@ def render_chat(r: Record, tok: Any, spec: ChatSpec) -> RenderedChat:
         raise _render_error(r, e) from e
 
 
+@dataclass(frozen=True)
+class _Renders:
+    """The prefixes one conversation needs rendered: ``cuts`` without the generation
+    prompt (each assistant turn's end, then the whole), ``opens`` with it (each turn's
+    start); the renders of many conversations are made in one call per kind."""
+
+    record: Record
+    turns: tuple[int, ...]  # assistant turns that take loss; () for data.loss_on=all
+    cuts: tuple[int, ...]
+    opens: tuple[int, ...]
+
+    @classmethod
+    def of(cls, r: Record, loss_on: LossOn) -> _Renders:
+        n = len(r.messages or ())
+        if not n:
+            raise DataError(f"{r.source}: 'messages' is empty")
+        if loss_on == "all":
+            return cls(r, (), (n,), ())
+        turns = tuple(_assistant_turns(r, loss_on))
+        cuts = tuple(i + 1 for i in turns) + (() if turns[-1] + 1 == n else (n,))
+        return cls(r, turns, cuts, tuple(i for i in turns if i > 0))
+
+    def chat(
+        self, tok: Any, template: str | None, cut: list[str], opened: list[str]
+    ) -> RenderedChat:
+        full = cut[-1]
+        if not self.turns:
+            return RenderedChat(full, ((0, len(full)),))
+        later = iter(opened)
+        tools = _tools_arg(self.record.tools)
+        starts = [
+            next(later) if i > 0 else _opening_turn_start(self.record, tok, template, tools)
+            for i in self.turns
+        ]
+        return _spans(self.record, self.turns, starts, cut[: len(self.turns)], full)
+
+
+@dataclass(frozen=True)
+class _TurnMarkers:
+    """What the template writes around an assistant message's content: the role header
+    (the generation prompt) and the end of turn, found by rendering a probe. Where a
+    rendered conversation holds ``header + content + end`` for each assistant message, in
+    order, those are the spans the prefix renders would find — with one render instead
+    of two per turn. Conversations where they are not found take the prefix renders."""
+
+    header: str
+    end: str
+
+    @classmethod
+    def probe(cls, tok: Any, template: str | None) -> _TurnMarkers | None:
+        user = [{"role": "user", "content": _PROBE + "-user"}]
+        bare, prompted = (_render_many(tok, [user], None, template, g)[0] for g in (False, True))
+        whole = _render_many(
+            tok, [[*user, {"role": "assistant", "content": _PROBE}]], None, template, False
+        )[0]
+        header = prompted[len(bare) :] if prompted.startswith(bare) else ""
+        if not header or not whole.startswith(prompted + _PROBE):
+            return None
+        end = whole[len(prompted) + len(_PROBE) :]
+        return cls(header, end) if end else None
+
+    def spans(self, plan: _Renders, full: str) -> RenderedChat | None:
+        if not plan.turns:
+            return RenderedChat(full, ((0, len(full)),))
+        located: dict[int, Span] = {}
+        at = 0
+        for i, m in enumerate(plan.record.messages or ()):
+            if m.get("role") != "assistant":
+                continue
+            content = m.get("content")
+            if set(m) != {"role", "content"} or not isinstance(content, str) or not content:
+                return None  # tool calls, reasoning, empty turns: the template decides
+            needle = self.header + content + self.end
+            found = full.find(needle, at)
+            if found < 0:
+                return None
+            at = found + len(needle)
+            located[i] = (found + len(self.header), at)
+        return RenderedChat(full, tuple(located[i] for i in plan.turns))
+
+
+def _render_group(
+    tok: Any, spec: ChatSpec, group: list[_Renders], markers: _TurnMarkers | None
+) -> list[RenderedChat]:
+    """Conversations sharing one ``tools`` list: the whole conversations in one
+    ``apply_chat_template`` call; where the markers do not locate the turns, their prefixes
+    in two more calls."""
+    tools = _tools_arg(group[0].record.tools)
+    template = spec.chat_template
+    messages = [list(g.record.messages or ()) for g in group]
+    fulls = _render_many(tok, messages, tools, template, False)
+    found = [markers.spans(g, f) if markers else None for g, f in zip(group, fulls, strict=True)]
+    slow = [k for k, chat in enumerate(found) if chat is None]
+    cut = _render_many(
+        tok, [messages[k][:n] for k in slow for n in group[k].cuts[:-1]], tools, template, False
+    )
+    opened = _render_many(
+        tok, [messages[k][:i] for k in slow for i in group[k].opens], tools, template, True
+    )
+    at_cut = at_open = 0
+    for k in slow:
+        g = group[k]
+        c, o = len(g.cuts) - 1, len(g.opens)
+        ends = [*cut[at_cut : at_cut + c], fulls[k]]
+        found[k] = g.chat(tok, template, ends, opened[at_open : at_open + o])
+        at_cut, at_open = at_cut + c, at_open + o
+    return [chat for chat in found if chat is not None]
+
+
+def render_chats(records: Sequence[Record], tok: Any, spec: ChatSpec) -> list[RenderedChat]:
+    """:func:`render_chat` for many records, equal to it record by record, with far fewer
+    template calls (their per-call cost dominates short conversations): all the records'
+    renders of a kind in one call, and one render per conversation where the template's
+    turn markers locate its assistant turns. If a call fails, each record is rendered
+    alone to name the culprit."""
+    plans = [_Renders.of(r, spec.loss_on) for r in records]
+    groups: dict[str, list[int]] = {}
+    for k, p in enumerate(plans):
+        groups.setdefault(json.dumps(p.record.tools, sort_keys=True, default=str), []).append(k)
+    out: list[RenderedChat | None] = [None] * len(records)
+    try:
+        markers = _TurnMarkers.probe(tok, spec.chat_template)
+        for members in groups.values():
+            rendered = _render_group(tok, spec, [plans[k] for k in members], markers)
+            for k, chat in zip(members, rendered, strict=True):
+                out[k] = chat
+    except DataError:
+        raise
+    except Exception:  # jinja2 errors, raise_exception() in templates, bad tools
+        return [render_chat(r, tok, spec) for r in records]
+    return [c for c in out if c is not None]
+
+
 # --------------------------------------------------------------------------- labels
 
 
-def label_tokens(ids: Sequence[int], offsets: Sequence[Span], spans: Sequence[Span]) -> list[int]:
-    """Labels: a token keeps its id when its characters lie inside a span. The first token
-    never enters the loss (labels are shifted by one) and is always ignored."""
-    labels = [IGNORE_INDEX] * len(ids)
-    span = 0
-    for t, (start, end) in enumerate(offsets):
-        while span < len(spans) and start >= spans[span][1]:
-            span += 1
-        if span == len(spans):
-            break
-        if start >= spans[span][0] and end <= spans[span][1]:
-            labels[t] = ids[t]
-    if labels:
-        labels[0] = IGNORE_INDEX
+def label_tokens(ids: Sequence[int], offsets: np.ndarray, spans: Sequence[Span]) -> list[int]:
+    """Labels: a token keeps its id when its characters (``offsets``, one ``(start, end)``
+    row per token) lie inside a span. The first token never enters the loss (labels are
+    shifted by one) and is always ignored."""
+    n = len(ids)
+    if n == 0 or not spans:
+        return [IGNORE_INDEX] * n
+    bounds = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    # the first span ending after the token starts; the token is in it if it fits inside
+    k = np.minimum(np.searchsorted(bounds[:, 1], starts, side="right"), len(bounds) - 1)
+    inside = (starts >= bounds[k, 0]) & (ends <= bounds[k, 1])
+    inside[0] = False
+    labels: list[int] = np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE_INDEX).tolist()
     return labels
 
 
@@ -251,25 +396,42 @@ def require_fast(tok: Any) -> None:
         )
 
 
-def encode_with_offsets(tok: Any, texts: list[str]) -> tuple[list[list[int]], list[list[Span]]]:
-    """Tokenize rendered conversations (their special tokens are in the text) with offsets."""
+@dataclass(frozen=True)
+class Encoded:
+    """Rendered conversations tokenized: ids per text and every token's character span."""
+
+    ids: list[list[int]]
+    offsets: np.ndarray  # (tokens of all texts, 2)
+    rows: np.ndarray  # text i's tokens are offsets[rows[i] : rows[i + 1]]
+
+    def __iter__(self) -> Iterator[tuple[list[int], np.ndarray]]:
+        for i, ids in enumerate(self.ids):
+            yield ids, self.offsets[self.rows[i] : self.rows[i + 1]]
+
+
+def encode_with_offsets(tok: Any, texts: list[str]) -> Encoded:
+    """Tokenize rendered conversations (their special tokens are in the text) with offsets,
+    through the Rust tokenizer directly (what ``tok(texts, add_special_tokens=False)``
+    runs, without building Python structures the labels do not need)."""
     require_fast(tok)
-    enc = tok(
-        texts,
-        add_special_tokens=False,
-        return_offsets_mapping=True,
-        return_attention_mask=False,
-        verbose=False,
+    encodings = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    ids = [e.ids for e in encodings]
+    lengths = [len(x) for x in ids]
+    rows = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=rows[1:])
+    pairs = itertools.chain.from_iterable(
+        itertools.chain.from_iterable(e.offsets for e in encodings)
     )
-    return list(enc["input_ids"]), list(enc["offset_mapping"])
+    flat = np.fromiter(pairs, dtype=np.int64, count=2 * int(rows[-1]))
+    return Encoded(ids, flat.reshape(-1, 2), rows)
 
 
 def chat_example(r: Record, tok: Any, spec: ChatSpec) -> Example:
     """One conversation → ids and labels (untruncated; ``tokenize`` truncates)."""
     require_fast(tok)
     rendered = render_chat(r, tok, spec)
-    ids, offsets = encode_with_offsets(tok, [rendered.text])
-    return Example(ids[0], label_tokens(ids[0], offsets[0], rendered.spans))
+    ids, offsets = next(iter(encode_with_offsets(tok, [rendered.text])))
+    return Example(ids, label_tokens(ids, offsets, rendered.spans))
 
 
 # --------------------------------------------------------------------------- inference

@@ -19,7 +19,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoestring.data.chat import encode_with_offsets, label_tokens, render_chat, require_fast
+from shoestring.data.chat import encode_with_offsets, label_tokens, render_chats, require_fast
 from shoestring.data.records import (
     IGNORE_INDEX,
     DataError,
@@ -108,11 +108,11 @@ def _chat_examples(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> I
     if not records:
         return iter(())
     require_fast(tok)
-    rendered = [render_chat(r, tok, spec) for r in records]
-    all_ids, all_offsets = encode_with_offsets(tok, [c.text for c in rendered])
+    rendered = render_chats(records, tok, spec)
+    encoded = encode_with_offsets(tok, [c.text for c in rendered])
     return (
         Example(ids, label_tokens(ids, offsets, c.spans))
-        for ids, offsets, c in zip(all_ids, all_offsets, rendered, strict=True)
+        for (ids, offsets), c in zip(encoded, rendered, strict=True)
     )
 
 
