@@ -82,13 +82,19 @@ def first_step(model: Path, data: Path, cache: Path, out: Path) -> dict[str, Any
         "--train.batch_size", "8", "--checkpoint.every_steps", "0",
     ]  # fmt: skip
     t0 = time.time()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"finetune failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            tail = err.read()[-3000:].decode(errors="replace")
+            raise SystemExit(f"finetune failed ({proc.returncode}):\n{tail}")
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     step = next(e for e in events if e["event"] == "step")
     data = next(e for e in events if e["event"] == "data")
-    return {"to_first_step_s": step["ts"] - t0, "data_event": data}
+    peak = usage.ru_maxrss * 1024  # kilobytes on Linux
+    return {"to_first_step_s": step["ts"] - t0, "data_event": data, "peak_rss_bytes": peak}
 
 
 def cache_ratio(cache: Path, key: str) -> float:
@@ -149,6 +155,8 @@ def main() -> int:
         "cached_to_first_step_s": round(warm["to_first_step_s"], 2),
         "speedup": round(cold["to_first_step_s"] / warm["to_first_step_s"], 1),
         "cache_bytes_per_token_byte": round(ratio_bytes, 3),
+        "cold_peak_rss_gb": round(cold["peak_rss_bytes"] / 1e9, 2),
+        "cached_peak_rss_gb": round(warm["peak_rss_bytes"] / 1e9, 2),
         "cache_states": [cold["data_event"]["cache"], warm["data_event"]["cache"]],
         **{k: round(v, 2) for k, v in tp.items()},
         "procs": a.procs,

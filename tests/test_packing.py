@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy
 import pytest
 import torch
 
-from shoestring.data.packing import collate_packed, flatten_packed, pack_bins, packing_stats
+from shoestring.data import packing
+from shoestring.data.packing import (
+    PackPlan,
+    collate_packed,
+    flatten_packed,
+    pack_bins,
+    pack_plan,
+    packing_stats,
+)
 from shoestring.data.records import IGNORE_INDEX, DataError, Example
 
 # --- pack_bins ---------------------------------------------------------------------------
@@ -19,6 +28,44 @@ from shoestring.data.records import IGNORE_INDEX, DataError, Example
 def label_count(ex: Example) -> int:
     """Label tokens that enter the loss when the sample runs alone (the first never does)."""
     return sum(1 for t in ex.labels[1:] if t != IGNORE_INDEX)
+
+
+def test_a_saved_plan_is_read_back_instead_of_packing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lengths = numpy.random.default_rng(3).integers(1, 200, 5000)
+    saved = tmp_path / "packing-256.npy"
+    plan = pack_plan(lengths, 256, saved)
+    assert [plan.row(p) for p in range(len(plan))] == pack_bins(lengths, 256)
+    assert saved.exists()
+
+    def no_packing(*_: object) -> list[list[int]]:
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(packing, "pack_bins", no_packing)
+    again = pack_plan(lengths, 256, saved)
+    assert numpy.array_equal(again.rows, plan.rows)
+    assert numpy.array_equal(again.samples, plan.samples)
+
+
+@pytest.mark.parametrize("damage", ["torn", "other_samples", "not_a_permutation"])
+def test_a_damaged_or_foreign_plan_is_repacked(tmp_path: Path, damage: str) -> None:
+    lengths = numpy.random.default_rng(4).integers(1, 100, 300)
+    saved = tmp_path / "plan.npy"
+    want = pack_plan(lengths, 128, None)
+    if damage == "torn":
+        pack_plan(lengths, 128, saved)
+        saved.write_bytes(saved.read_bytes()[:40])
+    elif damage == "other_samples":
+        pack_plan(lengths[:200], 128, saved)
+    else:
+        bad = PackPlan(want.rows.copy(), want.samples.copy())
+        bad.samples[0] = bad.samples[1]
+        bad.save(saved)
+    assert PackPlan.load(saved, len(lengths)) is None
+    got = pack_plan(lengths, 128, saved)
+    assert numpy.array_equal(got.samples, want.samples)
+    assert PackPlan.load(saved, len(lengths)) is not None  # rewritten
 
 
 def _loads(bins: Sequence[Sequence[int]], lengths: numpy.ndarray) -> list[int]:

@@ -23,16 +23,28 @@ crosses sample boundaries again.
 
 from __future__ import annotations
 
+import contextlib
+import io
 from bisect import bisect_left, insort
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain
+from pathlib import Path
 
 import numpy
 import torch
 
 from shoestring.data.records import IGNORE_INDEX, DataError, Example
+from shoestring.fsio import atomic_write
 
-__all__ = ["collate_packed", "flatten_packed", "pack_bins", "packing_stats"]
+__all__ = [
+    "PackPlan",
+    "collate_packed",
+    "flatten_packed",
+    "pack_bins",
+    "pack_plan",
+    "packing_stats",
+]
 
 
 class _OpenBins:
@@ -114,6 +126,64 @@ def pack_bins(lengths: Sequence[int] | numpy.ndarray, block: int) -> list[list[i
     rows = [sorted(row) for row in contents]
     rows.sort(key=lambda row: row[0])
     return rows
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Rows of sample indices as two flat arrays (row ``p`` is
+    ``samples[rows[p]:rows[p + 1]]``): a few bytes per sample instead of a Python list
+    per row, and saved beside the tokenized cache so a restart does not pack again."""
+
+    rows: numpy.ndarray  # int64, n_rows + 1 offsets
+    samples: numpy.ndarray  # int64, every sample index once
+
+    @classmethod
+    def of(cls, bins: Sequence[Sequence[int]]) -> PackPlan:
+        rows = numpy.zeros(len(bins) + 1, dtype=numpy.int64)
+        numpy.cumsum([len(b) for b in bins], out=rows[1:])
+        flat = numpy.fromiter(chain.from_iterable(bins), numpy.int64, int(rows[-1]))
+        return cls(rows, flat)
+
+    def __len__(self) -> int:
+        return len(self.rows) - 1
+
+    def row(self, p: int) -> list[int]:
+        indices: list[int] = self.samples[self.rows[p] : self.rows[p + 1]].tolist()
+        return indices
+
+    def save(self, path: Path) -> None:
+        buf = io.BytesIO()
+        numpy.save(buf, numpy.concatenate([[len(self.rows)], self.rows, self.samples]))
+        atomic_write(path, buf.getvalue(), durable=False)  # derived: a loss only repacks
+
+    @classmethod
+    def load(cls, path: Path, n_samples: int) -> PackPlan | None:
+        """The saved plan, or None when absent or not a plan of ``n_samples`` samples."""
+        try:
+            flat = numpy.load(path, allow_pickle=False)
+            n = int(flat[0])
+            rows, samples = flat[1 : 1 + n], flat[1 + n :]
+        except (OSError, ValueError, IndexError):
+            return None
+        whole = len(rows) >= 1 and rows[0] == 0 and rows[-1] == len(samples) == n_samples
+        if not whole or numpy.any(numpy.diff(rows) <= 0):
+            return None
+        if n_samples and not numpy.array_equal(numpy.sort(samples), numpy.arange(n_samples)):
+            return None
+        return cls(rows, samples)
+
+
+def pack_plan(lengths: Sequence[int] | numpy.ndarray, block: int, saved: Path | None) -> PackPlan:
+    """:func:`pack_bins` as a :class:`PackPlan`, read from ``saved`` when it holds one for
+    these samples (else computed and saved there)."""
+    n = len(lengths)
+    plan = PackPlan.load(saved, n) if saved is not None and saved.exists() else None
+    if plan is None:
+        plan = PackPlan.of(pack_bins(lengths, block))
+        if saved is not None:
+            with contextlib.suppress(OSError):
+                plan.save(saved)
+    return plan
 
 
 def _packed_row(examples: Sequence[Example], row: int) -> tuple[list[int], list[int], list[int]]:

@@ -219,11 +219,14 @@ def tokenize_records(
     workers: int = 1,
     progress: bool = False,
     should_stop: Callable[[], bool] = lambda: False,
+    sink: Callable[[list[Example]], None] | None = None,
 ) -> tuple[list[Example], TokenizeStats]:
     """All records → examples, in record order, the same for any ``workers``.
 
     ``should_stop`` is polled between chunks (``InterruptedError`` when it says so);
-    ``progress`` shows a bar on stderr.
+    ``progress`` shows a bar on stderr. With a ``sink`` (e.g. a cache writer's
+    ``add_many``) each chunk's examples go there as they come and none are returned,
+    so memory does not grow with the data.
     """
     from tqdm import tqdm
 
@@ -249,7 +252,10 @@ def tokenize_records(
             chunk = next(results, None)
             if chunk is None:
                 break
-            examples += chunk[0]
+            if sink is None:
+                examples += chunk[0]
+            else:
+                sink(chunk[0])
             stats.add(chunk[1])
             bar.update(sum(chunk[1].kinds.values()))
     return examples, stats

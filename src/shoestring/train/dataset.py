@@ -188,12 +188,17 @@ def _fill(
         spec = token_spec(cfg, inputs.template)
         check_chat_ready(tok, spec, any(r.kind == "chat" for r in records))
         workers = cfg.data.workers or os.cpu_count() or 1
-        examples, stats = tokenize_records(
-            records, tok, spec, workers=workers, progress=ctx.tty, should_stop=ctx.should_stop
+        _, stats = tokenize_records(
+            records,
+            tok,
+            spec,
+            workers=workers,
+            progress=ctx.tty,
+            should_stop=ctx.should_stop,
+            sink=writer.add_many,
         )
-        if not examples:
+        if not stats.samples:
             raise DataError(f"{inputs.train.spec}: no sample is left after data.truncate")
-        writer.add_many(examples)
         return {"stats": vars(stats), "formats": formats, "records": len(records)}
 
     return fill
@@ -201,14 +206,18 @@ def _fill(
 
 def _store(
     cfg: FinetuneConfig, inputs: DataInputs, tok: Any, ctx: DataContext
-) -> tuple[ExampleStore, Sequence[int], dict[str, Any]]:
+) -> tuple[ExampleStore, Sequence[int], dict[str, Any], Path | None]:
+    """The tokenized samples, their lengths, how they were obtained, and where a packing
+    plan is kept (beside the cache; None without one)."""
     fill = _fill(cfg, inputs, tok, ctx)
     if not cfg.data.cache:
         mem = _MemoryWriter()
         meta = fill(mem)  # type: ignore[arg-type]
-        return mem.examples, [len(e.input_ids) for e in mem.examples], {**meta, "cache": "off"}
+        lengths = [len(e.input_ids) for e in mem.examples]
+        return mem.examples, lengths, {**meta, "cache": "off"}, None
     store, status = open_or_build(cache_root(ctx.cache_dir), inputs.key, fill, remote=ctx.remote)
-    return store, store.lengths.tolist(), {**store.meta, "cache": status}
+    plan = store.path / f"packing-{cfg.data.max_length}.npy"
+    return store, store.lengths.tolist(), {**store.meta, "cache": status}, plan
 
 
 class _MemoryWriter:
@@ -228,13 +237,14 @@ def load_train_data(
     cfg: FinetuneConfig, inputs: DataInputs, batch: BatchPlan, tok: Any, ctx: DataContext
 ) -> TrainData:
     t0 = time.perf_counter()
-    store, lengths, meta = _store(cfg, inputs, tok, ctx)
+    store, lengths, meta, plan = _store(cfg, inputs, tok, ctx)
     samples: Samples = (
         PackedSamples.pack(
             store,
             lengths,
             cfg.data.max_length,
             flatten=cfg.model.attn_implementation == "flash_attention_2",
+            saved=plan,
         )
         if cfg.data.packing
         else PaddedSamples(store)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from shoestring.data.packing import collate_packed, flatten_packed, pack_bins
+from shoestring.data.packing import PackPlan, collate_packed, flatten_packed, pack_plan
 from shoestring.data.records import IGNORE_INDEX, Example
 
 
@@ -77,27 +78,33 @@ class PackedSamples:
     label, so nothing is learned across rows)."""
 
     store: ExampleStore
-    bins: list[list[int]]
+    plan: PackPlan
     width: int
     flatten: bool = False
 
     @classmethod
     def pack(
-        cls, store: ExampleStore, lengths: Sequence[int], width: int, flatten: bool = False
+        cls,
+        store: ExampleStore,
+        lengths: Sequence[int],
+        width: int,
+        flatten: bool = False,
+        saved: Path | None = None,
     ) -> PackedSamples:
-        return cls(store, pack_bins(lengths, width), width, flatten)
+        """Best-fit rows of ``width`` tokens (read from ``saved`` beside a cache, if there)."""
+        return cls(store, pack_plan(lengths, width, saved), width, flatten)
 
     def __len__(self) -> int:
-        return len(self.bins)
+        return len(self.plan)
 
     def collate(self, positions: Sequence[int], pad_id: int) -> dict[str, torch.Tensor]:
-        rows = [[self.store[i] for i in self.bins[p]] for p in positions]
+        rows = [[self.store[i] for i in self.plan.row(p)] for p in positions]
         batch = collate_packed(rows, pad_id, self.width)
         return flatten_packed(batch) if self.flatten else batch
 
     def label_tokens(self, position: int) -> int:
         # A packed row trains no sample's first token, exactly like a padded sample.
-        return sum(_labels(self.store[i]) for i in self.bins[position])
+        return sum(_labels(self.store[i]) for i in self.plan.row(position))
 
     def tokens(self, position: int) -> int:
-        return sum(len(self.store[i].input_ids) for i in self.bins[position])
+        return sum(len(self.store[i].input_ids) for i in self.plan.row(position))
