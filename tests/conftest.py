@@ -178,8 +178,10 @@ def run_job(
     restarts: int = 0,
     env: dict[str, str] | None = None,
     run_args: tuple[str, ...] = (),
+    run_dir: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """``shoestring run --nproc-per-node N ... -- shoestring finetune --output_dir OUT ARGS``."""
+    """``shoestring run --nproc-per-node N ... -- shoestring finetune --output_dir OUT ARGS``
+    (``run_dir=False``: without ``--run-dir OUT``, which run then finds itself)."""
     cmd = [
         sys.executable,
         "-m",
@@ -189,8 +191,7 @@ def run_job(
         str(nproc),
         "--max-restarts",
         str(restarts),
-        "--run-dir",
-        str(out),
+        *(["--run-dir", str(out)] if run_dir else []),
         *run_args,
         "--",
         sys.executable,

@@ -236,3 +236,37 @@ def test_help_after_the_command_belongs_to_the_command(supervised: list[Supervis
     assert supervised[0].argv == ["python", "--help"]
     assert main(["run", "python", "-h"]) == 0
     assert supervised[1].argv == ["python", "-h"]
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [["shoestring"], ["/opt/venv/bin/shoestring"], ["python3", "-m", "shoestring"]],
+    ids=["entry-point", "path", "python-m"],
+)
+def test_run_watches_a_finetune_commands_output_dir_without_run_dir(
+    tmp_path: Path, supervised: list[Supervisor], monkeypatch: pytest.MonkeyPatch, prefix: list[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    y = tmp_path / "ft.yaml"
+    y.write_text("output_dir: from-yaml\n")
+    cases = [
+        (["--output_dir", "out/a"], tmp_path / "out" / "a"),
+        (["--output_dir=abs"], tmp_path / "abs"),
+        (["--config", str(y), "--lora.r", "4"], tmp_path / "from-yaml"),
+        (["--resume", "never"], tmp_path / FinetuneConfig().output_dir),
+    ]
+    for args, want in cases:
+        assert main(["run", "--nproc-per-node", "1", "--", *prefix, "finetune", *args]) == 0
+        sup = supervised.pop()
+        assert sup.cfg.run_dir == want.resolve() and sup.cfg.watch, args
+
+
+def test_run_without_run_dir_leaves_other_commands_unwatched(
+    supervised: list[Supervisor], caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(["run", "--", "python3", "train.py", "--output_dir", "x"]) == 0
+    assert supervised.pop().cfg.run_dir is None
+    assert "not watching: COMMAND is not `shoestring finetune`" in caplog.text
+    assert main(["run", "--no-watch", "--", "shoestring", "finetune", "--output_dir", "y"]) == 0
+    sup = supervised.pop()
+    assert sup.cfg.run_dir is None and not sup.cfg.watch  # --no-watch: nothing derived

@@ -13,22 +13,26 @@ from conftest import CLI, DIST, read_events, run_job, sha256
 
 
 @pytest.mark.parametrize(
-    "fault,culprit,frame",
+    "fault,culprit,frame,run_dir",
     [
-        ("step.end@6:hang:rank1:once", 1, "in hit"),  # a rank that stops after a step
+        # a rank that stops after a step; `shoestring run` given no --run-dir watches the
+        # finetune command's output_dir all the same
+        ("step.end@6:hang:rank1:once", 1, "in hit", False),
         pytest.param(
             "step.data@13:hang:rank0:once",
             0,
             "in hit",  # stuck loading data (step 7)
+            True,
             marks=pytest.mark.slow,
         ),
     ],
 )
 def test_hang_is_caught_named_and_restarted(
-    cli: CLI, tmp_path: Path, ddp_ref: Path, fault: str, culprit: int, frame: str
+    cli: CLI, tmp_path: Path, ddp_ref: Path, fault: str, culprit: int, frame: str, run_dir: bool
 ) -> None:
     out = tmp_path / "run"
-    r = run_job(cli, out, 2, *DIST, restarts=1, env={"SHOESTRING_FAULTS": fault})
+    env = {"SHOESTRING_FAULTS": fault}
+    r = run_job(cli, out, 2, *DIST, restarts=1, env=env, run_dir=run_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     (hang,) = [e for e in ev if e["event"] == "hang"]

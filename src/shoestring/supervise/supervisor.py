@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -27,6 +27,7 @@ from shoestring.config import ConfigError, Invocation
 from shoestring.events import EventLog
 from shoestring.rundir import RunDir
 from shoestring.supervise.config import RunConfig, SlurmRequeue
+from shoestring.supervise.jobdir import job_run_dir
 from shoestring.supervise.launch import LaunchSpec, launch_argv
 from shoestring.supervise.slurm import requeue_after_signal
 from shoestring.watch.alerts import Alerts, AlertSink, CallbackSink, StderrSink, WebhookSink
@@ -419,4 +420,13 @@ def supervise(cfg: RunConfig, call: Invocation) -> int:
     if not cfg.command:
         raise ConfigError("run: no COMMAND given (usage: shoestring run [options] -- COMMAND ...)")
     argv = launch_argv(LaunchSpec(tuple(cfg.command), cfg.nproc_per_node), call.env)
+    if not cfg.run_dir and cfg.watch:
+        found = job_run_dir(cfg.command, Path.cwd())
+        if found is None:
+            log.warning(
+                "not watching: COMMAND is not `shoestring finetune`; give --run-dir (where "
+                "its ranks publish) to watch it, or --no-watch to silence this"
+            )
+        else:
+            cfg = replace(cfg, run_dir=str(found))
     return Supervisor(argv, SupervisorConfig.from_run(cfg, call.env), call.env).run()
