@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class EventLog:
         self._clock = clock
         self._lock = threading.Lock()
         self._write_failed = False
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._fh = open(self.path, "a", encoding="utf-8")
         self._repair_tail()
 
@@ -71,7 +72,17 @@ class EventLog:
                             file=sys.stderr,
                             flush=True,
                         )
+        for listener in self._listeners:
+            listener(rec)
         return rec
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Also hand every record written from now on to ``listener`` (on the emitting
+        thread, after the write: it must be quick and must not raise, e.g. a queue put)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        self._listeners.remove(listener)
 
     def sync(self) -> None:
         with self._lock:

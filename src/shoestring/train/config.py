@@ -17,6 +17,7 @@ from typing import Any, Literal
 from shoestring.config import knob, non_negative, positive, to_flat, unit_interval
 from shoestring.data.records import Format as DataFormat
 from shoestring.data.records import LossOn, Truncate
+from shoestring.track.config import TrackConfig
 
 # --------------------------------------------------------------------------- choices
 
@@ -373,6 +374,7 @@ class FinetuneConfig:
     watch: WatchConfig = field(default_factory=WatchConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     plan: PlanSection = field(default_factory=PlanSection)
+    track: TrackConfig = field(default_factory=TrackConfig)
 
 
 @dataclass
@@ -409,6 +411,7 @@ RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "watch.",
     "cost.",
     "plan.",
+    "track.",
 )
 
 

@@ -26,6 +26,7 @@ from shoestring.train.resume import resume
 from shoestring.train.run import Inputs, RunOptions, open_run
 from shoestring.train.saves import SavePolicy
 from shoestring.train.step import train_step
+from shoestring.train.tracking import check_trackers, tracking
 from shoestring.train.trainer import Trainer, build_trainer
 
 __all__ = ["RunOptions", "finetune"]
@@ -37,6 +38,7 @@ def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
     """Run (or resume) a fine-tuning job; returns an exit code from :mod:`shoestring.exitcodes`."""
     opts = opts or RunOptions()
     cfg = resolve(cfg, opts.accelerator or Accelerator.probe(), opts.dist.local_rank)
+    check_trackers(cfg.track)
     inputs = Inputs.prepare(cfg, opts.dist, opts.cache_dir)
     with open_run(cfg, opts, inputs.remote) as run:
         try:
@@ -44,9 +46,11 @@ def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
                 t = build_trainer(cfg, run, inputs)
                 progress = resume(t, opts.resume)
             saves = _save_policy(t, progress.step)
-            display = begin(t, progress)
-            stopped = train(t, progress, saves, display)
-            return preempted(t, progress) if stopped else finish(t, progress, display)
+            with tracking(t, progress.step if t.saved_step >= 0 else None) as tracked:
+                display = begin(t, progress)
+                stopped = train(t, progress, saves, display)
+                code = preempted(t, progress) if stopped else finish(t, progress, display)
+                return tracked.ended_with(code)
         except InterruptedError:  # a stop signal while tokenizing or loading
             run.events.emit("preempt", step=None, reason=run.flag.reason, saved=False)
             return exitcodes.PREEMPTED

@@ -96,6 +96,7 @@ def resume(t: Trainer, mode: str) -> S.Progress:
         # draws dropout per micro-batch from (seed, step, chunk), so this changes nothing.
         S.seed_everything(t.cfg.train.seed + 7919 * strategy.rank + progress.step)
     t.saved_step = progress.step
+    t.resumed_meta = dict(manifest.meta)
     _report(
         t,
         progress,

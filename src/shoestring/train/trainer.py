@@ -10,7 +10,8 @@ what was saved.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ class Trainer:
     config_hash: str
     saved_step: int = -1
     grads_checked: bool = False
+    resumed_meta: dict[str, Any] = field(default_factory=dict)  # the resumed manifest's
+    tracker_ids: Callable[[], dict[str, str]] = dict  # tracker runs to continue on resume
 
     @property
     def device(self) -> torch.device:
@@ -61,6 +64,7 @@ class Trainer:
             "strategy": self.run.strategy.name,
             "torch": torch.__version__,
             "kind": "finetune",
+            **({"trackers": ids} if (ids := self.tracker_ids()) else {}),
         }
 
 

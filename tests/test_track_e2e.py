@@ -1,0 +1,84 @@
+"""Trackers through `shoestring finetune`: TensorBoard, W&B (offline) and MLflow (local
+store) fed from rank 0's event log, continuing the same tracker runs after a SIGKILL,
+with their ids in run.json and in every checkpoint's manifest."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import CLI, FAST, read_events
+from test_track import mlflow_run, tb_scalars, tracker_env, wandb_attempts
+
+
+def _args() -> list[str]:
+    return [*FAST, "--track.to", "tensorboard,wandb,mlflow", "--track.wandb_mode", "offline"]
+
+
+@pytest.mark.e2e
+def test_a_sigkilled_finetune_continues_the_same_tracker_runs(
+    cli: CLI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading mlruns/ back here
+    out = tmp_path / "run"
+    env = tracker_env(tmp_path)
+    r = cli.run(out, *_args(), env={**env, "SHOESTRING_FAULTS": "step.end@7:kill"})
+    assert r.returncode == -signal.SIGKILL
+    first = json.loads((out / "run.json").read_text())["trackers"]
+    assert {"wandb", "tensorboard"} <= set(first)
+    r = cli.run(out, *_args(), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    ids = json.loads((out / "run.json").read_text())["trackers"]
+    assert ids["wandb"] == first["wandb"] and ids["mlflow"]
+    manifest = json.loads((out / "checkpoints" / "step-00000012" / "manifest.json").read_text())
+    assert manifest["meta"]["trackers"] == ids  # travels with the checkpoint to a new VM
+
+    ev = read_events(out)
+    logged = {e["step"]: e["loss"] for e in ev if e["event"] == "step" and e["rank"] == 0}
+    resumed = [e for e in ev if e["event"] == "resume"]
+    assert resumed and resumed[0]["from_step"] == 4
+
+    # TensorBoard: each step once, with the values of the attempt that kept them
+    tb = tb_scalars(out, "train/loss")
+    assert [s for s, _ in tb] == list(range(1, 13))
+    assert all(abs(v - logged[s]) < 1e-6 for s, v in tb)
+
+    # W&B: one run id over both attempts; the second logs from the resume point on
+    attempts = wandb_attempts(out, ids["wandb"])
+    assert len(attempts) == 2 and {a["run_id"] for a in attempts} == {ids["wandb"]}
+    second = sorted(attempts[1]["history"])
+    assert second[0] == 5 and second[-1] >= 12 and second == sorted(set(second))
+    assert attempts[1]["config"]  # the resolved config, once
+    assert attempts[1]["exit_code"] == 0
+
+    # MLflow: one run, finished, every step present (5..7 may hold both attempts' values)
+    run, history, runs = mlflow_run(out, ids["mlflow"])
+    assert len(runs) == 1 and run.info.status == "FINISHED"
+    assert sorted({s for s, _ in history}) == list(range(1, 13))
+    assert run.data.params.get("train.lr") is not None
+
+
+@pytest.mark.parametrize("name,package", [("mlflow", "mlflow-skinny"), ("wandb", "wandb")])
+def test_a_missing_tracker_package_is_refused_before_anything_loads(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    package: str,
+) -> None:
+    """``track.to`` naming an uninstalled tracker: exit 2 with the install hint, before
+    the model or the data is touched (``sys.modules[name] = None`` hides the package)."""
+    from shoestring.cli import main
+
+    monkeypatch.setitem(sys.modules, name, None)
+    out = tmp_path / "run"
+    assert main(["finetune", "--output_dir", str(out), *FAST, "--track.to", name]) == 2
+    err = capsys.readouterr().err
+    assert f"track.to: {name} needs the {package} package" in err
+    assert "pip install 'shoestring[track]'" in err
+    assert not out.exists()
