@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CLI, FAST, read_events
+from shoestring import exitcodes
 from test_track import mlflow_run, tb_scalars, tracker_env, wandb_attempts
 
 
@@ -20,14 +21,17 @@ def _args() -> list[str]:
 
 
 @pytest.mark.e2e
-def test_a_sigkilled_finetune_continues_the_same_tracker_runs(
-    cli: CLI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("stop", ["kill", "term"])
+def test_a_stopped_finetune_continues_the_same_tracker_runs(
+    cli: CLI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str
 ) -> None:
+    """Stopped at step 7 — SIGKILL (no notice: resumes from step 4, steps 5..7 redone) or
+    SIGTERM (a notice: an emergency checkpoint at 7, nothing redone) — then rerun."""
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading mlruns/ back here
     out = tmp_path / "run"
     env = tracker_env(tmp_path)
-    r = cli.run(out, *_args(), env={**env, "SHOESTRING_FAULTS": "step.end@7:kill"})
-    assert r.returncode == -signal.SIGKILL
+    r = cli.run(out, *_args(), env={**env, "SHOESTRING_FAULTS": f"step.end@7:{stop}"})
+    assert r.returncode == (-signal.SIGKILL if stop == "kill" else exitcodes.PREEMPTED)
     first = json.loads((out / "run.json").read_text())["trackers"]
     assert {"wandb", "tensorboard"} <= set(first)
     r = cli.run(out, *_args(), env=env)
@@ -35,13 +39,15 @@ def test_a_sigkilled_finetune_continues_the_same_tracker_runs(
 
     ids = json.loads((out / "run.json").read_text())["trackers"]
     assert ids["wandb"] == first["wandb"] and ids["mlflow"]
+    if stop == "term":
+        assert ids["mlflow"] == first["mlflow"]
     manifest = json.loads((out / "checkpoints" / "step-00000012" / "manifest.json").read_text())
     assert manifest["meta"]["trackers"] == ids  # travels with the checkpoint to a new VM
 
     ev = read_events(out)
     logged = {e["step"]: e["loss"] for e in ev if e["event"] == "step" and e["rank"] == 0}
-    resumed = [e for e in ev if e["event"] == "resume"]
-    assert resumed and resumed[0]["from_step"] == 4
+    resumed_from = 4 if stop == "kill" else 7
+    assert [e["from_step"] for e in ev if e["event"] == "resume"] == [resumed_from]
 
     # TensorBoard: each step once, with the values of the attempt that kept them
     tb = tb_scalars(out, "train/loss")
@@ -51,15 +57,20 @@ def test_a_sigkilled_finetune_continues_the_same_tracker_runs(
     # W&B: one run id over both attempts; the second logs from the resume point on
     attempts = wandb_attempts(out, ids["wandb"])
     assert len(attempts) == 2 and {a["run_id"] for a in attempts} == {ids["wandb"]}
-    second = sorted(attempts[1]["history"])
-    assert second[0] == 5 and second[-1] >= 12 and second == sorted(set(second))
+    second = sorted(s for s in attempts[1]["history"] if s > 0)
+    assert second[0] == resumed_from + 1 and second[-1] >= 12 and second == sorted(set(second))
     assert attempts[1]["config"]  # the resolved config, once
     assert attempts[1]["exit_code"] == 0
 
-    # MLflow: one run, finished, every step present (5..7 may hold both attempts' values)
+    # MLflow: one run, finished, every step present; after SIGTERM none twice (after a
+    # SIGKILL, 5..7 may hold both attempts' values: MLflow keeps every logged value)
     run, history, runs = mlflow_run(out, ids["mlflow"])
     assert len(runs) == 1 and run.info.status == "FINISHED"
-    assert sorted({s for s, _ in history}) == list(range(1, 13))
+    steps = [s for s, _ in history]
+    assert sorted(set(steps)) == list(range(1, 13))
+    if stop == "term":
+        assert sorted(steps) == list(range(1, 13))
+        assert run.data.tags.get("shoestring.preempted") == "true"
     assert run.data.params.get("train.lr") is not None
 
 
