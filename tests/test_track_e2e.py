@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI, FAST, read_events
+from conftest import CLI, FAST, read_events, run_job
 from shoestring import exitcodes
 from test_track import mlflow_run, tb_scalars, tracker_env, wandb_attempts
 
@@ -93,3 +93,19 @@ def test_a_missing_tracker_package_is_refused_before_anything_loads(
     assert f"track.to: {name} needs the {package} package" in err
     assert "pip install 'shoestring[track]'" in err
     assert not out.exists()
+
+
+@pytest.mark.e2e
+def test_shoestring_runs_host_samples_reach_the_tracker(cli: CLI, tmp_path: Path) -> None:
+    """`shoestring run` (no --run-dir: it watches the finetune's output_dir) samples the
+    host every second; the run's TensorBoard shows them as system/ scalars."""
+    out = tmp_path / "run"
+    r = run_job(
+        cli, out, 1, *FAST, "--track.to", "tensorboard", run_dir=False,
+        run_args=("--metrics-interval", "0.5"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    samples = [e for e in read_events(out) if e["event"] == "metrics"]
+    assert samples, "shoestring run wrote no host sample"
+    cpu = tb_scalars(out, "system/cpu_pct")
+    assert cpu and all(0 <= v <= 100 * 64 for _, v in cpu)

@@ -2,7 +2,8 @@
 
 Sinks only render :class:`TrackerRow` s. Events not listed in :data:`EVENTS` produce
 nothing. Scalar names: ``train/<field>``, ``eval/<tag>/<metric>``,
-``checkpoint/<field>``, ``cost/<field>``.
+``checkpoint/<field>``, ``cost/<field>``, ``system/<field>`` (``shoestring run``'s host
+and GPU samples).
 """
 
 from __future__ import annotations
@@ -199,6 +200,28 @@ def _cost(rec: Mapping[str, Any]) -> TrackerRow:
     )
 
 
+SYSTEM_HOST_FIELDS = ("cpu_pct", "mem_used_bytes", "load1")
+SYSTEM_GPU_FIELDS = ("util_pct", "mem_used_bytes", "power_w", "temp_c", "sm_clock_mhz")
+
+
+def _system(rec: Mapping[str, Any]) -> TrackerRow:
+    """``shoestring run``'s host and GPU sample (``metrics``): ``system/...`` scalars at
+    the current step; per GPU ``system/gpu<N>/...``."""
+    host = rec.get("host")
+    scalars = _numbers(host, SYSTEM_HOST_FIELDS, "system/") if isinstance(host, Mapping) else {}
+    for gpu in rec.get("gpus") or ():
+        if isinstance(gpu, Mapping):
+            scalars.update(_numbers(gpu, SYSTEM_GPU_FIELDS, f"system/gpu{_g(gpu, 'gpu')}/"))
+    return _row(rec, scalars=scalars)
+
+
+def _degraded(rec: Mapping[str, Any]) -> TrackerRow:
+    change = number(rec.get("change"))
+    by = "?" if change is None else f"{change:+.0%}"
+    msg = f"{_g(rec, 'kind')}: rank {_g(rec, 'rank')} {by} vs its baseline"
+    return _row(rec, alarm=msg)
+
+
 _BUILDERS: Mapping[str, Callable[[Mapping[str, Any]], TrackerRow]] = {
     "run_start": _run_start,
     "step": _step,
@@ -209,6 +232,8 @@ _BUILDERS: Mapping[str, Callable[[Mapping[str, Any]], TrackerRow]] = {
     "restart": _restart,
     "straggler": _straggler,
     "hang": _hang,
+    "alarm": _degraded,
+    "metrics": _system,
     "checkpoint_failed": _checkpoint_failed,
     "notice": _notice,
     "run_end": _run_end,

@@ -15,14 +15,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from shoestring import exitcodes
 from shoestring.config import ConfigError
-from shoestring.events import read_events
 from shoestring.fsio import atomic_write
 from shoestring.rundir import RunDir
 from shoestring.track import Tracker, TrackerIds
@@ -32,8 +31,15 @@ from shoestring.train.trainer import Trainer
 
 log = logging.getLogger("shoestring.finetune")
 
-SUPERVISOR_RANK = -1
-OPEN_WAIT_S = 15.0  # ``shoestring run``'s records (the tracker keeps those it shows)
+#: The records only ``shoestring run`` writes (rank -1, though a per-rank one such as
+#: ``straggler`` carries the rank it is about in ``rank``); the tracker keeps those it shows.
+SUPERVISOR_EVENTS = frozenset(
+    {"attempt_start", "attempt_end", "restart", "hang", "straggler", "gave_up", "requeue"}
+    | {"no_requeue", "window", "alarm", "metrics"}
+)
+OPEN_WAIT_S = 15.0  # at most this long at start for the trackers to open
+POLL_S = 2.0  # how often shoestring run's new records are read
+TAIL_BYTES = 1 << 20  # how far back the first read looks
 
 
 @dataclass
@@ -85,20 +91,58 @@ def stored_ids(t: Trainer) -> TrackerIds:
     return local.merged(saved.to_json())
 
 
-def _forward_supervisor(tracker: Tracker, rd: RunDir) -> None:
-    """Hand ``shoestring run``'s alarms written since the last forward to the tracker."""
-    since = float(_run_json(rd).get("tracked_until", 0.0))
-    now = time.time()
-    if rd.events.exists():
-        for r in read_events(rd.events, tail_bytes=1 << 20):
-            ts = r.get("ts")
-            if (
-                r.get("rank") == SUPERVISOR_RANK
-                and isinstance(ts, (int, float))
-                and since < ts <= now
-            ):
-                tracker.submit(r)
-    _remember(rd, tracked_until=now, trackers=tracker.ids.to_json())
+class SupervisorFeed:
+    """``shoestring run``'s records (rank -1: hangs, restarts, stragglers, alarms, host
+    and GPU samples) handed to the tracker as they are written to ``events.jsonl``:
+    first those since the last forward (``tracked_until`` in ``run.json``), then the
+    new lines every ``POLL_S`` on a daemon thread."""
+
+    def __init__(self, tracker: Tracker, rd: RunDir) -> None:
+        self.tracker, self.rd = tracker, rd
+        self.since = float(_run_json(rd).get("tracked_until", 0.0))
+        size = rd.events.stat().st_size if rd.events.exists() else 0
+        self.offset = max(0, size - TAIL_BYTES)
+        self.partial = self.offset > 0  # the first line read may be cut: skip it
+        self._stop = threading.Event()
+        self.poll()
+        self._thread = threading.Thread(target=self._run, name="shoestring-feed", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            with open(self.rd.events, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # whole lines only; a line being written waits
+        self.offset += end
+        lines = data[:end].splitlines()
+        if self.partial and lines:
+            lines, self.partial = lines[1:], False
+        for line in lines:
+            self._submit(line)
+
+    def _submit(self, line: bytes) -> None:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return  # a line cut by a kill
+        ts = rec.get("ts") if isinstance(rec, dict) else None
+        ours = isinstance(rec, dict) and rec.get("event") in SUPERVISOR_EVENTS
+        if ours and isinstance(ts, (int, float)) and ts > self.since:
+            self.tracker.submit(rec)
+            self.since = float(ts)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll()
+        _remember(self.rd, tracked_until=self.since)
 
 
 @contextlib.contextmanager
@@ -115,13 +159,14 @@ def tracking(t: Trainer, resume_step: int | None) -> Iterator[Tracked]:
         log.warning("trackers still opening after %.0f s; training goes on", OPEN_WAIT_S)
     tracked = Tracked(tracker)
     t.tracker_ids = lambda: tracker.ids.to_json()
-    _forward_supervisor(tracker, run.dir)
+    _remember(run.dir, trackers=tracker.ids.to_json())
+    feed = SupervisorFeed(tracker, run.dir)
     run.events.add_listener(tracker.submit)
     try:
         yield tracked
     finally:
         run.events.remove_listener(tracker.submit)
-        _forward_supervisor(tracker, run.dir)
+        feed.close()
         tracker.close(tracked.status)
         _remember(run.dir, trackers=tracker.ids.to_json())
         _log_losses(tracker)

@@ -1,0 +1,86 @@
+"""`shoestring run`'s records reach a run's trackers: the tail of events.jsonl (from the
+watermark in run.json) and the rows its host/GPU samples and alarms become."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoestring.events import EventLog
+from shoestring.rundir import RunDir
+from shoestring.track import to_row
+from shoestring.train import tracking
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.got: list[dict[str, Any]] = []
+
+    def submit(self, record: dict[str, Any]) -> None:
+        self.got.append(dict(record))
+
+
+def _wait_for(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_feed_hands_on_supervisor_records_once_across_attempts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tracking, "POLL_S", 0.05)
+    rd = RunDir(tmp_path)
+    sup = EventLog(rd.events, run_id="r", rank=-1)
+    trainer = EventLog(rd.events, run_id="r", rank=0)
+    rd.run_json.write_text(json.dumps({"run_id": "r"}))
+    sup.emit("hang", kind="stuck_rank", culprits=[1])
+    sup.emit("restart", reason="hang")
+    trainer.emit("step", step=1, loss=1.0)
+
+    first = Collect()
+    feed = tracking.SupervisorFeed(first, rd)  # type: ignore[arg-type]
+    assert [r["event"] for r in first.got] == ["hang", "restart"]  # not the trainer's
+    sup.emit("metrics", host={"cpu_pct": 50.0})
+    _wait_for(lambda: len(first.got) == 3)  # tailed while the attempt runs
+    with open(rd.events, "a") as f:  # a line still being written is not read yet
+        f.write('{"v":1,"ts":')
+    time.sleep(0.2)
+    assert len(first.got) == 3
+    with open(rd.events, "a") as f:  # ... until its writer ends it
+        f.write('9.0,"event":"step","rank":0}\n')
+    feed.close()
+    assert json.loads(rd.run_json.read_text())["tracked_until"] == first.got[-1]["ts"]
+
+    second = Collect()  # the next attempt: nothing again, only what is new
+    sup.emit("straggler", rank=1, part="forward", slower_by=0.2)
+    feed = tracking.SupervisorFeed(second, rd)  # type: ignore[arg-type]
+    feed.close()
+    assert [r["event"] for r in second.got] == ["straggler"]
+
+
+def test_host_and_gpu_samples_and_degradation_alarms_become_rows() -> None:
+    row = to_row(
+        {
+            "event": "metrics",
+            "ts": 1.0,
+            "host": {"cpu_pct": 40.0, "mem_used_bytes": 5e9, "load1": 1.5},
+            "gpus": [{"gpu": 0, "util_pct": 97.0, "power_w": 300.5, "temp_c": 61}],
+        }
+    )
+    assert row is not None and row.step is None  # shown at the current step
+    assert row.scalars == {
+        "system/cpu_pct": 40.0,
+        "system/mem_used_bytes": 5e9,
+        "system/load1": 1.5,
+        "system/gpu0/util_pct": 97.0,
+        "system/gpu0/power_w": 300.5,
+        "system/gpu0/temp_c": 61.0,
+    }
+    alarm = to_row({"event": "alarm", "kind": "throughput_drop", "rank": 1, "change": -0.31})
+    assert alarm is not None and alarm.alarm == "throughput_drop: rank 1 -31% vs its baseline"
