@@ -4,6 +4,7 @@ truncation modes and their stats, and the same result for any number of workers.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -237,3 +238,39 @@ def test_progress_bar_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None
     tokenize_records(records, plain_tokenizer(), TokenizeSpec(64))
     assert capsys.readouterr().err == ""
     assert sys.stderr is not None
+
+
+def test_tokenizer_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
+    """A SIGKILLed trainer must not leave forked tokenizer workers behind: they would hold
+    the run directory's and the data cache's locks it inherited."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from chat_fixtures import chatml_tokenizer\n"
+        "from shoestring.data.records import Record\n"
+        "from shoestring.data.tokenize import TokenizeSpec, tokenize_records\n"
+        "recs = [Record(f'r:{i}', text='word ' * 200) for i in range(400_000)]\n"
+        "print('start', flush=True)\n"
+        "tokenize_records(recs, chatml_tokenizer(), TokenizeSpec(64), workers=2)\n"
+    )
+    tests = str(Path(__file__).parent)
+    p = subprocess.Popen([sys.executable, "-c", code, tests], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"start"
+        parent = psutil.Process(p.pid)
+        deadline = time.monotonic() + 60
+        while len(parent.children()) < 2:
+            assert time.monotonic() < deadline, "no workers started"
+            time.sleep(0.05)
+        workers = parent.children()
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"workers outlived their parent: {[w.pid for w in alive]}"

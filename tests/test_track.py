@@ -530,7 +530,7 @@ def test_submit_ignores_events_trackers_do_not_show() -> None:
     sink = BlockingSink()
     sink.release.set()
     tracker = Tracker([sink])
-    for event in ("data", "window", "metrics", "interval", "attempt_start", "plan"):
+    for event in ("data", "window", "gave_up", "interval", "attempt_start", "plan"):
         tracker.submit({"event": event, "step": 1})
     tracker.close()
     assert sink.rows == 0

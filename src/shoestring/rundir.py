@@ -10,17 +10,30 @@ One type names each path, so the layout is written down once::
     OUTPUT/verdicts/                hang verdicts with stacks and flight-recorder dumps
     OUTPUT/checkpoints/step-N/      committed checkpoints (the local cache)
     OUTPUT/final/, OUTPUT/merged/   exports
+    OUTPUT/.lock                    held (fcntl) by the one process that runs the job
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoestring.config import ConfigError
+
 EVENTS = "events.jsonl"
 LIVE = "live.json"
+LOCK = ".lock"
+
+
+class RunDirBusy(ConfigError):
+    """Another live process holds the run directory (exit 2, naming it)."""
 
 
 @dataclass(frozen=True)
@@ -74,3 +87,45 @@ class RunDir:
             return str(json.loads(self.run_json.read_text())["run_id"])
         except (OSError, ValueError, KeyError):
             return None
+
+
+@contextlib.contextmanager
+def hold(root: Path, what: str) -> Iterator[None]:
+    """Hold ``root/.lock`` for the life of the block: an exclusive ``flock`` that the
+    kernel drops when the process dies (a SIGKILLed run leaves no stale lock; over NFS
+    Linux maps it to a POSIX lock). A second holder is refused at once with
+    :class:`RunDirBusy` naming the first one's pid and host. A directory this call
+    created and the job left empty (refused bad input, say) is removed again."""
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            created = False
+            raise RunDirBusy(f"{root} is in use: {_holder(fd)}; {what}") from None
+        note = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(note).encode(), 0)
+        yield
+    finally:
+        if created:
+            _remove_if_unused(root)
+        os.close(fd)  # releases the lock
+
+
+def _remove_if_unused(root: Path) -> None:
+    with contextlib.suppress(OSError):
+        if os.listdir(root) == [LOCK]:
+            os.unlink(root / LOCK)
+            root.rmdir()
+
+
+def _holder(fd: int) -> str:
+    try:
+        note = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note["since"])))
+        return f"pid {note['pid']} on host {note['host']} holds it since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process holds it"

@@ -13,9 +13,7 @@ so a SIGKILLed run cannot leave an orphan still committing into the run dir.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import traceback
 from dataclasses import asdict
 from pathlib import Path
@@ -27,6 +25,7 @@ from shoestring.checkpoint.commit import run_commit
 from shoestring.checkpoint.faults import FaultPlan
 from shoestring.checkpoint.remote import RemoteStore
 from shoestring.checkpoint.snapshot import Snapshot
+from shoestring.proc import die_with_parent
 
 _ALIGN = 64
 
@@ -67,19 +66,11 @@ def unstage(
     return out
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # pragma: no cover - non-Linux
-        pass
-
-
 def worker_main(
     jobs: Any, results: Any, root: str, keep: int, remote_url: str, fault_spec: str
 ) -> None:
     """Entry point of the writer process: one job at a time until ``None``."""
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(1)
     # A fault "kill" in the worker must look like the machine dying: kill the parent too.
     faults = FaultPlan.parse(fault_spec, kill_pids=(os.getppid(),))

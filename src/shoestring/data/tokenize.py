@@ -12,6 +12,7 @@ chunks over a process pool. The result is the same for any number of workers.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -28,6 +29,7 @@ from shoestring.data.records import (
     Record,
     Truncate,
 )
+from shoestring.proc import die_with_parent
 
 #: Records per unit of work: ``should_stop`` is polled and progress shown per chunk.
 CHUNK = 1024
@@ -187,7 +189,8 @@ def _sequential(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> Chun
 _WORKER_JOB: list[tuple[Sequence[Record], Any, TokenizeSpec]] = []
 
 
-def _start_worker(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> None:
+def _start_worker(records: Sequence[Record], tok: Any, spec: TokenizeSpec, parent: int) -> None:
+    die_with_parent(parent)  # a killed trainer must not leave workers holding its locks
     _WORKER_JOB[:] = [(records, tok, spec)]
 
 
@@ -203,7 +206,10 @@ def _parallel(
     workers inherit the records and tokenizer; only chunk bounds and results travel."""
     context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
     pool = ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_start_worker, initargs=(records, tok, spec)
+        workers,
+        mp_context=context,
+        initializer=_start_worker,
+        initargs=(records, tok, spec, os.getpid()),
     )
     try:
         yield from pool.map(_worker_chunk, _chunk_bounds(len(records)))

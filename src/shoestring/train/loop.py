@@ -8,14 +8,17 @@ that differs between one process, DDP and FSDP2 is the strategy's business
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from shoestring import exitcodes
 from shoestring.checkpoint.interval import history_from_events
 from shoestring.events import read_events
+from shoestring.rundir import hold
 from shoestring.train import state as S
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import Accelerator, resolve
@@ -39,6 +42,18 @@ def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
     opts = opts or RunOptions()
     cfg = resolve(cfg, opts.accelerator or Accelerator.probe(), opts.dist.local_rank)
     check_trackers(cfg.track)
+    with _one_job(cfg, opts):
+        return _finetune(cfg, opts)
+
+
+def _one_job(cfg: FinetuneConfig, opts: RunOptions) -> contextlib.AbstractContextManager[None]:
+    """Rank 0 holds the output dir's lock: a second job on it is refused at once."""
+    if opts.dist.rank != 0:
+        return contextlib.nullcontext()
+    return hold(Path(cfg.output_dir), "wait for it to end, or use another output_dir")
+
+
+def _finetune(cfg: FinetuneConfig, opts: RunOptions) -> int:
     inputs = Inputs.prepare(cfg, opts.dist, opts.cache_dir)
     with open_run(cfg, opts, inputs.remote) as run:
         try:

@@ -1,0 +1,23 @@
+"""Helper processes that must not outlive the job that started them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; a no-op
+    elsewhere). A forked helper otherwise survives a SIGKILLed parent, holding the
+    file descriptors it inherited — the run directory's and the data cache's locks.
+    ``parent``: the pid that forked us; if it is already gone, exit now."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # pragma: no cover - not Linux
+        return
+    if parent is not None and os.getppid() != parent:  # died before prctl took effect
+        os._exit(1)

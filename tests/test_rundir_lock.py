@@ -1,0 +1,91 @@
+"""One job per run directory: an fcntl lock that dies with its holder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CLI, FAST
+from shoestring import exitcodes
+from shoestring.rundir import LOCK, RunDirBusy, hold
+
+
+def test_a_second_holder_is_refused_naming_the_first(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with hold(run, "use another output_dir"):
+        (run / "events.jsonl").write_text("")
+        with pytest.raises(RunDirBusy) as e:
+            with hold(run, "use another output_dir"):
+                pass
+        assert f"pid {os.getpid()} on host {socket.gethostname()}" in str(e.value)
+        assert str(run) in str(e.value) and "use another output_dir" in str(e.value)
+    with hold(run, "x"):  # released on exit
+        pass
+    assert (run / "events.jsonl").exists()
+
+
+def test_a_directory_the_job_left_empty_is_removed(tmp_path: Path) -> None:
+    run = tmp_path / "new"
+    with pytest.raises(ValueError), hold(run, "x"):
+        raise ValueError("bad input, refused before anything was written")
+    assert not run.exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with hold(existing, "x"):
+        pass
+    assert existing.exists()  # not ours to remove
+
+
+def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code = (
+        "import sys, time; from pathlib import Path; from shoestring.rundir import hold\n"
+        "with hold(Path(sys.argv[1]), 'x'):\n"
+        "    print('held', flush=True); time.sleep(60)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"held"
+        with pytest.raises(RunDirBusy, match=f"pid {p.pid} "):
+            with hold(run, "x"):
+                pass
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert (run / LOCK).exists()  # the file stays; the lock died with its process
+    with hold(run, "x"):
+        pass
+
+
+@pytest.mark.e2e
+def test_a_second_finetune_on_a_busy_output_dir_exits_2_at_once(cli: CLI, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out), *FAST],
+        env=cli.env(SHOESTRING_FAULTS="step.end@2:hang"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "events.jsonl").exists():  # the first job is past its start
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        r = cli.run(out, *FAST)
+        assert r.returncode == exitcodes.USAGE, r.stderr[-2000:]
+        assert f"is in use: pid {first.pid} on host {socket.gethostname()}" in r.stderr
+        assert time.monotonic() - t0 < 60  # refused before any model or data is loaded
+        assert "Traceback" not in r.stderr
+    finally:
+        first.kill()
+        first.wait()
+    r = cli.run(out, *FAST)  # the killed job left no stale lock: this one resumes
+    assert r.returncode == 0, r.stderr[-2000:]
