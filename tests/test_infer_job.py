@@ -443,3 +443,17 @@ def test_plan_spends_the_budget_on_batch_first_and_counts_dequantized_residents(
     assert dropped.breakdown["resident"] == len(dropped.resident) * 10 * mb
     assert len(dropped.resident) > len(packed.resident)
     assert sum(dropped.breakdown.values()) <= dropped.budget
+
+
+def test_a_second_job_on_a_busy_run_dir_is_refused(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shoestring.rundir import hold
+
+    inp = _write_prompts(tmp_path / "in.jsonl", 2)
+    out = tmp_path / "out.jsonl"
+    with hold(Path(str(out) + ".run"), "x"):  # another job running on this output
+        assert main(_args(tiny, inp, out, "--max-new-tokens", "2")) == 2
+        assert f"is in use: pid {os.getpid()}" in capsys.readouterr().err
+        assert not out.exists()
+    assert main(_args(tiny, inp, out, "--max-new-tokens", "2")) == 0  # free again

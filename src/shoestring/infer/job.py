@@ -52,6 +52,7 @@ from shoestring.infer.stream import Prepare
 from shoestring.infer.weights import weight_hook
 from shoestring.infer.work import Work, output_lines, tokenize
 from shoestring.preempt.flag import PreemptionFlag, SignalSource
+from shoestring.rundir import hold
 
 
 class Preempted(Exception):
@@ -65,7 +66,16 @@ def default_run_dir(output: Path) -> Path:
 def run_infer(
     cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS, stream: TextIO = sys.stderr
 ) -> int:
-    """Run (or resume) the job described by ``cfg``; returns an exit code."""
+    """Run (or resume) the job described by ``cfg``; returns an exit code. One job at a
+    time per run directory (its ``.lock``; a second is refused with exit 2)."""
+    if not cfg.io.output:
+        return _run_infer(cfg, faults, stream)  # prepare names the missing key
+    run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else default_run_dir(Path(cfg.io.output))
+    with hold(run_dir, "wait for it to end, or write to another --output"):
+        return _run_infer(cfg, faults, stream)
+
+
+def _run_infer(cfg: InferConfig, faults: FaultPlan, stream: TextIO) -> int:
     job = InferJob.prepare(cfg, faults, stream)
     ledger = job.open_ledger()
     stats = Stats()
