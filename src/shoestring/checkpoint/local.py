@@ -132,13 +132,18 @@ def committed_steps(root: Path) -> list[int]:
     steps = []
     for child in root.iterdir():
         step = parse_step(child.name)
-        if step is not None and (child / MANIFEST).is_file():
+        # a symlinked step dir is not ours: never listed, so never kept or deleted through
+        if step is not None and not child.is_symlink() and (child / MANIFEST).is_file():
             steps.append(step)
     return sorted(steps, reverse=True)
 
 
 def remove_checkpoint(path: Path, faults: FaultPlan = NO_FAULTS) -> None:
-    """Uncommit (manifest first), then delete."""
+    """Uncommit (manifest first), then delete. A symlink is removed itself: nothing is
+    ever uncommitted or deleted through it."""
+    if path.is_symlink():
+        os.unlink(path)
+        return
     try:
         os.unlink(path / MANIFEST)
         fsync_dir(path)
@@ -165,7 +170,7 @@ def clean_stale(root: Path) -> list[str]:
     for child in root.iterdir():
         stale_tmp = child.name.startswith((".tmp-", ".replaced-", ".fetch-"))
         uncommitted = parse_step(child.name) is not None and not (child / MANIFEST).exists()
-        if child.is_dir() and (stale_tmp or uncommitted):
+        if child.is_dir() and not child.is_symlink() and (stale_tmp or uncommitted):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child.name)
     return removed

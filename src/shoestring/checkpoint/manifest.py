@@ -45,7 +45,10 @@ class Manifest:
             d = json.loads(text)
             if d.get("format") != FORMAT:
                 raise CorruptCheckpoint(f"{where}: unknown manifest format {d.get('format')!r}")
-            files = {k: FileEntry(int(v["size"]), str(v["sha256"])) for k, v in d["files"].items()}
+            files = {
+                check_name(k, where): FileEntry(int(v["size"]), str(v["sha256"]))
+                for k, v in d["files"].items()
+            }
             return cls(step=int(d["step"]), files=files, meta=dict(d.get("meta", {})))
         except CorruptCheckpoint:
             raise
@@ -55,6 +58,35 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+
+def check_name(name: str, where: str) -> str:
+    """A manifest's file name: a plain relative path inside the checkpoint — not absolute,
+    no ``..``, ``.`` or empty part, no backslash or NUL. A bucket (shared, or compromised)
+    must not be able to make a fetch or a load touch anything outside the directory."""
+    parts = name.split("/") if isinstance(name, str) else [""]
+    if (
+        not isinstance(name, str)
+        or "\\" in name
+        or "\0" in name
+        or name.startswith("/")
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise CorruptCheckpoint(
+            f"{where}: file name {name!r} is not a plain relative path inside the "
+            "checkpoint; refused"
+        )
+    return name
+
+
+def _no_symlink(ckpt_dir: Path, name: str) -> None:
+    """A checkpoint is self-contained: neither it nor any path to one of its files is a
+    symlink (one could point at another run's checkpoint, or anywhere)."""
+    p = ckpt_dir
+    for part in [None, *name.split("/")]:
+        p = p if part is None else p / part
+        if p.is_symlink():
+            raise CorruptCheckpoint(f"{p}: is a symlink; a checkpoint must be self-contained")
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:
@@ -82,6 +114,7 @@ def verify_dir(ckpt_dir: Path, *, deep: bool) -> Manifest:
     """Check a local checkpoint against its manifest. ``deep`` also checks sha256."""
     m = read_manifest(ckpt_dir)
     for name, entry in m.files.items():
+        _no_symlink(ckpt_dir, name)
         p = ckpt_dir / name
         try:
             size = os.path.getsize(p)

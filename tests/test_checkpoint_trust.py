@@ -1,0 +1,89 @@
+"""What a checkpoint directory and a bucket are trusted with: file names stay inside the
+checkpoint, nothing is read, kept or deleted through a symlink."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from shoestring.checkpoint.local import (
+    apply_retention,
+    clean_stale,
+    commit_local,
+    committed_steps,
+    step_dirname,
+)
+from shoestring.checkpoint.manifest import MANIFEST, CorruptCheckpoint, Manifest, verify_dir
+from shoestring.checkpoint.remote import RemoteStore
+from shoestring.checkpoint.resume import find_resume_point
+from shoestring.events import EventLog, read_events
+
+
+def _manifest(files: dict[str, dict[str, object]]) -> str:
+    return json.dumps({"format": Manifest(1, {}).format, "step": 1, "files": files})
+
+
+@pytest.mark.parametrize(
+    "name", ["/etc/passwd", "../x", "a/../../x", "a//b", "./a", "", "a\\..\\b", "a\x00b", "a/."]
+)
+def test_a_manifest_naming_a_path_outside_the_checkpoint_is_refused(name: str) -> None:
+    with pytest.raises(CorruptCheckpoint, match="not a plain relative path"):
+        Manifest.from_json(_manifest({name: {"size": 1, "sha256": "0" * 64}}), "m.json")
+
+
+def test_nested_plain_names_are_accepted() -> None:
+    m = Manifest.from_json(_manifest({"shards/__0_0.distcp": {"size": 1, "sha256": "a"}}), "m")
+    assert list(m.files) == ["shards/__0_0.distcp"]
+
+
+def test_a_bucket_manifest_writing_outside_is_refused_and_the_previous_step_used(
+    tmp_path: Path,
+) -> None:
+    root, bucket = tmp_path / "run" / "checkpoints", tmp_path / "bucket"
+    remote = RemoteStore(str(bucket))
+    for step in (1, 2):
+        path, manifest = commit_local(root, step, {"a.json": b"%d" % step}, {})
+        remote.publish(path, manifest)
+    for step in (1, 2):
+        os.rename(root / step_dirname(step), tmp_path / f"gone-{step}")  # an empty disk
+    evil = tmp_path / "evil.txt"
+    doc = json.loads((bucket / step_dirname(2) / MANIFEST).read_text())
+    doc["files"] = {"../../../evil.txt": doc["files"]["a.json"]}
+    (bucket / step_dirname(2) / MANIFEST).write_text(json.dumps(doc))
+    events = EventLog(tmp_path / "events.jsonl", run_id="r")
+    point = find_resume_point("auto", root, remote, verify=True, events=events)
+    assert point is not None and point.step == 1 and point.source == "remote"
+    assert not evil.exists()
+    (bad,) = [
+        e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_invalid"
+    ]
+    assert bad["step"] == 2 and "not a plain relative path" in bad["error"]
+
+
+def test_a_checkpoint_whose_file_is_a_symlink_is_invalid(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    path, _ = commit_local(root, 1, {"a.json": b"1"}, {})
+    outside = tmp_path / "outside.json"
+    outside.write_bytes(b"1")  # same bytes and size: only the link gives it away
+    os.unlink(path / "a.json")
+    os.symlink(outside, path / "a.json")
+    with pytest.raises(CorruptCheckpoint, match="symlink"):
+        verify_dir(path, deep=True)
+
+
+def test_retention_and_cleanup_never_act_through_a_symlink(tmp_path: Path) -> None:
+    other = tmp_path / "other-run" / "checkpoints"
+    theirs, _ = commit_local(other, 1, {"a.json": b"theirs"}, {})
+    root = tmp_path / "run" / "checkpoints"
+    for step in (2, 3, 4):
+        commit_local(root, step, {"a.json": b"%d" % step}, {})
+    os.symlink(theirs, root / step_dirname(1))  # a link to another run's checkpoint
+    os.symlink(tmp_path / "other-run", root / ".tmp-linked")
+    assert committed_steps(root) == [4, 3, 2]  # the link is not one of ours
+    assert apply_retention(root, keep=1) == [3, 2]
+    clean_stale(root)
+    assert (theirs / MANIFEST).exists() and (theirs / "a.json").read_bytes() == b"theirs"
+    assert committed_steps(other) == [1]
