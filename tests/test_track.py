@@ -279,6 +279,8 @@ def wandb_attempts(run: Path, run_id: str) -> list[dict[str, Any]]:
     out = []
     # offline-run-<time>-<id>, with -1, -2 ... when two attempts start in the same second
     for d in sorted((run / "wandb").glob(f"offline-run-*-{run_id}*")):
+        if not (d / f"run-{run_id}.wandb").exists():
+            continue  # an attempt killed before wandb-core wrote its log leaves only the dir
         got: dict[str, Any] = {"history": {}, "config": {}, "summary": {}, "alerts": []}
         for r in wandb_records(d / f"run-{run_id}.wandb"):
             kind = r.WhichOneof("record_type")
