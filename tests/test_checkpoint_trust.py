@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CLI, FAST, read_events
 from shoestring.checkpoint.local import (
     apply_retention,
     clean_stale,
@@ -19,7 +20,7 @@ from shoestring.checkpoint.local import (
 from shoestring.checkpoint.manifest import MANIFEST, CorruptCheckpoint, Manifest, verify_dir
 from shoestring.checkpoint.remote import RemoteStore
 from shoestring.checkpoint.resume import find_resume_point
-from shoestring.events import EventLog, read_events
+from shoestring.events import EventLog
 
 
 def _manifest(files: dict[str, dict[str, object]]) -> str:
@@ -57,9 +58,7 @@ def test_a_bucket_manifest_writing_outside_is_refused_and_the_previous_step_used
     point = find_resume_point("auto", root, remote, verify=True, events=events)
     assert point is not None and point.step == 1 and point.source == "remote"
     assert not evil.exists()
-    (bad,) = [
-        e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checkpoint_invalid"
-    ]
+    (bad,) = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_invalid"]
     assert bad["step"] == 2 and "not a plain relative path" in bad["error"]
 
 
@@ -87,3 +86,24 @@ def test_retention_and_cleanup_never_act_through_a_symlink(tmp_path: Path) -> No
     clean_stale(root)
     assert (theirs / MANIFEST).exists() and (theirs / "a.json").read_bytes() == b"theirs"
     assert committed_steps(other) == [1]
+
+
+@pytest.mark.e2e
+def test_a_verified_checkpoint_lacking_a_required_file_falls_back(cli: CLI, tmp_path: Path) -> None:
+    """A manifest that verifies but does not list adapter.safetensors (a hand-edited or
+    foreign checkpoint) used to crash-loop with KeyError; now it is invalid and the
+    previous checkpoint resumes."""
+    out = tmp_path / "run"
+    r = cli.run(out, *FAST)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = out / "checkpoints" / step_dirname(12)
+    doc = json.loads((last / MANIFEST).read_text())
+    del doc["files"]["adapter.safetensors"]
+    (last / "adapter.safetensors").unlink()
+    (last / MANIFEST).write_text(json.dumps(doc))
+    r = cli.run(out, *FAST)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ev = read_events(out)
+    (bad,) = [e for e in ev if e["event"] == "checkpoint_invalid"]
+    assert bad["step"] == 12 and "lacks adapter.safetensors" in bad["error"]
+    assert [e["from_step"] for e in ev if e["event"] == "resume"] == [8]

@@ -58,7 +58,12 @@ def _choose(t: Trainer, mode: str) -> tuple[int, str, str] | None:
     choice = None
     if run.strategy.rank == 0:
         point = find_resume_point(
-            mode, run.dir.checkpoints, run.remote, verify=t.cfg.checkpoint.verify, events=run.events
+            mode,
+            run.dir.checkpoints,
+            run.remote,
+            verify=t.cfg.checkpoint.verify,
+            events=run.events,
+            complete=S.require_complete,
         )
         if point is not None:
             if (

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from shoestring.checkpoint import Snapshot, make_snapshot
+from shoestring.checkpoint.manifest import CorruptCheckpoint, Manifest
+from shoestring.checkpoint.sharded import is_sharded
 
 ADAPTER = "adapter.safetensors"
 OPTIMIZER = "optimizer.safetensors"
@@ -37,6 +39,20 @@ class Progress:
     step: int = 0
     consumed: int = 0
     tokens: int = 0
+
+
+def require_complete(manifest: Manifest) -> None:
+    """A fine-tuning checkpoint lists every file a resume loads; one that verifies but
+    lacks one (a bug, a hand-edited or foreign manifest) is invalid, not a crash loop."""
+    if is_sharded(manifest.files):
+        needed = [STATE]
+    else:
+        needed = [ADAPTER, OPTIMIZER, STATE]
+    missing = [n for n in needed if n not in manifest.files]
+    if missing:
+        raise CorruptCheckpoint(
+            f"step {manifest.step}: the manifest lacks {', '.join(missing)}, which a resume needs"
+        )
 
 
 def seed_everything(seed: int) -> None:
