@@ -55,7 +55,12 @@ def test_a_stopped_finetune_continues_the_same_tracker_runs(
     assert all(abs(v - logged[s]) < 1e-6 for s, v in tb)
 
     # W&B: one run id over both attempts; the second logs from the resume point on
-    assert len(list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}*"))) == 2
+    # one offline dir per wandb.init, all with the one id: one per attempt, and one more
+    # when a sink's open failed and was retried (seen in CI under load)
+    assert len(list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}*"))) >= 2
+    assert len(list((out / "wandb").glob("offline-run-*"))) == len(
+        list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}*"))
+    )
     attempts = wandb_attempts(out, ids["wandb"])  # (a SIGKILL can come before W&B wrote)
     assert {a["run_id"] for a in attempts} == {ids["wandb"]}
     second = sorted(s for s in attempts[-1]["history"] if s > 0)
