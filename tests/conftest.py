@@ -92,7 +92,15 @@ class CLI:
         self.cache = cache
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
+        # WANDB_SERVICE: set in this process by any in-process wandb.init (test_track.py);
+        # a child that inherits it joins this process's wandb-core instead of starting its
+        # own, so a SIGKILLed attempt's run stays open there and the next attempt's
+        # wandb.init of the same id is merged into it.
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SHOESTRING_") and k != "WANDB_SERVICE"
+        }
         env.update(
             SHOESTRING_CACHE=str(self.cache),
             OMP_NUM_THREADS="1",

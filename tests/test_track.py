@@ -133,6 +133,9 @@ def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     for k, v in tracker_env(root).items():
         mp.setenv(k, v)
     mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # (the sink sets it; keep it scoped here)
+    # an in-process wandb.init exports its wandb-core's address as WANDB_SERVICE; undone
+    # with the rest, so later tests' children start their own (see conftest.CLI.env)
+    mp.delenv("WANDB_SERVICE", raising=False)
     yield root
     mp.undo()
 
@@ -142,7 +145,11 @@ def sigkill_run(offline: Path) -> dict[str, Any]:
     """Attempt 1 (a subprocess) logs 1..7, checkpoint at 4, flushes, is SIGKILLed;
     attempt 2 resumes from 4 with the ids attempt 1 reported and logs 5..12."""
     run = new_run_dir(offline / "sigkill")
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MLFLOW_ALLOW_FILE_STORE", "WANDB_SERVICE")  # its own wandb-core
+    }
     env["PYTHONPATH"] = str(REPO / "src")
     child = subprocess.Popen(
         [sys.executable, __file__, "attempt1", str(run)],
@@ -279,8 +286,6 @@ def wandb_attempts(run: Path, run_id: str) -> list[dict[str, Any]]:
     out = []
     # offline-run-<time>-<id>, with -1, -2 ... when two attempts start in the same second
     for d in sorted((run / "wandb").glob(f"offline-run-*-{run_id}*")):
-        if not (d / f"run-{run_id}.wandb").exists():
-            continue  # an attempt killed before wandb-core wrote its log leaves only the dir
         got: dict[str, Any] = {"history": {}, "config": {}, "summary": {}, "alerts": []}
         for r in wandb_records(d / f"run-{run_id}.wandb"):
             kind = r.WhichOneof("record_type")

@@ -55,18 +55,12 @@ def test_a_stopped_finetune_continues_the_same_tracker_runs(
     assert all(abs(v - logged[s]) < 1e-6 for s, v in tb)
 
     # W&B: one run id over both attempts; the second logs from the resume point on
-    # one offline dir per wandb.init, all with the one id: one per attempt, and one more
-    # when a sink's open failed and was retried (seen in CI under load)
-    assert len(list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}*"))) >= 2
-    assert len(list((out / "wandb").glob("offline-run-*"))) == len(
-        list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}*"))
-    )
-    attempts = wandb_attempts(out, ids["wandb"])  # (a SIGKILL can come before W&B wrote)
-    assert {a["run_id"] for a in attempts} == {ids["wandb"]}
-    second = sorted(s for s in attempts[-1]["history"] if s > 0)
+    attempts = wandb_attempts(out, ids["wandb"])
+    assert len(attempts) == 2 and {a["run_id"] for a in attempts} == {ids["wandb"]}
+    second = sorted(s for s in attempts[1]["history"] if s > 0)
     assert second[0] == resumed_from + 1 and second[-1] >= 12 and second == sorted(set(second))
-    assert attempts[-1]["config"]  # the resolved config, once
-    assert attempts[-1]["exit_code"] == 0
+    assert attempts[1]["config"]  # the resolved config, once
+    assert attempts[1]["exit_code"] == 0
 
     # MLflow: one run, finished, every step present; after SIGTERM none twice (after a
     # SIGKILL, 5..7 may hold both attempts' values: MLflow keeps every logged value)

@@ -84,3 +84,20 @@ def test_host_and_gpu_samples_and_degradation_alarms_become_rows() -> None:
     }
     alarm = to_row({"event": "alarm", "kind": "throughput_drop", "rank": 1, "change": -0.31})
     assert alarm is not None and alarm.alarm == "throughput_drop: rank 1 -31% vs its baseline"
+
+
+@pytest.mark.parametrize(
+    "dropped,errors,warned",
+    [(0, {"wandb": 0, "mlflow": 0}, False), (0, {"wandb": 2, "mlflow": 0}, True), (3, {}, True)],
+)
+def test_tracker_losses_are_reported_only_when_there_are_some(
+    caplog: pytest.LogCaptureFixture, dropped: int, errors: dict[str, int], warned: bool
+) -> None:
+    from types import SimpleNamespace
+
+    with caplog.at_level("WARNING", logger="shoestring.finetune"):
+        tracking._log_losses(SimpleNamespace(dropped=dropped, errors=errors))  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    assert bool(lines) == warned, lines
+    if warned and errors:
+        assert "'wandb': 2" in lines[0] and "mlflow" not in lines[0]

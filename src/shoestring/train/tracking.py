@@ -173,9 +173,10 @@ def tracking(t: Trainer, resume_step: int | None) -> Iterator[Tracked]:
 
 
 def _log_losses(tracker: Tracker) -> None:
-    if tracker.dropped or tracker.errors:
+    errors = {name: n for name, n in tracker.errors.items() if n}
+    if tracker.dropped or errors:
         log.warning(
             "trackers: %d record(s) dropped (queue full), errors per tracker: %s",
             tracker.dropped,
-            dict(tracker.errors) or "none",
+            errors or "none",
         )
