@@ -13,7 +13,7 @@ import torch
 from shoestring.checkpoint.local import step_dirname
 from shoestring.checkpoint.manifest import read_manifest
 from shoestring.config import ConfigError
-from shoestring.infer.decode import GenState, generate_from, start
+from shoestring.infer.decode import GenState, Rules, generate_from, start
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model
 from shoestring.infer.ledger import CHUNK_FILE, ChunkLedger, Pinned, RunRecord
@@ -128,7 +128,8 @@ def _two_passes(engine: StreamingCausalLM, prompts: list[list[int]]) -> GenState
             raise _Stop
 
     with pytest.raises(_Stop):
-        generate_from(engine, state, max_new_tokens=6, eos_ids=set(), pad_id=0, on_pass=on_pass)
+        rules = Rules.uniform(len(prompts), 6, set())
+        generate_from(engine, state, rules=rules, pad_id=0, on_pass=on_pass)
     return state
 
 

@@ -12,7 +12,7 @@ import torch
 
 from shoestring.checkpoint.manifest import CorruptCheckpoint
 from shoestring.infer import partial
-from shoestring.infer.decode import GenState, generate_from, start
+from shoestring.infer.decode import GenState, Rules, generate_from, start
 from shoestring.infer.engine import PassStopped, StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model
 
@@ -51,7 +51,7 @@ def _reference(
     torch.set_num_threads(1)
     extra = {"sliding_window": 8} if arch == "mistral" else {}
     model = build_random_model(tmp_path / "m", arch, seed=seed, **extra, **model_kw)
-    kw: dict[str, Any] = dict(max_new_tokens=new_tokens, eos_ids=set(), pad_id=0)
+    kw: dict[str, Any] = dict(rules=Rules.uniform(len(prompts), new_tokens, set()), pad_id=0)
 
     def engine() -> StreamingCausalLM:
         return StreamingCausalLM(model, device=torch.device("cpu"), kv_bits=kv_bits).start(

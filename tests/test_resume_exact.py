@@ -27,13 +27,19 @@ def test_sigkill_without_notice_then_resume_is_bit_exact(
     r = cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
     assert r.returncode == -signal.SIGKILL
     assert not (out / "final").exists()
-    # Resume from the newest checkpoint that was committed before the kill.
-    committed = max(e["step"] for e in read_events(out) if e["event"] == "checkpoint")
-    assert committed == 4
+    # Resume from the newest checkpoint that was committed before the kill: step 4. The
+    # process writer is a fresh interpreter (spawn + import torch); on a loaded machine
+    # it can still be starting when step 7 ends, and then nothing was committed (seen in
+    # CI): the rerun starts over, and must still end bit-exact.
+    committed = [e["step"] for e in read_events(out) if e["event"] == "checkpoint"]
+    assert committed == [4] or (mode == "process" and not committed), committed
     r = cli.run(out, *args)
     assert r.returncode == 0, r.stderr
     resume = [e for e in read_events(out) if e["event"] == "resume"]
-    assert resume and resume[0]["from_step"] == 4 and resume[0]["steps_lost"] == 2
+    if committed:
+        assert resume and resume[0]["from_step"] == 4 and resume[0]["steps_lost"] == 2
+    else:
+        assert not resume
     assert state_digest(out, 12) == reference
 
 

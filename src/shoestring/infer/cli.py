@@ -17,7 +17,14 @@ config keys (set in --config YAML as nested sections, or as --section.key VALUE)
 {table}
 
 input JSONL, one object per line (-> output fields):
-  generate:  {{"prompt": "...", "id": ...}}
+  OpenAI batch file (as for OpenAI's Batch API or vLLM run-batch), generate mode:
+             {{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+              "/v1/completions", "body": {{"messages" or "prompt", "max_tokens",
+              "temperature", "top_p", "top_k", "seed", "stop", "logprobs", ...}}}}
+               -> {{"id", "custom_id", "response": {{"status_code", "request_id",
+                  "body": chat.completion or text_completion}}, "error"}}, in input
+                  order; a line that cannot be answered gets an "error" instead
+  generate:  {{"prompt": "...", "id": ...}} or {{"messages": [...]}}
                -> {{"index", "id", "completion", "tokens", "finish"}}
   score:     {{"prompt": "...", "completion": "..."}}
                -> {{"index", "logprob", "tokens", "greedy"}}
@@ -35,6 +42,8 @@ exit codes:
   76 second signal: exited at once, committed chunks intact, rerun.
 
 environment (read here only):
+  SOURCE_DATE_EPOCH  the "created" time of OpenAI batch output lines (default: the
+                     run's first start), for outputs comparable across runs
   SHOESTRING_FAULTS  fault injection for tests, e.g. step.end@3:kill (the 3rd pass),
                      ckpt.before_rename@2:kill (inside the 2nd commit) or
                      pass.unit@7:term (SIGTERM between two layers of the 2nd pass)
@@ -85,4 +94,8 @@ def run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    return run_infer(cfg, faults=faults, stream=sys.stderr)
+    epoch = env.get("SOURCE_DATE_EPOCH", "")
+    if epoch and not epoch.isdigit():
+        raise ConfigError(f"SOURCE_DATE_EPOCH: expected unix seconds, got {epoch!r}")
+    created = int(epoch) if epoch else None
+    return run_infer(cfg, faults=faults, stream=sys.stderr, created=created)

@@ -93,7 +93,12 @@ class GenerateConfig:
         "the given completion(s), prefill only.",
         choices=("generate", "score"),
     )
-    max_new_tokens: int = knob(32, "Tokens to generate per prompt (greedy).", check=positive)
+    max_new_tokens: int = knob(
+        32,
+        "Most tokens to generate per prompt; OpenAI batch lines without max_tokens get it "
+        "(theirs may be larger: the memory plan takes the largest).",
+        check=positive,
+    )
     stop_at_eos: bool = knob(
         True,
         "Stop a sequence at the tokenizer's EOS token (and, for conversations, at the "
@@ -103,6 +108,26 @@ class GenerateConfig:
         "",
         'Jinja file overriding the tokenizer\'s chat template for "messages" inputs '
         "(use the one the adapter was trained with). Empty: the tokenizer's own.",
+    )
+    temperature: float = knob(
+        0.0,
+        '{"prompt"} lines: 0 decodes greedily, above samples (OpenAI batch lines carry '
+        "their own; OpenAI's default is 1).",
+        check=lambda v: None if 0.0 <= v <= 2.0 else "must be in [0, 2]",
+    )
+    top_p: float = knob(
+        1.0,
+        '{"prompt"} lines: sample from the smallest set of tokens holding this much probability.',
+        check=lambda v: None if 0.0 < v <= 1.0 else "must be in (0, 1]",
+    )
+    top_k: int = knob(
+        0, '{"prompt"} lines: sample from the k likeliest tokens (0: all).', check=non_negative
+    )
+    seed: int = knob(
+        0,
+        "Seed of every sampled token, mixed with the request's custom_id (or line) and "
+        "the token's index, so an output depends on neither its batch nor a resume; a "
+        "request's own seed replaces it.",
     )
 
 
@@ -215,6 +240,11 @@ ALIASES: dict[str, str] = {
     "--threads": "job.num_threads",
     "--kv-bits": "memory.kv_bits",
     "--dtype": "model.dtype",
+    "--chat-template": "generate.chat_template",
+    "--temperature": "generate.temperature",
+    "--top-p": "generate.top_p",
+    "--top-k": "generate.top_k",
+    "--seed": "generate.seed",
 }
 
 #: Keys whose change would change the output bytes: a resume refuses if they differ.
@@ -225,7 +255,22 @@ OUTPUT_KEYS: tuple[str, ...] = (
     "generate.mode",
     "generate.max_new_tokens",
     "generate.stop_at_eos",
+    "generate.temperature",
+    "generate.top_p",
+    "generate.top_k",
+    "generate.seed",
     "compress.scheme",
     "memory.kv_bits",
     "model.dtype",
 )
+
+#: Output keys added later: left out of a run's identity at these values, so run
+#: directories written before them stay valid.
+LATER_KEY_DEFAULTS: dict[str, Any] = {
+    "memory.kv_bits": 16,
+    "model.dtype": "auto",
+    "generate.temperature": 0.0,
+    "generate.top_p": 1.0,
+    "generate.top_k": 0,
+    "generate.seed": 0,
+}

@@ -1,28 +1,64 @@
-"""Greedy generation and likelihood scoring over a job batch, on the streaming engine.
+"""Generation and likelihood scoring over a job batch, on the streaming engine.
 
 Sequences are sorted by length (longest first, stable) and grouped into
 micro-batches of at most ``micro_tokens`` prompt tokens, left-padded to the
 group's longest. Every pass moves all micro-batches through a unit before the
 next unit is read. The grouping depends only on the inputs and ``micro_tokens``,
 so the same job always computes the same numbers.
+
+Each sequence has its own length limit, end tokens, stop strings and way of
+choosing tokens (greedy or sampled, :mod:`shoestring.infer.sampling`); a sequence
+that ends leaves its micro-batch at once (:mod:`shoestring.infer.compact`), so the
+passes that follow compute only the sequences still running.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from shoestring.infer.compact import drop_finished
 from shoestring.infer.engine import MicroBatch, PassStopped, StreamingCausalLM
 from shoestring.infer.kvcache import Int8KVLayer, merge_left_padded
+from shoestring.infer.sampling import Choice, Pick, StopStrings, pick
+
+#: Why a sequence ended: an end token, a stop string, or its length limit.
+Finish = Literal["eos", "stop", "length"]
 
 
 @dataclass
 class Generated:
     tokens: list[int]
-    finish: str  # "eos" | "length"
+    finish: Finish
+    logprobs: list[float] = field(default_factory=list)  # per token, when asked for
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # alternatives per token
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How each sequence of a chunk continues and when it ends (lists: per sequence)."""
+
+    limits: list[int]  # most new tokens
+    eos_ids: frozenset[int] = frozenset()
+    choices: list[Choice] | None = None  # None: greedy, no logprobs
+    stops: list[StopStrings | None] | None = None
+
+    @classmethod
+    def uniform(cls, n: int, max_new_tokens: int, eos_ids: set[int]) -> Rules:
+        return cls([max_new_tokens] * n, frozenset(eos_ids))
+
+    def ended(self, i: int, g: Generated, token: int) -> Finish | None:
+        """Why sequence ``i`` ends after ``token`` (already appended), if it does."""
+        if token in self.eos_ids:
+            return "eos"
+        stops = self.stops[i] if self.stops is not None else None
+        if stops is not None and stops.hit(g.tokens):
+            return "stop"
+        return "length" if len(g.tokens) >= self.limits[i] else None
 
 
 def group(lengths: list[int], micro_tokens: int) -> list[list[int]]:
@@ -86,29 +122,23 @@ def generate(
 ) -> list[Generated]:
     """Greedy continuation of every prompt: one prefill pass, then one pass per token."""
     state = start(engine, prompts, pad_id=pad_id, micro_tokens=micro_tokens)
-    return generate_from(
-        engine,
-        state,
-        max_new_tokens=max_new_tokens,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-        on_pass=on_pass,
-    )
+    rules = Rules.uniform(len(prompts), max_new_tokens, eos_ids)
+    return generate_from(engine, state, rules=rules, pad_id=pad_id, on_pass=on_pass)
 
 
 def generate_from(
     engine: StreamingCausalLM,
     state: GenState,
     *,
-    max_new_tokens: int,
-    eos_ids: set[int],
+    rules: Rules,
     pad_id: int,
     on_pass: Callable[[], None] = lambda: None,
     stop: Callable[[], bool] | None = None,
 ) -> list[Generated]:
-    """Greedy continuation from ``state``: a prefill pass (if not done yet), then one pass
-    per token. ``on_pass`` runs after each pass, with ``state`` complete for it (it may
-    raise to stop; the state can then be saved and generation resumed from it).
+    """Continue every sequence of ``state`` by ``rules``: a prefill pass (if not done
+    yet), then one pass per token until every sequence has ended. ``on_pass`` runs
+    after each pass, with ``state`` complete for it (it may raise to stop; the state can
+    then be saved and generation resumed from it).
 
     ``stop`` is asked between the units of a pass: a pass can take a minute on a big
     model, more than a 30 s preemption notice. When it says yes, the pass is abandoned,
@@ -116,39 +146,69 @@ def generate_from(
     raised with ``state`` as after the last complete pass. Caches that cannot be cut
     back (a sliding window that already dropped its oldest token) are never stopped
     mid-pass; the pass then ends normally."""
-    out, done = state.out, state.done
-
-    def last_token(mb: MicroBatch, h: torch.Tensor) -> torch.Tensor:
-        return engine.logits(h[:, -1, :]).argmax(-1).cpu()
-
-    for step in range(state.step, max_new_tokens):
-        if all(done):
-            break
+    for i, g in enumerate(state.out):  # a limit of 0 (or a state saved at its end)
+        if not state.done[i] and len(g.tokens) >= rules.limits[i]:
+            state.done[i], g.finish = True, "length"
+    while not all(state.done):
         marks = _cache_marks(state.mbs) if stop is not None else None
         try:
-            picks = engine.forward_pass(state.mbs, last_token, stop if marks is not None else None)
+            picks = engine.forward_pass(
+                state.mbs, _chooser(engine, state, rules), stop if marks is not None else None
+            )
         except PassStopped:
             assert marks is not None
             _cut_back(state.mbs, marks)
             raise
-        for g, mb, tok in zip(state.groups, state.mbs, picks):
-            for r, i in enumerate(g):
-                if done[i]:
-                    continue
-                t = int(tok[r])
-                out[i].tokens.append(t)
-                if t in eos_ids:
-                    done[i], out[i].finish = True, "eos"
-            nxt = torch.tensor([[pad_id if done[i] else int(tok[r])] for r, i in enumerate(g)])
-            mb.input_ids = nxt
-            mb.attention_mask = torch.cat(
-                [mb.attention_mask, torch.ones((len(g), 1), dtype=torch.long)], dim=1
-            )
-        if step == 0:
-            state.groups, state.mbs = _merge_for_decode(engine, state.groups, state.mbs)
-        state.step = step + 1
+        _advance(engine, state, rules, picks, pad_id)
         on_pass()
-    return out
+    return state.out
+
+
+def _chooser(
+    engine: StreamingCausalLM, state: GenState, rules: Rules
+) -> Callable[[MicroBatch, torch.Tensor], list[Pick]]:
+    """The pass's head: each running row's next token, chosen by its sequence's rule."""
+    groups = iter(state.groups)
+
+    def head(mb: MicroBatch, h: torch.Tensor) -> list[Pick]:
+        g = next(groups)
+        logits = engine.logits(h[:, -1, :])
+        if rules.choices is None:
+            return [Pick(int(t)) for t in logits.argmax(-1).cpu()]
+        return pick(logits, [rules.choices[i] for i in g], [len(state.out[i].tokens) for i in g])
+
+    return head
+
+
+def _advance(
+    engine: StreamingCausalLM,
+    state: GenState,
+    rules: Rules,
+    picks: list[list[Pick]],
+    pad_id: int,
+) -> None:
+    """Record the pass's tokens, end the sequences that are done, feed the rest their
+    token, and drop the ended ones from their micro-batches."""
+    out, done = state.out, state.done
+    for g, mb, row in zip(state.groups, state.mbs, picks):
+        for i, p in zip(g, row):
+            if done[i]:
+                continue  # a row that could not leave its micro-batch
+            out[i].tokens.append(p.token)
+            if p.logprob is not None:
+                out[i].logprobs.append(p.logprob)
+                out[i].top.append(list(p.top))
+            why = rules.ended(i, out[i], p.token)
+            if why is not None:
+                done[i], out[i].finish = True, why
+        mb.input_ids = torch.tensor([[pad_id if done[i] else p.token] for i, p in zip(g, row)])
+        mb.attention_mask = torch.cat(
+            [mb.attention_mask, torch.ones((len(g), 1), dtype=torch.long)], dim=1
+        )
+    state.groups, state.mbs = drop_finished(state.groups, state.mbs, done)
+    if state.step == 0:
+        state.groups, state.mbs = _merge_for_decode(engine, state.groups, state.mbs)
+    state.step += 1
 
 
 def _cache_marks(mbs: list[MicroBatch]) -> list[list[int]] | None:

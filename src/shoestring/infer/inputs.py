@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from shoestring.config import ConfigError
 from shoestring.data.formats import parse_record as parse_data_record
 from shoestring.data.records import DataError
+from shoestring.infer.batchapi import LineError, Request, is_batch_file, read_batch
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,49 @@ def _prompt(obj: dict[str, Any], where: str) -> tuple[str, Any, Any]:
     return prompt, None, None
 
 
-def read_records(path: Path, mode: str) -> tuple[list[Record], str]:
-    """Every record of ``path`` and the file's sha256; errors name ``path:line``."""
+@dataclass(frozen=True)
+class Input:
+    """The input file, read: an OpenAI batch file's requests (``items``, bad lines as
+    :class:`LineError`), or else shoestring's own ``records``."""
+
+    sha256: str
+    records: list[Record] | None = None
+    items: list[Request | LineError] | None = None
+
+
+def read_input(path: Path, mode: str, default_max_tokens: int) -> Input:
+    """``path`` read as an OpenAI batch file when its lines are requests (``custom_id``,
+    ``url``, ``body``), else as ``{"prompt"}``/``{"messages"}`` lines."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"io.input: cannot read {path}: {e.strerror}") from e
+    sha = hashlib.sha256(data).hexdigest()
+    if not is_batch_file(_objects(data)):
+        return Input(sha, records=read_records(path, mode, data))
+    if mode != "generate":
+        raise ConfigError(
+            f"io.input: {path} is an OpenAI batch file; those are answered with "
+            '--mode generate (score mode reads {"prompt", "completion"} lines)'
+        )
+    items = read_batch(data, str(path), default_max_tokens)
+    if not items:
+        raise ConfigError(f"io.input: {path} has no records")
+    return Input(sha, items=items)
+
+
+def _objects(data: bytes, most: int = 100) -> Iterator[Any]:
+    """The JSON values of the first ``most`` lines that parse."""
+    for raw in data.split(b"\n")[: most * 2]:
+        if raw.strip():
+            try:
+                yield json.loads(raw)
+            except ValueError:
+                continue
+
+
+def read_records(path: Path, mode: str, data: bytes) -> list[Record]:
+    """Every record of ``data`` (the bytes of ``path``); errors name ``path:line``."""
     records = []
     for n, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
@@ -88,4 +127,4 @@ def read_records(path: Path, mode: str) -> tuple[list[Record], str]:
         )
     if not records:
         raise ConfigError(f"io.input: {path} has no records")
-    return records, hashlib.sha256(data).hexdigest()
+    return records

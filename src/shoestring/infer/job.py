@@ -24,9 +24,11 @@ caches back to the last whole pass, saves the generation state (also every
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -39,18 +41,25 @@ from shoestring.config import ConfigError, to_flat
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.clock import PassClock
 from shoestring.infer.codecs import Scheme
-from shoestring.infer.config import OUTPUT_KEYS, InferConfig, parse_size
+from shoestring.infer.config import LATER_KEY_DEFAULTS, OUTPUT_KEYS, InferConfig, parse_size
 from shoestring.infer.decode import Generated, GenState, Scored, generate_from, score, start
-from shoestring.infer.engine import PassStopped, StreamingCausalLM, kv_bytes_per_token, stored_dtype
-from shoestring.infer.inputs import read_records
+from shoestring.infer.engine import (
+    PassStopped,
+    StreamingCausalLM,
+    kv_bytes_per_token,
+    read_config_json,
+    stored_dtype,
+)
+from shoestring.infer.inputs import Input, read_input
 from shoestring.infer.ledger import ChunkLedger, Pinned, RunRecord
 from shoestring.infer.plan import Plan, make_plan
 from shoestring.infer.report import Progress, Stats, print_summary
 from shoestring.infer.report import summary as summary_of
+from shoestring.infer.requests import Answering
 from shoestring.infer.shards import ShardError, index_model
 from shoestring.infer.stream import Prepare
 from shoestring.infer.weights import weight_hook
-from shoestring.infer.work import Work, output_lines, tokenize
+from shoestring.infer.work import Sampled, Work, output_lines, tokenize, tokenize_requests
 from shoestring.preempt.flag import PreemptionFlag, SignalSource
 from shoestring.rundir import hold
 
@@ -64,19 +73,26 @@ def default_run_dir(output: Path) -> Path:
 
 
 def run_infer(
-    cfg: InferConfig, *, faults: FaultPlan = NO_FAULTS, stream: TextIO = sys.stderr
+    cfg: InferConfig,
+    *,
+    faults: FaultPlan = NO_FAULTS,
+    stream: TextIO = sys.stderr,
+    created: int | None = None,
 ) -> int:
     """Run (or resume) the job described by ``cfg``; returns an exit code. One job at a
-    time per run directory (its ``.lock``; a second is refused with exit 2)."""
+    time per run directory (its ``.lock``; a second is refused with exit 2).
+    ``created``: the time OpenAI batch outputs carry (``SOURCE_DATE_EPOCH``), else the
+    first attempt's start."""
     if not cfg.io.output:
-        return _run_infer(cfg, faults, stream)  # prepare names the missing key
+        return _run_infer(cfg, faults, stream, created)  # prepare names the missing key
     run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else default_run_dir(Path(cfg.io.output))
     with hold(run_dir, "wait for it to end, or write to another --output"):
-        return _run_infer(cfg, faults, stream)
+        return _run_infer(cfg, faults, stream, created)
 
 
-def _run_infer(cfg: InferConfig, faults: FaultPlan, stream: TextIO) -> int:
+def _run_infer(cfg: InferConfig, faults: FaultPlan, stream: TextIO, created: int | None) -> int:
     job = InferJob.prepare(cfg, faults, stream)
+    job.created = created
     ledger = job.open_ledger()
     stats = Stats()
     if ledger.todo:
@@ -105,6 +121,8 @@ class InferJob:
     hook: Prepare | None  # what the reader thread does to each unit's tensors
     plan: Plan
     chunk_records: int
+    created: int | None = None  # outputs' "created" (None: the run's first start)
+    answering: Answering | None = None  # OpenAI batch jobs: what every line shares
 
     @classmethod
     def prepare(cls, cfg: InferConfig, faults: FaultPlan, stream: TextIO) -> InferJob:
@@ -113,7 +131,7 @@ class InferJob:
         anything is written into it."""
         started = time.perf_counter()
         model_dir = _model_dir(cfg)
-        records, input_sha = read_records(Path(cfg.io.input), cfg.generate.mode)
+        given = read_input(Path(cfg.io.input), cfg.generate.mode, cfg.generate.max_new_tokens)
         output = Path(cfg.io.output)
         run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else default_run_dir(output)
         budget = parse_size(cfg.memory.budget)
@@ -124,12 +142,12 @@ class InferJob:
         device = _device(cfg)
         tok = _load_tokenizer(model_dir)
         template = _chat_template(cfg)
-        work = tokenize(records, tok, cfg.generate.mode, template)
+        work = _work(cfg, given, tok, template, _context_length(model_dir))
         prior = RunRecord.read(run_dir)
         engine = _build_engine(cfg, model_dir, device, prior)
         if adapter is not None:
             adapter.check(set(engine.refs))
-        identity = _identity(cfg, input_sha, model_dir, adapter)
+        identity = _identity(cfg, given.sha256, model_dir, adapter)
         if template is not None:  # outputs depend on it; unset keeps older run dirs valid
             identity["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
         if prior is not None:
@@ -184,13 +202,21 @@ class InferJob:
             Pinned(
                 self.plan.batch_size, self.plan.micro_tokens, self.chunk_records, self.dtype_name
             ),
+            self.created,
         )
+        if self.work.kind == "openai":
+            self.answering = Answering(
+                hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest(),
+                self.model_dir.name,
+                record.created if self.created is None else self.created,
+            )
         ledger = ChunkLedger.open(
             self.run_dir,
             record.run_id,
             len(self.work.records),
             self.chunk_records,
             faults=self.faults,
+            order=self.work.schedule(),
         )
         engine = self.engine
         ledger.log.emit(
@@ -279,6 +305,27 @@ def _chat_template(cfg: InferConfig) -> str | None:
         raise ConfigError(f"generate.chat_template: {e}") from None
 
 
+def _context_length(model_dir: Path) -> int | None:
+    """The model's context (``max_position_embeddings``), None when it names none."""
+    try:
+        n = read_config_json(model_dir).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def _work(
+    cfg: InferConfig, given: Input, tok: Any, template: str | None, context: int | None
+) -> Work:
+    """The input tokenized: an OpenAI batch file's requests, or the job's own lines."""
+    g = cfg.generate
+    if given.items is not None:
+        return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input)
+    assert given.records is not None
+    sampled = Sampled(g.max_new_tokens, g.temperature, g.top_p, g.top_k, g.seed)
+    return tokenize(given.records, tok, g.mode, template, sampled)
+
+
 def _load_tokenizer(model_dir: Path) -> Any:
     from shoestring.hf import load_tokenizer, quiet_hf
 
@@ -325,10 +372,9 @@ def _identity(
             k: flat[k]
             for k in OUTPUT_KEYS
             if k not in ("model.path", "io.input")
-            and not (k == "memory.kv_bits" and flat[k] == 16)  # older run dirs
-            and not (k == "model.dtype" and flat[k] == "auto")
+            and not (k in LATER_KEY_DEFAULTS and flat[k] == LATER_KEY_DEFAULTS[k])
         },
-    }  # stay valid
+    }
 
 
 def _plan(
@@ -340,7 +386,7 @@ def _plan(
     budget: int,
     reserve: int,
 ) -> Plan:
-    new = cfg.generate.max_new_tokens if cfg.generate.mode == "generate" else 0
+    new = work.most_new_tokens if cfg.generate.mode == "generate" else 0
     return make_plan(
         budget=budget,
         reserve=reserve,
@@ -351,7 +397,7 @@ def _plan(
         else 0,
         config=engine.config,
         itemsize=engine.dtype.itemsize,
-        prompt_lens=[len(s) for seqs in work.seqs for s in seqs],
+        prompt_lens=[len(s) for seqs in work.seqs for s in seqs] or [1],  # (all errors)
         new_tokens=new,
         want_batch=cfg.memory.batch_size,
         micro_tokens=cfg.memory.micro_batch_tokens,
@@ -365,7 +411,7 @@ def _plan(
 
 def _chunk_records(cfg: InferConfig, plan: Plan, work: Work) -> int:
     """Records per chunk: a job batch's worth of sequences (or job.chunk_size, if less)."""
-    per_record = max(len(s) for s in work.seqs)
+    per_record = max(1, max(len(s) for s in work.seqs))
     return max(1, min(cfg.job.chunk_size or plan.batch_size, plan.batch_size) // per_record)
 
 
@@ -429,13 +475,14 @@ class ChunkLoop:
             self.stats.chunk_pass = 0
         self.clock.start_chunk()
         results = self._compute(idx, flat)
-        ledger.commit(k, output_lines(job.work, idx, job.cfg.generate.mode, results, job.tok))
+        lines = output_lines(job.work, idx, job.cfg.generate.mode, results, job.tok, job.answering)
+        ledger.commit(k, lines)
         self.state = None
         self.stats.prompts += len(idx)
         ledger.log.emit(
             "chunk",
             chunk=k,
-            records=[idx.start, idx.stop],
+            records=len(idx),
             seconds=round(time.perf_counter() - t0, 4),
             bytes_read=self._bytes_read() - read0,
             committed=len(ledger.done),
@@ -454,7 +501,7 @@ class ChunkLoop:
         )
 
     def _compute(
-        self, idx: range, flat: list[tuple[int, int]]
+        self, idx: Sequence[int], flat: list[tuple[int, int]]
     ) -> list[list[Generated] | list[Scored]]:
         """The chunk's results, per record, per sequence."""
         job, work = self.job, self.job.work
@@ -463,8 +510,7 @@ class ChunkLoop:
             outs = generate_from(
                 job.engine,
                 self.state,
-                max_new_tokens=job.cfg.generate.max_new_tokens,
-                eos_ids=work.eos_ids if job.cfg.generate.stop_at_eos else set(),
+                rules=work.rules(flat, job.tok, job.cfg.generate.stop_at_eos),
                 pad_id=work.pad_id,
                 on_pass=self._on_pass,
                 stop=self._stop_requested,
@@ -479,10 +525,10 @@ class ChunkLoop:
                 on_pass=self._on_pass,
             )
             self.stats.tokens += sum(o.tokens for o in outs)
-        grouped: list[list[Any]] = [[] for _ in idx]
+        grouped: dict[int, list[Any]] = {i: [] for i in idx}
         for (i, _j), o in zip(flat, outs):
-            grouped[i - idx.start].append(o)
-        return grouped
+            grouped[i].append(o)
+        return [grouped[i] for i in idx]
 
     def _on_pass(self) -> None:
         """After each pass: count it, save the state if due, raise Preempted on a stop."""

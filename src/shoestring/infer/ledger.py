@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ class RunRecord:
     run_id: str
     identity: dict[str, Any]
     pinned: Pinned
+    created: int = 0  # unix seconds of the first attempt (the outputs' "created")
 
     @classmethod
     def read(cls, run_dir: Path) -> RunRecord | None:
@@ -85,15 +87,26 @@ class RunRecord:
                 p.get("chunk_records"),
                 p.get("dtype", "stored"),
             ),
+            int(obj.get("created", path.stat().st_mtime)),
         )
 
     @classmethod
-    def create(cls, run_dir: Path, identity: dict[str, Any], pinned: Pinned) -> RunRecord:
-        """Write a new ``run.json`` durably (temp file, fsync, rename)."""
+    def create(
+        cls, run_dir: Path, identity: dict[str, Any], pinned: Pinned, created: int | None = None
+    ) -> RunRecord:
+        """Write a new ``run.json`` durably (temp file, fsync, rename); ``created``
+        defaults to now."""
         run_dir.mkdir(parents=True, exist_ok=True)
-        record = cls(run_dir / RUN_FILE, uuid.uuid4().hex[:12], identity, pinned)
+        when = int(time.time()) if created is None else created
+        record = cls(run_dir / RUN_FILE, uuid.uuid4().hex[:12], identity, pinned, when)
         write_json_durably(
-            record.path, {"run_id": record.run_id, "identity": identity, "pinned": pinned.to_json()}
+            record.path,
+            {
+                "run_id": record.run_id,
+                "identity": identity,
+                "pinned": pinned.to_json(),
+                "created": when,
+            },
         )
         return record
 
@@ -123,6 +136,7 @@ class ChunkLedger:
     log: EventLog
     faults: FaultPlan
     done: set[int]
+    order: list[int] | None = None  # the records in schedule order (None: input order)
 
     @classmethod
     def open(
@@ -133,12 +147,15 @@ class ChunkLedger:
         chunk_records: int,
         *,
         faults: FaultPlan = NO_FAULTS,
+        order: list[int] | None = None,
     ) -> ChunkLedger:
         """Open the event log, drop stale temp dirs, verify every committed chunk
         (a bad one is quarantined and redone) and drop saved states of chunks that
-        committed after their state was saved (a kill between the two)."""
+        committed after their state was saved (a kill between the two). ``order``:
+        the records in the order chunks take them (a function of the input only, so
+        every attempt forms the same chunks); the output is still in input order."""
         log = EventLog(run_dir / "events.jsonl", run_id=run_id)
-        ledger = cls(run_dir, run_id, n_records, chunk_records, log, faults, set())
+        ledger = cls(run_dir, run_id, n_records, chunk_records, log, faults, set(), order)
         clean_stale(ledger.chunks_root)
         ledger.done = ledger._verified_chunks()
         clean_stale(ledger.partial_root)
@@ -165,11 +182,12 @@ class ChunkLedger:
         """Chunks not committed yet, in order."""
         return [k for k in range(self.n_chunks) if k not in self.done]
 
-    def records(self, chunk: int) -> range:
-        """The input records chunk ``chunk`` holds."""
-        return range(
+    def records(self, chunk: int) -> Sequence[int]:
+        """The input records chunk ``chunk`` holds, in the order its lines are written."""
+        at = range(
             chunk * self.chunk_records, min((chunk + 1) * self.chunk_records, self.n_records)
         )
+        return at if self.order is None else self.order[at.start : at.stop]
 
     def records_done(self) -> int:
         return sum(len(self.records(k)) for k in self.done)
@@ -194,11 +212,12 @@ class ChunkLedger:
     def commit(self, chunk: int, lines: bytes) -> None:
         """Commit chunk ``chunk``'s output lines; its saved state is then obsolete."""
         rec = self.records(chunk)
+        where = [rec.start, rec.stop] if isinstance(rec, range) else list(rec)
         commit_local(
             self.chunks_root,
             chunk,
             {CHUNK_FILE: lines},
-            {"records": [rec.start, rec.stop], "run_id": self.run_id},
+            {"records": where, "run_id": self.run_id},
             self.faults,
         )
         saved = self.partial_root / step_dirname(chunk)
@@ -253,10 +272,18 @@ class ChunkLedger:
         """Write ``output`` from every chunk at once (temp file, fsync, rename); returns
         its bytes. Call only when :attr:`todo` is empty."""
         output.parent.mkdir(parents=True, exist_ok=True)
-        data = b"".join(
+        parts = [
             (self.chunks_root / step_dirname(k) / CHUNK_FILE).read_bytes()
             for k in range(self.n_chunks)
-        )
+        ]
+        if self.order is None:
+            data = b"".join(parts)
+        else:  # one line per record, chunk by chunk in schedule order: back to input order
+            lines = [line for part in parts for line in part.splitlines(keepends=True)]
+            by_record: list[bytes] = [b""] * self.n_records
+            for i, line in zip(self.order, lines, strict=True):
+                by_record[i] = line
+            data = b"".join(by_record)
         atomic_write(output, data)
         return len(data)
 

@@ -80,7 +80,7 @@ def save(
     """Commit ``state`` as ``root``/step-``chunk``; returns (path, bytes written).
 
     Raises :class:`Unsupported` (nothing written) for a cache it cannot save."""
-    n_layers = len(state.mbs[0].cache.layers)
+    n_layers = len(state.mbs[0].cache.layers) if state.mbs else 0  # (0: every sequence ended)
     kinds = [
         [_layer_tensors(mb.cache.layers[i])[0] for i in range(n_layers)] for mb in state.mbs
     ]  # checks every layer before anything is written
@@ -128,6 +128,8 @@ def _write_state(
         "groups": state.groups,
         "tokens": [g.tokens for g in state.out],
         "finish": [g.finish for g in state.out],
+        "logprobs": [g.logprobs for g in state.out],
+        "top": [g.top for g in state.out],
         "done": state.done,
         "layers": n_layers,
         "kinds": kinds,
@@ -148,7 +150,12 @@ def load(path: Path, engine: StreamingCausalLM, n_seqs: int) -> GenState:
         if sha256_file(path / name) != entry.sha256:
             raise CorruptCheckpoint(f"{path / name} does not match its manifest")
     st = json.loads((path / STATE).read_text())
-    if len(st["tokens"]) != n_seqs or sum(len(g) for g in st["groups"]) != n_seqs:
+    rows = [i for g in st["groups"] for i in g]  # (ended sequences may have left)
+    if (
+        len(st["tokens"]) != n_seqs
+        or len(set(rows)) != len(rows)
+        or not all(0 <= i < n_seqs for i in rows)
+    ):
         raise CorruptCheckpoint(
             f"{path}: saved for {len(st['tokens'])} sequences, this chunk has {n_seqs}"
         )
@@ -172,5 +179,11 @@ def load(path: Path, engine: StreamingCausalLM, n_seqs: int) -> GenState:
                 layer.keys, layer.values = ts[f"{j}.k"], ts[f"{j}.v"]
             for k, v in extra.items():
                 setattr(layer, k, v)
-    out = [Generated(list(t), f) for t, f in zip(st["tokens"], st["finish"])]
+    n = len(st["tokens"])
+    out = [
+        Generated(list(t), f, list(lp), [[(int(a), float(b)) for a, b in alt] for alt in top])
+        for t, f, lp, top in zip(
+            st["tokens"], st["finish"], st.get("logprobs", [[]] * n), st.get("top", [[]] * n)
+        )
+    ]
     return GenState(st["groups"], mbs, out, list(st["done"]), st["step"])

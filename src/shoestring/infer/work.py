@@ -1,34 +1,89 @@
-"""The job's work: input records as token sequences, and results as output lines."""
+"""The job's work: input records as token sequences, and results as output lines.
+
+Two kinds of input: ``{"prompt"}``/``{"messages"}`` lines (answered in shoestring's
+own line format, a bad line fails the job before it starts), and OpenAI batch
+files (answered in the batch output format, a bad line answered with an error
+line: :mod:`shoestring.infer.requests`).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shoestring.config import ConfigError
 from shoestring.data.chat import end_of_turn_ids, prompt_ids
 from shoestring.data.records import DataError
-from shoestring.infer.decode import Generated, Scored
+from shoestring.infer.batchapi import Request
+from shoestring.infer.decode import Generated, Rules, Scored
 from shoestring.infer.inputs import Record
+from shoestring.infer.requests import Answering, Item, answer_lines, choice_of, request_ids
+from shoestring.infer.sampling import Choice, StopStrings
 
 #: ``generate.mode``: greedy continuation, or the log-likelihood of given completions.
 Mode = Literal["generate", "score"]
+#: The input's kind: shoestring's own lines, or an OpenAI batch file.
+InputKind = Literal["lines", "openai"]
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """How ``{"prompt"}`` lines are continued (``generate.*``)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def choice(self, line: int) -> Choice:
+        return Choice(self.temperature, self.top_p, self.top_k, self.seed, f"line:{line}")
 
 
 @dataclass
 class Work:
-    """Tokenized job: one or more sequences per record."""
+    """Tokenized job: one or more sequences per record (none for an error line)."""
 
-    records: list[Record]
+    records: Sequence[Record | Item]
     seqs: list[list[list[int]]]  # per record: its sequences (prompt [+ completion] tokens)
     starts: list[list[int]]  # per record: index of the first completion token (score mode)
     eos_ids: set[int] = field(default_factory=set)
     pad_id: int = 0
+    kind: InputKind = "lines"
+    limits: list[int] = field(default_factory=list)  # per record: most new tokens
+    choices: list[Choice] = field(default_factory=list)  # per record
+    stops: list[tuple[str, ...]] = field(default_factory=list)  # per record
 
-    def sequences(self, records: range) -> list[tuple[int, int]]:
+    def sequences(self, records: Sequence[int]) -> list[tuple[int, int]]:
         """(record, sequence) of every sequence of ``records``, in order."""
         return [(i, j) for i in records for j in range(len(self.seqs[i]))]
+
+    def rules(self, flat: list[tuple[int, int]], tok: Any, stop_at_eos: bool) -> Rules:
+        """How each of the sequences ``flat`` is continued and when it ends."""
+        choices = [self.choices[i] for i, _ in flat]
+        plain = all(c.temperature == 0 and c.logprobs < 0 for c in choices)
+        stops = [StopStrings(tok, self.stops[i]) if self.stops[i] else None for i, _ in flat]
+        return Rules(
+            [self.limits[i] for i, _ in flat],
+            frozenset(self.eos_ids if stop_at_eos else ()),
+            None if plain else choices,
+            stops if any(stops) else None,
+        )
+
+    @property
+    def most_new_tokens(self) -> int:
+        return max(self.limits, default=0)
+
+    def schedule(self) -> list[int] | None:
+        """The order chunks take the records: by length limit (shortest first, then
+        input order), so a chunk's requests end together and a chunk of short ones
+        takes few passes, instead of each chunk running to the longest limit in the
+        file. None when every limit is the same (input order)."""
+        if len(set(self.limits)) <= 1:
+            return None
+        return sorted(range(len(self.limits)), key=lambda i: (self.limits[i], i))
 
 
 def _context(r: Record, tok: Any, template: str | None) -> list[int]:
@@ -43,7 +98,13 @@ def _context(r: Record, tok: Any, template: str | None) -> list[int]:
         raise ConfigError(f"io.input: line {r.line}: {e}") from None
 
 
-def tokenize(records: list[Record], tok: Any, mode: str, template: str | None = None) -> Work:
+def tokenize(
+    records: list[Record],
+    tok: Any,
+    mode: str,
+    template: str | None = None,
+    sampled: Sampled = Sampled(),
+) -> Work:
     seqs, starts = [], []
     for r in records:
         ctx = _context(r, tok, template)
@@ -62,26 +123,68 @@ def tokenize(records: list[Record], tok: Any, mode: str, template: str | None = 
         conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
         seqs.append([ctx + c for c in conts])
         starts.append([len(ctx)] * len(conts))
-    return Work(records, seqs, starts, *_stops(records, tok, template))
+    eos, pad = _stops(any(r.messages is not None for r in records), tok, template)
+    n = len(records)
+    return Work(
+        records, seqs, starts, eos, pad, "lines",
+        [sampled.max_new_tokens if mode == "generate" else 0] * n,
+        [sampled.choice(r.line) for r in records],
+        [()] * n,
+    )  # fmt: skip
 
 
-def _stops(records: list[Record], tok: Any, template: str | None) -> tuple[set[int], int]:
+def tokenize_requests(
+    items: list[Item], tok: Any, template: str | None, context: int | None, seed: int, path: str
+) -> Work:
+    """An OpenAI batch file's work: each request's prompt, limit, sampling and stop
+    strings; lines that cannot be answered become error lines with no sequence."""
+    checked = [request_ids(item, tok, template, context, path) for item in items]
+    items = [item for item, _ in checked]
+    reqs = [item if isinstance(item, Request) else None for item in items]
+    eos, pad = _stops(any(r is not None and r.messages is not None for r in reqs), tok, template)
+    return Work(
+        items,
+        [[ids] if ids else [] for _, ids in checked],
+        [[len(ids)] if ids else [] for _, ids in checked],
+        eos,
+        pad,
+        "openai",
+        [r.sampling.max_tokens if r else 0 for r in reqs],
+        [choice_of(r, seed) if r else Choice() for r in reqs],
+        [r.sampling.stop if r else () for r in reqs],
+    )
+
+
+def _stops(chats: bool, tok: Any, template: str | None) -> tuple[set[int], int]:
     """EOS ids (plus the template's end-of-turn tokens when any prompt is a
     conversation) and the pad id."""
     eos = tok.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    if any(r.messages is not None for r in records):
+    if chats:
         eos_ids |= set(end_of_turn_ids(tok, template))
     pad = tok.pad_token_id if tok.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
     return eos_ids, pad
 
 
 def output_lines(
-    work: Work, records: range, mode: str, results: list[list[Generated] | list[Scored]], tok: Any
+    work: Work,
+    records: Sequence[int],
+    mode: str,
+    results: list[list[Generated] | list[Scored]],
+    tok: Any,
+    answering: Answering | None = None,
 ) -> bytes:
     """The output JSONL lines of ``records`` (``results``: per record, per sequence)."""
+    if work.kind == "openai":
+        assert answering is not None, "an OpenAI batch job names its model and ids"
+        items = [work.records[i] for i in records]
+        prompt_lens = [work.starts[i][0] if work.starts[i] else 0 for i in records]
+        gens: list[list[Generated]] = results  # type: ignore[assignment]
+        lines = answer_lines(items, prompt_lens, gens, tok, answering)  # type: ignore[arg-type]
+        return ("\n".join(lines) + "\n").encode()
     lines = []
     for r, res in zip((work.records[i] for i in records), results):
+        assert isinstance(r, Record)
         rec: dict[str, Any] = {"index": r.line - 1}
         if r.id is not None:
             rec["id"] = r.id

@@ -1,0 +1,130 @@
+"""OpenAI batch requests as job work, and their results as batch output lines.
+
+A line that cannot be answered — malformed (:mod:`shoestring.infer.batchapi`), a
+conversation the chat template cannot render, a prompt with no tokens, or a
+prompt plus ``max_tokens`` longer than the model's context — becomes one error
+line in its place; every other line is answered, so one bad request never fails
+the job.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shoestring.data.chat import prompt_ids
+from shoestring.data.records import DataError
+from shoestring.infer.batchapi import Answer, LineError, Request, TokenLogprob
+from shoestring.infer.batchapi import answer_line as answer_json
+from shoestring.infer.batchapi import error_line as error_json
+from shoestring.infer.decode import Generated
+from shoestring.infer.sampling import Choice, StopStrings
+
+Item = Request | LineError
+
+
+@dataclass(frozen=True)
+class Answering:
+    """What every output line of a job shares: ids derive from ``job_id``; ``created``
+    is fixed per run (``SOURCE_DATE_EPOCH`` when set), so a resumed job writes the
+    bytes an uninterrupted one writes."""
+
+    job_id: str
+    model: str
+    created: int
+
+
+def request_ids(
+    item: Item, tok: Any, template: str | None, context: int | None, path: str
+) -> tuple[Item, list[int]]:
+    """The request's prompt tokens, or the error line it becomes (with no tokens)."""
+    if isinstance(item, LineError):
+        return item, []
+    try:
+        if item.messages is not None:
+            ids = prompt_ids(item.messages, tok, template)
+        else:
+            ids = list(tok(item.prompt)["input_ids"])
+    except (DataError, ValueError, TypeError) as e:  # jinja raises TemplateError(ValueError)
+        why = f"the chat template cannot render it: {e}"
+        return _refused(item, path, "body.messages", why), []
+    if not ids:
+        return _refused(item, path, "body", "the prompt has no tokens"), []
+    need = len(ids) + item.sampling.max_tokens
+    if context is not None and need > context:
+        return _refused(
+            item,
+            path,
+            "body.max_tokens",
+            f"{len(ids)} prompt tokens + max_tokens {item.sampling.max_tokens} exceed "
+            f"the model's context of {context} tokens",
+        ), []
+    return item, ids
+
+
+def _refused(req: Request, path: str, param: str, why: str) -> LineError:
+    where = f"{path}:{req.line}: {param}"
+    return LineError(req.line, req.custom_id, "invalid_request", param, f"{where}: {why}")
+
+
+def choice_of(req: Request, seed: int) -> Choice:
+    """How the request picks its tokens. Draws are keyed by (seed, key, token index):
+    without a seed of its own, the key is its ``custom_id`` with the job's seed (no
+    two requests draw alike); with one, the key is empty, so repeated requests with
+    the same seed and parameters get the same answer (OpenAI's promise for ``seed``)."""
+    s = req.sampling
+    return Choice(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=seed if s.seed is None else s.seed,
+        key=req.custom_id if s.seed is None else "",
+        logprobs=(s.top_logprobs if s.logprobs else -1),
+    )
+
+
+def answer_lines(
+    items: list[Item], prompt_lens: list[int], results: list[list[Generated]], tok: Any,
+    meta: Answering,
+) -> list[str]:  # fmt: skip
+    """One output line per item (``results``: per item, its one generation or none)."""
+    lines = []
+    for item, n, res in zip(items, prompt_lens, results):
+        if isinstance(item, LineError):
+            doc = error_json(item, job_id=meta.job_id)
+        else:
+            ans = _answer(item, n, res[0], tok)
+            doc = answer_json(item, ans, job_id=meta.job_id, model=meta.model, created=meta.created)
+        lines.append(json.dumps(doc, ensure_ascii=False))
+    return lines
+
+
+def _answer(req: Request, prompt_len: int, g: Generated, tok: Any) -> Answer:
+    stops = req.sampling.stop
+    text = (
+        StopStrings(tok, stops).text(g.tokens)
+        if stops
+        else tok.decode(g.tokens, skip_special_tokens=True)
+    )
+    return Answer(
+        text=text,
+        finish_reason="length" if g.finish == "length" else "stop",
+        prompt_tokens=prompt_len,
+        completion_tokens=len(g.tokens),
+        logprobs=_logprobs(g, tok) if req.sampling.logprobs else None,
+    )
+
+
+def _logprobs(g: Generated, tok: Any) -> tuple[TokenLogprob, ...]:
+    """Each generated token as text, bytes and log probability, with its alternatives."""
+
+    def entry(t: int, lp: float) -> tuple[str, float, list[int]]:
+        text = tok.decode([t])
+        return text, lp, list(text.encode())
+
+    tops = g.top or [[] for _ in g.tokens]
+    return tuple(
+        TokenLogprob(*entry(t, lp), top=tuple(entry(a, b) for a, b in alts))
+        for t, lp, alts in zip(g.tokens, g.logprobs, tops)
+    )
