@@ -158,6 +158,8 @@ def test_a_batch_file_is_answered_in_openai_format(chat_model: Path, tmp_path: P
     assert text["s-1"] == text["s-2"]  # the same request with its own seed: the same answer
     assert text["u-1"] != text["u-2"]  # without: the job's seed and the custom_id decide
     assert all(b["response"]["body"]["created"] > 0 for b in by_id.values())
+    events = [json.loads(x) for x in Path(f"{out}.run/events.jsonl").read_text().splitlines()]
+    assert [e["input"] for e in events if e["event"] == "infer_start"] == ["openai"]
 
 
 def _text(line: dict[str, Any]) -> str:

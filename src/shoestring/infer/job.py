@@ -222,6 +222,7 @@ class InferJob:
         ledger.log.emit(
             "infer_start",
             mode=self.cfg.generate.mode,
+            input=self.work.kind,
             model=str(self.model_dir),
             records=len(self.work.records),
             chunks=ledger.n_chunks,
