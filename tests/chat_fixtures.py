@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shoestring.train.builtin import build_tokenizer
+from shoestring.train.builtin import build_tokenizer, model_tokenizer
 
 #: Qwen2.5-Instruct's chat template (tokenizer_config.json), reformatted.
 CHATML_TEMPLATE = """\
@@ -194,8 +194,8 @@ LLAMA3_SPECIALS = (
 
 
 def plain_tokenizer() -> Any:
-    """The built-in byte tokenizer: no chat template."""
-    return build_tokenizer()
+    """The built-in tiny model's tokenizer: no chat template, adds BOS itself (Llama-like)."""
+    return model_tokenizer()
 
 
 def chatml_tokenizer() -> Any:

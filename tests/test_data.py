@@ -23,10 +23,12 @@ def tokenize(records: list[Record], tok: object, max_length: int) -> list:
 
 
 class ByteTok:
+    """Bytes + 3; puts BOS (1) in front when asked for special tokens, like Llama's."""
+
     bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [b + 3 for b in text.encode()]
+        return [1] * add_special_tokens + [b + 3 for b in text.encode()]
 
 
 @pytest.mark.parametrize(

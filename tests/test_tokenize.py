@@ -24,8 +24,10 @@ from shoestring.train.builtin import builtin_records
 
 
 class _Legacy:
-    """The trainer's tokenizer before shoestring.data (frozen here): text and pair records
-    must keep tokenizing byte for byte the same, or resumed runs would change data."""
+    """The trainer's tokenizer before shoestring.data (frozen here): for a tokenizer that
+    adds its BOS itself (Llama's, the tiny model's), text and pair records must keep
+    tokenizing byte for byte the same, or resumed runs would change data. (One that names
+    a BOS but does not add it loses the stray BOS: tests/test_specials.py.)"""
 
     @staticmethod
     def tokenize(records: Any, tok: Any, max_length: int) -> list[_Ex]:
@@ -94,14 +96,15 @@ def test_text_and_pairs_match_the_trainers_tokenizer(max_length: int) -> None:
 
 
 class EncodeOnlyTokenizer:
-    """A tokenizer with nothing but ``encode`` (the trainer's ``Tokenizer`` protocol)."""
+    """A tokenizer with nothing but ``encode`` (the trainer's ``Tokenizer`` protocol);
+    like Llama's, it puts BOS in front when asked for special tokens."""
 
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
     pad_token_id: int | None = 0
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [b + 3 for b in text.encode()]
+        return [1] * add_special_tokens + [b + 3 for b in text.encode()]
 
 
 def test_an_encode_only_tokenizer_still_works() -> None:

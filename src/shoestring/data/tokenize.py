@@ -1,9 +1,11 @@
 """Records → examples (token ids and labels), truncated to ``data.max_length``.
 
-Three kinds of record: ``text`` (loss on every token after BOS), ``pair`` (loss on
-the completion and EOS) and ``chat`` (rendered by the chat template; loss per
-``data.loss_on``, see :mod:`shoestring.data.chat`). Text and pairs give exactly the
-ids and labels the trainer has always given, so existing runs keep their hashes.
+Three kinds of record: ``text`` (loss on every token after the tokenizer's own prefix),
+``pair`` (loss on the completion and EOS) and ``chat`` (rendered by the chat template;
+loss per ``data.loss_on``, see :mod:`shoestring.data.chat`). Which special tokens
+surround text and pairs is :mod:`shoestring.data.specials`' policy, the one eval and
+inference follow: for a tokenizer that adds BOS itself (Llama) text and pairs give
+exactly the ids and labels the trainer has always given.
 
 Records are tokenized in chunks with batch encoding; ``workers > 1`` spreads the
 chunks over a process pool. The result is the same for any number of workers.
@@ -29,6 +31,7 @@ from shoestring.data.records import (
     Record,
     Truncate,
 )
+from shoestring.data.specials import Specials, encode_many, specials
 from shoestring.proc import die_with_parent
 
 #: Records per unit of work: ``should_stop`` is polled and progress shown per chunk.
@@ -78,31 +81,20 @@ ChunkResults = Generator[ChunkResult, None, None]
 # --------------------------------------------------------------------------- one chunk
 
 
-def _encode_plain(tok: Any, texts: list[str]) -> list[list[int]]:
-    if not texts:
-        return []
-    if not callable(tok):  # a bare ``encode(text, add_special_tokens)`` tokenizer
-        return [list(tok.encode(text, add_special_tokens=False)) for text in texts]
-    enc = tok(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)
-    return [list(ids) for ids in enc["input_ids"]]
-
-
 def _plain_pieces(r: Record) -> list[str]:
     return [r.text] if r.text is not None else [r.prompt or "", r.completion or ""]
 
 
-def _plain_example(
-    r: Record, pieces: Iterator[list[int]], bos: list[int], eos: list[int]
-) -> Example:
-    """Exactly ``shoestring.train.data.tokenize`` before truncation."""
+def _plain_example(r: Record, pieces: Iterator[list[int]], sp: Specials) -> Example:
+    """``prefix + text + EOS`` (loss after the prefix) or ``prefix + prompt + completion
+    + EOS`` (loss on completion and EOS); see :mod:`shoestring.data.specials`."""
+    end = sp.ending()
     if r.text is not None:
-        ids = bos + next(pieces) + eos
-        labels = list(ids)
-        if bos:
-            labels[0] = IGNORE_INDEX
+        ids = sp.prompt(next(pieces)) + end
+        labels = [IGNORE_INDEX] * len(sp.prefix) + ids[len(sp.prefix) :]
         return Example(ids, labels)
-    prompt = bos + next(pieces)
-    completion = next(pieces) + eos
+    prompt = sp.prompt(next(pieces))
+    completion = next(pieces) + end
     return Example(prompt + completion, [IGNORE_INDEX] * len(prompt) + completion)
 
 
@@ -121,13 +113,10 @@ def _chat_examples(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> I
 def _untruncated(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> list[Example]:
     """Examples of a chunk in order, encoded in one batch per kind of record."""
     plain = [r for r in records if r.kind != "chat"]
-    pieces = iter(_encode_plain(tok, [p for r in plain for p in _plain_pieces(r)]))
+    pieces = iter(encode_many(tok, [p for r in plain for p in _plain_pieces(r)]))
     chats = _chat_examples([r for r in records if r.kind == "chat"], tok, spec)
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    return [
-        next(chats) if r.kind == "chat" else _plain_example(r, pieces, bos, eos) for r in records
-    ]
+    sp = specials(tok) if plain else Specials((), (), None)
+    return [next(chats) if r.kind == "chat" else _plain_example(r, pieces, sp) for r in records]
 
 
 def _fit(r: Record, ex: Example, spec: TokenizeSpec) -> tuple[Example | None, bool]:

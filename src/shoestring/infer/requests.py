@@ -15,6 +15,7 @@ from typing import Any
 
 from shoestring.data.chat import prompt_ids
 from shoestring.data.records import DataError
+from shoestring.data.specials import plain_prompt_ids
 from shoestring.infer.batchapi import Answer, LineError, Request, TokenLogprob
 from shoestring.infer.batchapi import answer_line as answer_json
 from shoestring.infer.batchapi import error_line as error_json
@@ -45,7 +46,7 @@ def request_ids(
         if item.messages is not None:
             ids = prompt_ids(item.messages, tok, template)
         else:
-            ids = list(tok(item.prompt)["input_ids"])
+            ids = plain_prompt_ids(tok, item.prompt)
     except (DataError, ValueError, TypeError) as e:  # jinja raises TemplateError(ValueError)
         why = f"the chat template cannot render it: {e}"
         return _refused(item, path, "body.messages", why), []

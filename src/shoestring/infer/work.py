@@ -16,6 +16,7 @@ from typing import Any, Literal
 from shoestring.config import ConfigError
 from shoestring.data.chat import end_of_turn_ids, prompt_ids
 from shoestring.data.records import DataError
+from shoestring.data.specials import plain_prompt_ids
 from shoestring.infer.batchapi import Request
 from shoestring.infer.decode import Generated, Rules, Scored
 from shoestring.infer.inputs import Record
@@ -91,7 +92,7 @@ def _context(r: Record, tok: Any, template: str | None) -> list[int]:
     assistant header, as training rendered it), else the text with the tokenizer's
     special tokens."""
     if r.messages is None:
-        return list(tok(r.prompt)["input_ids"])
+        return plain_prompt_ids(tok, r.prompt)
     try:
         return prompt_ids(r.messages, tok, template, r.tools)
     except DataError as e:

@@ -25,8 +25,9 @@ from typing import Any
 BUILTIN_MODEL = "builtin:tiny"
 BUILTIN_TASK = "builtin:reverse"
 
-#: Bump when the generated files would change for the same parameters.
-_FORMAT_VERSION = 1
+#: Bump when the generated files would change for the same parameters (2: the saved
+#: tokenizer adds its BOS itself, as the model has always been trained with it).
+_FORMAT_VERSION = 2
 _MODEL_SEED = 1234
 #: pad, bos, eos; they get ids 256, 257, 258 after the 256 byte tokens.
 SPECIAL_TOKENS: tuple[str, str, str] = ("<pad>", "<s>", "</s>")
@@ -101,6 +102,15 @@ def build_tokenizer() -> Any:
     )
 
 
+def model_tokenizer() -> Any:
+    """The tiny model's tokenizer: the byte tokenizer that, like Llama's, puts BOS in
+    front of a text itself, so training and inference (:mod:`shoestring.data.specials`)
+    both start every plain prompt with it, as the model has always been trained."""
+    tok = build_tokenizer()
+    tok.add_bos_token = True  # rewrites the post-processor: "<s> $A"
+    return tok
+
+
 def _fsync_tree(path: Path) -> None:
     for p in [*path.iterdir(), path]:
         fd = os.open(p, os.O_RDONLY)
@@ -116,7 +126,7 @@ def _write_model(target: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = build_tokenizer()
+    tok = model_tokenizer()
     sample = string.printable + "reverse:  two  spaces =  "
     if tok.decode(tok.encode(sample, add_special_tokens=False)) != sample:
         raise RuntimeError("builtin tokenizer does not round-trip ASCII text")

@@ -24,6 +24,7 @@ from shoestring.data.cache import CacheWriter, TokenCache, cache_key, open_or_bu
 from shoestring.data.chat import load_template
 from shoestring.data.records import DataError, Example, Record
 from shoestring.data.sources import read_records, resolve_source, split_eval
+from shoestring.data.specials import SPECIALS_POLICY
 from shoestring.data.tokenize import TokenizeSpec, check_chat_ready, tokenize_records
 from shoestring.train.builtin import BUILTIN_MODEL, BUILTIN_TASK, builtin_records
 from shoestring.train.config import FinetuneConfig, eval_fraction
@@ -98,6 +99,7 @@ def train_cache_key(cfg: FinetuneConfig, train: Origin, template: str | None) ->
             "max_length": d.max_length,
             "loss_on": d.loss_on,
             "truncate": d.truncate,
+            "specials": SPECIALS_POLICY,
             "eval_fraction": str(eval_fraction(d.eval)),
             "seed": cfg.train.seed if eval_fraction(d.eval) else 0,
         }

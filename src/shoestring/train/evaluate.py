@@ -17,6 +17,7 @@ import torch
 
 from shoestring.data.chat import end_of_turn_ids, prompt_ids
 from shoestring.data.records import IGNORE_INDEX, Example, Record
+from shoestring.data.specials import plain_prompt_ids
 from shoestring.train.device import to_device
 from shoestring.train.samples import collate_padded
 
@@ -64,8 +65,8 @@ class Probe:
 
 def probes(records: Sequence[Record], tok: Any, template: str | None) -> list[Probe]:
     """Prompt+completion records and conversations ending in an assistant turn, rendered
-    the way training renders them (BOS + prompt; the chat template up to the answer)."""
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    the way training renders them (the tokenizer's own prefix + prompt, see
+    :mod:`shoestring.data.specials`; the chat template up to the answer)."""
     eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     out: list[Probe] = []
     for r in records:
@@ -76,7 +77,7 @@ def probes(records: Sequence[Record], tok: Any, template: str | None) -> list[Pr
                 stop = tuple(end_of_turn_ids(tok, template)) or eos
                 out.append(Probe(ids, last["content"], stop))
         elif r.is_pair:
-            ids = bos + tok.encode(r.prompt or "", add_special_tokens=False)
+            ids = plain_prompt_ids(tok, r.prompt or "")
             out.append(Probe(ids, r.completion or "", eos))
     return out
 
