@@ -9,6 +9,12 @@ are pointed at views into a streamed buffer.
 The schedule is batch-major: each unit (embed, layer i, head) is acquired once
 per pass and applied to every micro-batch of the job batch before the next unit
 is acquired, so a decode step reads each layer once for all sequences.
+
+A tied ``lm_head`` (the input embedding's tensor) is not a second copy: it belongs
+to the embed unit only, so it is read at most once per pass and held once. When
+the embed unit is streamed, the head acquires it as the first read of the *next*
+pass (the reader's cyclic order already puts it there) and keeps it for that
+pass's embedding lookup.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from shoestring.infer.shards import (
     generic_key,
     index_model,
     plan_reads,
+    same_bytes,
 )
 from shoestring.infer.stream import LayerStreamer, Prepare, Slot
 
@@ -46,6 +53,8 @@ class Unit:
     params: dict[str, tuple[nn.Module, str]]  # checkpoint key -> (module, attribute)
     refs: list[TensorRef]
     plan: ReadPlan = field(init=False)
+    # Params whose tensor is another unit's (a tied lm_head): key -> key in unit 0.
+    shared: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.plan = plan_reads(self.refs)
@@ -92,60 +101,79 @@ def stored_dtype(refs: dict[str, TensorRef]) -> torch.dtype:
     return max(set(floats), key=floats.count) if floats else torch.float32
 
 
-def make_units(model: Any, config: Any, refs: dict[str, TensorRef]) -> list[Unit]:
-    """Split the model's parameters into embed, one unit per decoder layer, and head."""
-    n_layers = config.num_hidden_layers
+def _module_key(model: nn.Module, module: nn.Module) -> str:
+    """The checkpoint key of ``module``'s weight."""
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is module)
+
+
+def tied_keys(model: Any, config: Any, refs: dict[str, TensorRef]) -> dict[str, str]:
+    """``{lm_head key: embedding key}`` when the output embedding is the input one's
+    tensor: a tied config with no head stored, or a stored head that is the same
+    bytes (transformers ties those too; a different one it keeps apart)."""
+    head = model.get_output_embeddings()
+    embed_key = _module_key(model, model.get_input_embeddings())
+    if head is None or embed_key not in refs:
+        return {}
+    head_key = _module_key(model, head)
+    stored, embed = refs.get(head_key), refs[embed_key]
+    tie = bool(getattr(config, "tie_word_embeddings", False))
+    if head_key == embed_key:
+        return {}
+    if stored is None:
+        return {head_key: embed_key} if tie else {}
+    if not tie and (stored.file, stored.offset) != (embed.file, embed.offset):
+        return {}  # untied: two tensors, even if equal (transformers keeps them apart)
+    return {head_key: embed_key} if same_bytes(stored, embed) else {}
+
+
+def _param_groups(model: Any, n_layers: int) -> dict[str, dict[str, tuple[nn.Module, str]]]:
+    """Every parameter key (tied ones under each name) by unit: embed, layers.i, head."""
     layers_name, _ = _decoder_layers(model, n_layers)
-    embed: Any = model.get_input_embeddings()
-    embed_name = next(n for n, m in model.named_modules() if m is embed)
-    owner: dict[str, tuple[nn.Module, str]] = {}
+    embed_name = _module_key(model, model.get_input_embeddings()).removesuffix(".weight")
+    groups: dict[str, dict[str, tuple[nn.Module, str]]] = {"embed": {}}
+    groups.update({f"layers.{i}": {} for i in range(n_layers)})
+    groups["head"] = {}
     for mname, mod in model.named_modules(remove_duplicate=False):
         for pname, _p in mod.named_parameters(recurse=False):
-            owner[f"{mname}.{pname}" if mname else pname] = (mod, pname)
-    groups: dict[str, dict[str, tuple[nn.Module, str]]] = {"embed": {}, "head": {}}
-    for i in range(n_layers):
-        groups[f"layers.{i}"] = {}
-    for key, target in owner.items():
-        if key.startswith(embed_name + "."):
-            groups["embed"][key] = target
-        elif key.startswith(layers_name + "."):
-            idx = key[len(layers_name) + 1 :].split(".", 1)[0]
-            groups[f"layers.{idx}"][key] = target
-        else:
-            groups["head"][key] = target
-    embed_key = f"{embed_name}.weight"
+            key = f"{mname}.{pname}" if mname else pname
+            if key.startswith(embed_name + "."):
+                groups["embed"][key] = (mod, pname)
+            elif key.startswith(layers_name + "."):
+                idx = key[len(layers_name) + 1 :].split(".", 1)[0]
+                groups[f"layers.{idx}"][key] = (mod, pname)
+            else:
+                groups["head"][key] = (mod, pname)
+    return groups
+
+
+def make_units(model: Any, config: Any, refs: dict[str, TensorRef]) -> list[Unit]:
+    """Split the model's parameters into embed, one unit per decoder layer, and head.
+
+    A tied lm_head is read with the embed unit only (see :func:`tied_keys`)."""
+    tied = tied_keys(model, config, refs)
     units = []
-    for name in ["embed", *(f"layers.{i}" for i in range(n_layers)), "head"]:
-        unit_refs = []
-        for key in groups[name]:
-            ref = refs.get(key)
-            if (
-                ref is None
-                and key.endswith("lm_head.weight")
-                and embed_key in refs
-                and getattr(config, "tie_word_embeddings", False)
-            ):
-                ref = TensorRef(
-                    key,
-                    refs[embed_key].file,
-                    refs[embed_key].offset,
-                    refs[embed_key].nbytes,
-                    refs[embed_key].dtype,
-                    refs[embed_key].shape,
-                )
-            if ref is None:
-                raise ShardError(
-                    f"checkpoint has no tensor {key!r} that {type(model).__name__} needs"
-                )
-            unit_refs.append(TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype, ref.shape))
-        units.append(Unit(name, groups[name], unit_refs))
+    for name, params in _param_groups(model, config.num_hidden_layers).items():
+        missing = [k for k in params if k not in refs and k not in tied]
+        if missing:
+            raise ShardError(
+                f"checkpoint has no tensor {missing[0]!r} that {type(model).__name__} needs"
+            )
+        shared = {k: v for k, v in tied.items() if k in params}
+        units.append(Unit(name, params, [refs[k] for k in params if k not in shared], shared))
     return units
 
 
-def _bind(unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
+def _renamed(ref: TensorRef, key: str) -> TensorRef:
+    return TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype, ref.shape)
+
+
+def _bind(unit: Unit, tensors: dict[str, torch.Tensor], shared: bool = False) -> None:
+    """Point the unit's parameters at ``tensors`` (its own; ``shared``: unit 0's, for the
+    params it shares with it)."""
     for key, (mod, pname) in unit.params.items():
-        # a plain tensor: no copy, no autograd
-        mod._parameters[pname] = tensors[key]  # type: ignore[assignment]
+        if (key in unit.shared) == shared:
+            # a plain tensor: no copy, no autograd
+            mod._parameters[pname] = tensors[unit.shared.get(key, key)]  # type: ignore[assignment]
 
 
 class StreamingCausalLM:
@@ -178,6 +206,9 @@ class StreamingCausalLM:
         rotary = getattr(base, "rotary_emb", None)
         self.rotary = type(rotary)(config=self.config).to(device) if rotary is not None else None
         self.streamer: LayerStreamer | None = None
+        # Unit 0's tensors, acquired by the last pass's head (a tied lm_head) for the
+        # next pass's embedding lookup; None: the embed unit acquires them itself.
+        self._kept: dict[str, torch.Tensor] | None = None
         self.passes = 0
 
     def start(
@@ -190,6 +221,7 @@ class StreamingCausalLM:
         """Read the resident units and start the read-ahead thread."""
         chosen = resident if isinstance(resident, set) else self.pick_resident(resident)
         user = prepare or (lambda i, t, s: t)
+        self._kept = None
         self.streamer = LayerStreamer(
             [u.plan for u in self.units],
             chosen,
@@ -235,6 +267,16 @@ class StreamingCausalLM:
             for r in self.units[i].refs
             if r.dtype.is_floating_point and r.dtype != self.dtype and "::" not in r.key
         )
+
+    def untie(self, keys: set[str]) -> None:
+        """Give the tied params among ``keys`` their own bytes in their unit again (an
+        adapter merged into a tied lm_head must not change the embedding)."""
+        for unit in self.units:
+            for key in [k for k in unit.shared if k in keys]:
+                embed_key = unit.shared.pop(key)
+                source = self.refs.get(key) or self.refs[embed_key]
+                unit.refs.append(_renamed(source, key))
+                unit.plan = plan_reads(unit.refs)
 
     def replace_refs(self, i: int, refs: list[TensorRef]) -> None:
         """Stream unit ``i`` from other tensors (a compressed copy); ``prepare`` maps them back."""
@@ -307,35 +349,70 @@ class StreamingCausalLM:
         for i, unit in enumerate(self.units):
             if stop is not None and i > 0 and stop():
                 raise PassStopped(i)
-            _bind(unit, self.streamer.acquire(i))
-            try:
-                if unit.name == "embed":
-                    for mb in batches:
-                        mb.hidden = self.embed(mb.input_ids.to(self.device))
-                        self._prepare(mb)
-                elif unit.name == "head":
-                    for mb in batches:
-                        assert mb.hidden is not None  # the embed unit ran first
-                        h = self.norm(mb.hidden) if self.norm is not None else mb.hidden
-                        results.append(head(mb, h))
-                        mb.hidden = None
-                else:
-                    li = i - 1
-                    layer = self.layers[li]
-                    for mb in batches:
-                        mb.hidden = layer(
-                            mb.hidden,
-                            attention_mask=mb.extras["masks"][self._mask_kind(li)],
-                            position_ids=mb.extras["pos"],
-                            cache=mb.cache,
-                            use_cache=mb.cache is not None,
-                            position_embeddings=mb.extras["rot"],
-                        )
-            finally:
-                self.streamer.release(i)
+            if unit.name == "embed":
+                self._run_embed(i, batches)
+            elif unit.name == "head":
+                results = self._run_head(i, batches, head)
+            else:
+                self._run_layer(i, batches)
         self.passes += 1
         trim_heap()
         return results
+
+    def _run_embed(self, i: int, batches: list[MicroBatch]) -> None:
+        assert self.streamer is not None
+        kept, self._kept = self._kept, None
+        _bind(self.units[i], kept if kept is not None else self.streamer.acquire(i))
+        try:
+            for mb in batches:
+                mb.hidden = self.embed(mb.input_ids.to(self.device))
+                self._prepare(mb)
+        finally:
+            self.streamer.release(i)
+
+    def _run_layer(self, i: int, batches: list[MicroBatch]) -> None:
+        assert self.streamer is not None
+        _bind(self.units[i], self.streamer.acquire(i))
+        try:
+            li = i - 1
+            layer = self.layers[li]
+            for mb in batches:
+                mb.hidden = layer(
+                    mb.hidden,
+                    attention_mask=mb.extras["masks"][self._mask_kind(li)],
+                    position_ids=mb.extras["pos"],
+                    cache=mb.cache,
+                    use_cache=mb.cache is not None,
+                    position_embeddings=mb.extras["rot"],
+                )
+        finally:
+            self.streamer.release(i)
+
+    def _run_head(
+        self, i: int, batches: list[MicroBatch], head: Callable[[MicroBatch, torch.Tensor], Any]
+    ) -> list[Any]:
+        """Final norm, then ``head`` per micro-batch. A tied lm_head is unit 0's tensor:
+        acquired here (once the norm's slot is free: it is the next read in the cyclic
+        order) and kept for the next pass's embedding lookup."""
+        assert self.streamer is not None
+        unit = self.units[i]
+        _bind(unit, self.streamer.acquire(i))
+        try:
+            for mb in batches:
+                assert mb.hidden is not None  # the embed unit ran first
+                mb.hidden = self.norm(mb.hidden) if self.norm is not None else mb.hidden
+            if unit.shared:
+                self.streamer.release(i)
+                self._kept = self.streamer.acquire(0)
+                _bind(unit, self._kept, shared=True)
+            results = []
+            for mb in batches:
+                assert mb.hidden is not None
+                results.append(head(mb, mb.hidden))
+                mb.hidden = None
+            return results
+        finally:
+            self.streamer.release(i)  # a no-op when released above
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """lm_head on final hidden states, as fp32 (only valid inside a ``head`` callback)."""
@@ -352,6 +429,7 @@ class StreamingCausalLM:
         return DynamicCache(config=self.config, offloading=offloading)
 
     def close(self) -> None:
+        self._kept = None
         if self.streamer is not None:
             self.streamer.close()
 

@@ -10,7 +10,9 @@ Peak memory = runtime reserve + read-ahead ring + per-slot scratch
             budget, taken from the resident set only).
 Batching is what turns streaming from hopeless into useful (each decode step
 reads W bytes for B tokens), so the batch is sized first and resident units
-take what is left.
+take what is left. The batch is sized against a ring of the costliest unit; the
+ring finally reserved holds the costliest *streamed* unit (none when every unit
+is resident), and what a smaller ring frees goes to the resident set.
 """
 
 from __future__ import annotations
@@ -59,15 +61,32 @@ class _Activations:
         )
 
 
+@dataclass(frozen=True)
+class _Costs:
+    """Bytes each unit holds when resident (``held``) and in a ring slot (``slot``: raw
+    bytes plus scratch), and the read-ahead depth."""
+
+    held: list[int]
+    slot: list[int]
+    depth: int
+
+    def ring(self, streamed: list[int]) -> int:
+        """The read-ahead ring: depth + 1 slots of the costliest streamed unit (what
+        the streamer allocates); nothing when every unit is resident."""
+        if not streamed:
+            return 0
+        return (min(self.depth, len(streamed)) + 1) * max(self.slot[i] for i in streamed)
+
+    def streamed(self, resident: list[int]) -> list[int]:
+        return [i for i in range(len(self.held)) if i not in resident]
+
+
 def _unit_costs(
     unit_bytes: list[int], unit_extra: list[int], raw_kept: list[bool] | None, depth: int
-) -> tuple[list[int], int]:
-    """Bytes each unit holds when resident, and the read-ahead ring (depth + 1 slots of
-    the costliest unit: raw bytes plus scratch)."""
-    cost = [b + e for b, e in zip(unit_bytes, unit_extra)]
+) -> _Costs:
+    slot = [b + e for b, e in zip(unit_bytes, unit_extra)]
     keep = raw_kept if raw_kept is not None else [True] * len(unit_bytes)
-    held = [c if k else e for c, k, e in zip(cost, keep, unit_extra)]
-    return held, (min(depth, len(unit_bytes)) + 1) * max(cost)
+    return _Costs([c if k else e for c, k, e in zip(slot, keep, unit_extra)], slot, depth)
 
 
 def make_plan(
@@ -100,7 +119,8 @@ def make_plan(
     """
     longest = max(prompt_lens) if prompt_lens else 1
     seq = longest + new_tokens
-    held, ring = _unit_costs(unit_bytes, unit_extra, raw_kept, depth)
+    costs = _unit_costs(unit_bytes, unit_extra, raw_kept, depth)
+    ring = costs.ring(list(range(len(unit_bytes))))  # before the resident set is known
     act = _Activations(
         activation_per_token(config, seq, itemsize), config.vocab_size * 8, new_tokens
     )
@@ -118,13 +138,13 @@ def make_plan(
     # 1.54 GB plan (docs/inference.md); only the resident set pays for the margin, so
     # batch and micro sizes (the numerics) do not depend on it.
     slack = budget // 32
-    resident = _resident_set(unit_bytes, held, left - slack, want_resident)
+    resident, ring = _resident_and_ring(unit_bytes, costs, left - slack + ring, want_resident)
     parts = {
         "runtime": reserve,
         "read_ahead": ring,
         "activations": act.bytes(micro, batch),
         "kv_and_hidden": batch * per_seq,
-        "resident": sum(held[i] for i in resident),
+        "resident": sum(costs.held[i] for i in resident),
         "slack": slack,
     }
     return Plan(batch, micro, tuple(sorted(resident)), depth, budget, parts)
@@ -164,13 +184,41 @@ def _micro_tokens(act: _Activations, want: int, batch: int, longest: int, left: 
     return max(micro, longest)
 
 
-def _resident_set(unit_bytes: list[int], held: list[int], left: int, want: int) -> list[int]:
-    """Units kept resident, largest first (ties: later first), while they fit in ``left``
-    (``want`` -1: as many as fit; 0: none)."""
+def _resident_and_ring(
+    unit_bytes: list[int], costs: _Costs, room: int, want: int
+) -> tuple[list[int], int]:
+    """The resident set that saves the most bytes per pass, and the ring its streamed
+    units need, together within ``room`` (``want`` as in :func:`_resident_set`).
+
+    The ring holds the costliest streamed unit, so keeping the ``k`` costliest units
+    resident shrinks it (a large embedding: by ``depth`` + 1 of them). Each ``k`` is
+    tried, the room left filled largest first; ``k`` = 0 is the plain largest-first set."""
+    by_cost = sorted(range(len(unit_bytes)), key=lambda i: (-costs.slot[i], -i))
+    best: tuple[int, list[int], int] = (-1, [], costs.ring(by_cost))
+    for k in range(len(by_cost) + 1):
+        if want >= 0 and k > want:
+            break
+        forced, rest = by_cost[:k], by_cost[k:]
+        spare = room - costs.ring(rest) - sum(costs.held[i] for i in forced)
+        if spare < 0:
+            continue
+        more = _resident_set(unit_bytes, costs.held, spare, want - k if want > 0 else want, rest)
+        resident = sorted(forced + more, key=lambda i: (-unit_bytes[i], -i))
+        saved = sum(unit_bytes[i] for i in resident)
+        if saved > best[0]:
+            best = (saved, resident, costs.ring(costs.streamed(resident)))
+    return best[1], best[2]
+
+
+def _resident_set(
+    unit_bytes: list[int], held: list[int], left: int, want: int, candidates: list[int]
+) -> list[int]:
+    """Of ``candidates``, the units kept resident, largest first (ties: later first),
+    while they fit in ``left`` (``want`` -1: as many as fit; 0: none; n: at most n)."""
     resident: list[int] = []
     if want == 0:
         return resident
-    for i in sorted(range(len(unit_bytes)), key=lambda i: (-unit_bytes[i], -i)):
+    for i in sorted(candidates, key=lambda i: (-unit_bytes[i], -i)):
         if want > 0 and len(resident) >= want:
             break
         if held[i] <= left:

@@ -71,15 +71,20 @@ class LayerStreamer:
                 slot.host = torch.empty(0, dtype=torch.uint8)
         self.resident_bytes = sum(plans[i].nbytes for i in resident)
         self.streamed_bytes = sum(plans[i].read_bytes for i in self.order)
+        # Bytes of the streamed units handed to compute: what the passes so far read,
+        # without the read-ahead still in the ring (``reader.bytes_read`` includes it).
+        self.served_bytes = 0
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._free: queue.Queue[Slot] = queue.Queue()
         self._ready: queue.Queue[tuple[int, Slot, dict[str, torch.Tensor]]] = queue.Queue()
         self._cursor = 0
         self._inflight: dict[int, Slot] = {}
+        # The read-ahead ring: none when every unit is resident.
         self.slot_bytes = max((plans[i].nbytes for i in self.order), default=0)
+        self.slots = min(depth, len(self.order)) + 1 if self.order else 0
         if self.order:
-            for _ in range(min(depth, len(self.order)) + 1):
+            for _ in range(self.slots):
                 self._free.put(self._new_slot(self.slot_bytes))
             self._thread = threading.Thread(target=self._run, name="layer-reader", daemon=True)
             self._thread.start()
@@ -139,6 +144,7 @@ class LayerStreamer:
         if j != i or i != expect:
             raise RuntimeError(f"layer streamer out of order: asked for {i}, read {j}")
         self._cursor += 1
+        self.served_bytes += self.plans[i].read_bytes
         if self.cuda and slot.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
         self._inflight[i] = slot

@@ -28,6 +28,8 @@ def weight_hook(
     (kept while ``source_id`` names the same model, adapter and scheme; the adapter is
     merged into the copy) and streamed from there."""
     hook: Prepare | None = None
+    if adapter is not None:  # an adapted lm_head is no longer the embedding's tensor
+        engine.untie(set(adapter.pairs))
     extra = [0] * len(engine.units)
     if scheme is not None:
         merge = (lambda k, t: adapter.merge_(k, t.float().clone())) if adapter else None
