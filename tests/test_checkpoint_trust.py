@@ -107,3 +107,52 @@ def test_a_verified_checkpoint_lacking_a_required_file_falls_back(cli: CLI, tmp_
     (bad,) = [e for e in ev if e["event"] == "checkpoint_invalid"]
     assert bad["step"] == 12 and "lacks adapter.safetensors" in bad["error"]
     assert [e["from_step"] for e in ev if e["event"] == "resume"] == [8]
+
+
+def _replace_file(ckpt: Path, name: str, data: bytes) -> None:
+    """Put ``data`` in the checkpoint as ``name`` and make the manifest agree with it:
+    a checkpoint that verifies, whatever its bytes are."""
+    import hashlib
+
+    (ckpt / name).write_bytes(data)
+    doc = json.loads((ckpt / MANIFEST).read_text())
+    doc["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / MANIFEST).write_text(json.dumps(doc))
+
+
+def _adapter_without_one_tensor(ckpt: Path) -> bytes:
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(str(ckpt / "adapter.safetensors"))
+    tensors.pop(sorted(tensors)[0])
+    return save(tensors)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("damage", ["not_safetensors", "missing_tensor", "state_not_json"])
+def test_a_verified_checkpoint_that_does_not_load_falls_back(
+    cli: CLI, tmp_path: Path, damage: str
+) -> None:
+    """Bytes that verify against their manifest but are not a loadable state (garbage in
+    place of the adapter, an adapter lacking a tensor, a trainer state that is not
+    JSON): the checkpoint is invalid and quarantined, the previous one resumes — this
+    used to end every rerun in a crash (SafetensorError, KeyError, JSONDecodeError)."""
+    out = tmp_path / "run"
+    r = cli.run(out, *FAST)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = out / "checkpoints" / step_dirname(12)
+    if damage == "not_safetensors":
+        _replace_file(last, "adapter.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    elif damage == "missing_tensor":
+        _replace_file(last, "adapter.safetensors", _adapter_without_one_tensor(last))
+    else:
+        _replace_file(last, "trainer_state.json", b"{not json")
+    r = cli.run(out, *FAST)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ev = read_events(out)
+    (bad,) = [e for e in ev if e["event"] == "checkpoint_invalid"]
+    assert bad["step"] == 12 and "cannot load it" in bad["error"], bad
+    assert [e["from_step"] for e in ev if e["event"] == "resume"] == [8]
+    assert Path(bad["quarantined"]).is_dir()  # moved aside, not deleted
+    assert max(committed_steps(out / "checkpoints")) == 12  # trained again to the end
+    verify_dir(last, deep=True)

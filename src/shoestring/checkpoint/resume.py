@@ -9,7 +9,7 @@ steps. A checkpoint without a valid manifest is never loaded.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +40,13 @@ def find_resume_point(
     verify: bool,
     events: EventLog,
     complete: Complete = lambda m: None,
+    exclude: Collection[int] = (),
 ) -> ResumePoint | None:
     """The newest valid checkpoint (local or in ``remote``), or the one ``resume`` names.
     Valid: it verifies against its manifest and ``complete`` (the job's own check that
     every file it needs is listed) does not raise :class:`CorruptCheckpoint`; an invalid
     one is quarantined (locally), logged as ``checkpoint_invalid``, and the next older
-    one is tried."""
+    one is tried. Steps in ``exclude`` (ones that failed to load) are skipped."""
     if resume == "never":
         return None
     if resume != "auto":
@@ -58,7 +59,7 @@ def find_resume_point(
         return ResumePoint(m.step, p, m, "path")
     local = committed_steps(root)
     remote_steps = remote.committed_steps() if remote is not None else []
-    for step in sorted(set(local) | set(remote_steps), reverse=True):
+    for step in sorted((set(local) | set(remote_steps)) - set(exclude), reverse=True):
         point = _local(step, root, verify, complete, events) if step in local else None
         if point is None and remote is not None and step in remote_steps:
             point = _remote(step, root, remote, verify, complete, events)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.checkpoint import find_resume_point
-from shoestring.checkpoint.manifest import verify_dir
+from shoestring.checkpoint.local import quarantine
+from shoestring.checkpoint.manifest import CorruptCheckpoint, Manifest, verify_dir
 from shoestring.checkpoint.sharded import is_sharded
 from shoestring.config import ConfigError, to_flat
 from shoestring.events import read_events
@@ -52,7 +53,7 @@ def last_logged_step(events_path: Path) -> int | None:
     return int(steps[-1]) if steps else None
 
 
-def _choose(t: Trainer, mode: str) -> tuple[int, str, str] | None:
+def _choose(t: Trainer, mode: str, exclude: set[int]) -> tuple[int, str, str] | None:
     """Rank 0 chooses (it may quarantine or fetch); every rank gets the same answer."""
     run = t.run
     choice = None
@@ -64,6 +65,7 @@ def _choose(t: Trainer, mode: str) -> tuple[int, str, str] | None:
             verify=t.cfg.checkpoint.verify,
             events=run.events,
             complete=S.require_complete,
+            exclude=exclude,
         )
         if point is not None:
             if (
@@ -78,12 +80,62 @@ def _choose(t: Trainer, mode: str) -> tuple[int, str, str] | None:
 
 
 def resume(t: Trainer, mode: str) -> S.Progress:
-    """The progress to continue from (a fresh, seeded start when there is none)."""
-    choice = _choose(t, mode)
-    if choice is None:
-        S.seed_everything(t.cfg.train.seed)
-        return S.Progress()
-    _step, path_s, source = choice
+    """The progress to continue from (a fresh, seeded start when there is none).
+
+    A checkpoint that verifies but does not load on some rank (its bytes are not a
+    state this job can read) is rejected by every rank together: quarantined, logged
+    as ``checkpoint_invalid``, and the next older one is loaded — the same fallback
+    as a checkpoint that fails verification. Loading the older one overwrites all
+    the state the failed load may have half-written."""
+    rejected: set[int] = set()
+    while True:
+        choice = _choose(t, mode, rejected)
+        if choice is None:
+            S.seed_everything(t.cfg.train.seed)
+            return S.Progress()
+        failure: CorruptCheckpoint | None = None
+        loaded = None
+        try:
+            loaded = _load(t, choice)
+        except CorruptCheckpoint as e:
+            failure = e
+        if t.run.strategy.all_agree(failure is None) and loaded is not None:
+            progress, manifest = loaded
+            _report(
+                t,
+                progress,
+                Path(choice[1]),
+                choice[2],
+                int(manifest.meta.get("world_size", 1)),
+                is_sharded(manifest.files),
+            )
+            t.run.faults.hit("resume.after_load")
+            return progress
+        _reject(t, choice, failure, mode)  # every rank (a barrier), after the agreement
+        rejected.add(choice[0])
+
+
+def _reject(
+    t: Trainer, choice: tuple[int, str, str], failure: CorruptCheckpoint | None, mode: str
+) -> None:
+    """Every rank: this checkpoint did not load somewhere; rank 0 moves it aside."""
+    step, path_s, _source = choice
+    why = str(failure) if failure is not None else "another rank could not load it"
+    if mode != "auto":
+        raise CorruptCheckpoint(f"--resume {mode}: {why}")
+    if t.run.strategy.rank == 0:
+        path = Path(path_s)
+        moved = quarantine(path) if path.is_dir() else path
+        log.warning("checkpoint step %d does not load (%s); moved to %s", step, why, moved)
+        t.run.events.emit(
+            "checkpoint_invalid", step=step, path=path_s, error=why, quarantined=str(moved)
+        )
+    t.run.strategy.barrier()
+
+
+def _load(t: Trainer, choice: tuple[int, str, str]) -> tuple[S.Progress, Manifest]:
+    """Load the chosen checkpoint into the trainer on this rank."""
+    path_s = choice[1]
     path = Path(path_s)
     manifest = verify_dir(path, deep=False)  # rank 0 verified the hashes
     if manifest.meta.get("base_fingerprint") != t.base_fp:
@@ -102,16 +154,7 @@ def resume(t: Trainer, mode: str) -> S.Progress:
         S.seed_everything(t.cfg.train.seed + 7919 * strategy.rank + progress.step)
     t.saved_step = progress.step
     t.resumed_meta = dict(manifest.meta)
-    _report(
-        t,
-        progress,
-        path,
-        source,
-        int(manifest.meta.get("world_size", 1)),
-        is_sharded(manifest.files),
-    )
-    t.run.faults.hit("resume.after_load")
-    return progress
+    return progress, manifest
 
 
 def _report(

@@ -22,6 +22,7 @@ import torch
 from shoestring.checkpoint import Snapshot, make_snapshot
 from shoestring.checkpoint.manifest import CorruptCheckpoint, Manifest
 from shoestring.checkpoint.sharded import is_sharded
+from shoestring.config import ConfigError
 
 ADAPTER = "adapter.safetensors"
 OPTIMIZER = "optimizer.safetensors"
@@ -150,7 +151,7 @@ def restore(
     doc = docs[STATE]
     if list(params) != doc["param_names"]:
         missing = sorted(set(doc["param_names"]) ^ set(params))[:5]
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint adapter does not match the model's trainable "
             f"parameters (e.g. {missing}); was lora.* or model.path changed?"
         )

@@ -28,7 +28,7 @@ from shoestring.checkpoint import (
     Writer,
     load_files,
 )
-from shoestring.checkpoint.manifest import Manifest
+from shoestring.checkpoint.manifest import CorruptCheckpoint, Manifest
 from shoestring.checkpoint.sharded import ShardedWriter, is_sharded
 from shoestring.config import ConfigError
 from shoestring.distributed import ProcessGroups, barrier, broadcast_object
@@ -79,6 +79,7 @@ class Strategy(Protocol):
     def restore(
         self, path: Path, manifest: Manifest, learner: Learner, check: ConfigCheck
     ) -> tuple[S.Progress, bool]: ...
+    def all_agree(self, ok: bool) -> bool: ...
     def evaluates_here(self) -> bool: ...
     def eval_stop(self, flag: PreemptionFlag) -> Callable[[], bool]: ...
     def stop_requested(self, flag: PreemptionFlag) -> bool: ...
@@ -175,9 +176,17 @@ class SingleDevice:
         names = [
             n for n in manifest.files if not n.startswith("rng_rank") or n == S.rng_file(self.rank)
         ]
-        tensors, docs = load_files(path, names)
-        check(docs[S.STATE]["config"])
-        return self._restore_files(tensors, docs, learner), S.rng_file(self.rank) in tensors
+        with unloadable_as_corrupt(path):
+            tensors, docs = load_files(path, names)
+            config = docs[S.STATE]["config"]
+        check(config)
+        with unloadable_as_corrupt(path):
+            progress = self._restore_files(tensors, docs, learner)
+        return progress, S.rng_file(self.rank) in tensors
+
+    def all_agree(self, ok: bool) -> bool:
+        """Whether every rank says ``ok`` (one rank here)."""
+        return ok
 
     def _restore_files(self, tensors: Any, docs: Any, learner: Learner) -> S.Progress:
         return S.restore(
@@ -310,6 +319,14 @@ class _Distributed(SingleDevice):
     def share(self, obj: Any) -> Any:
         return broadcast_object(obj)
 
+    def all_agree(self, ok: bool) -> bool:
+        """Whether every rank says ``ok``: one all-reduce (min) on the process group."""
+        import torch.distributed as dist
+
+        t = torch.tensor(1.0 if ok else 0.0, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item() > 0)
+
     def barrier(self) -> None:
         barrier()
 
@@ -398,6 +415,23 @@ class FSDPStrategy(_Distributed):
     ) -> Path:
         # The in-memory model holds only shards: merge onto a freshly loaded base.
         return export_merged_from(model_dir, final, cfg.model, tok, out)
+
+
+@contextlib.contextmanager
+def unloadable_as_corrupt(path: Path) -> Iterator[None]:
+    """A verified checkpoint whose bytes are not a state this job can load — a file
+    that does not parse, a tensor or key the trainer state lacks, a tensor of another
+    shape — is :class:`CorruptCheckpoint` (the resume falls back to an older one), not
+    a crash on every rerun. A config that does not match stays a ConfigError, and an
+    out-of-memory stays what it is."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (ConfigError, torch.OutOfMemoryError):
+        raise
+    except (SafetensorError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise CorruptCheckpoint(f"{path}: cannot load it: {type(e).__name__}: {e}") from e
 
 
 def make_strategy(cfg: FinetuneConfig, groups: ProcessGroups | None) -> Strategy:
