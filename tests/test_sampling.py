@@ -170,9 +170,12 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
 
 
 def _reference(row: torch.Tensor, c: Choice, index: int) -> int:
-    """The spec's sampler, by brute force: a full stable sort of the vocabulary."""
+    """The spec's sampler, by brute force: a full stable sort of the vocabulary (in id
+    order when nothing is cut: top_p 1 and no top_k)."""
     z = row / c.temperature
     vals, ids = torch.sort(z, descending=True, stable=True)
+    if c.top_p >= 1 and not 0 < c.top_k < z.numel():
+        vals, ids = z, torch.arange(z.numel())
     if 0 < c.top_k < z.numel():
         vals, ids = vals[: c.top_k], ids[: c.top_k]
         lp = torch.log_softmax(vals, 0)
