@@ -89,3 +89,20 @@ def test_a_second_finetune_on_a_busy_output_dir_exits_2_at_once(cli: CLI, tmp_pa
         first.wait()
     r = cli.run(out, *FAST)  # the killed job left no stale lock: this one resumes
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("where", ["is_a_file", "under_a_file"])
+def test_an_output_dir_that_cannot_be_a_directory_is_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """A file where the run directory (or its parent) should be: one line naming the
+    path, exit 2, before anything loads (was a FileExistsError traceback)."""
+    from shoestring.cli import main
+
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file")
+    out = blocker if where == "is_a_file" else blocker / "run"
+    assert main(["finetune", "--output_dir", str(out), *FAST]) == exitcodes.USAGE
+    err = capsys.readouterr().err
+    assert f"{out}: cannot be used as the run directory" in err and "Traceback" not in err
+    assert blocker.read_text() == "a file"

@@ -97,8 +97,14 @@ def hold(root: Path, what: str) -> Iterator[None]:
     :class:`RunDirBusy` naming the first one's pid and host. A directory this call
     created and the job left empty (refused bad input, say) is removed again."""
     created = not root.exists()
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a file in the way, no permission, a read-only or full disk
+        why = "exists and is not a directory" if root.exists() and not root.is_dir() else None
+        raise ConfigError(
+            f"{root}: cannot be used as the run directory: {why or e.strerror or e}"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
