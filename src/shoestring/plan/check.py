@@ -48,7 +48,7 @@ def preflight(cfg: FinetuneConfig, model_dir: Path, world_size: int = 1) -> Plan
     if gpu is None:
         return None
     arch = arch_for(str(model_dir), "model.path")
-    workload, steps = workload_from_config(cfg, arch, world_size, gpu=gpu)
+    workload, steps = workload_from_config(cfg, arch, world_size, device="cuda", gpu=gpu)
     plan = make_plan(workload, gpu, Schedule(steps=steps))
     if plan.fits:
         return plan

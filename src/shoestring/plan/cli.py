@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from shoestring import exitcodes
-from shoestring.config import Invocation, knob, positive, unit_interval
+from shoestring.config import ConfigError, Invocation, knob, positive, unit_interval
 from shoestring.gpus import CATALOG, GiB, find_gpu
 from shoestring.plan.arch import LINEARS, PRESETS
 from shoestring.plan.memory import Method
+from shoestring.plan.workload import DEFAULT_GPU
 from shoestring.train.config import ComputeDtype, Optimizer, Quantize
 
 if TYPE_CHECKING:
     from shoestring.plan.workload import PlanRequest
+
+PlanDevice = Literal["auto", "cpu", "cuda"]
 
 PLAN_EPILOG = """\
 --model takes a preset ({presets}), a local model directory or a config.json.
@@ -22,15 +26,20 @@ With --config, the finetune YAML supplies the defaults (model.path, lora.*, data
 train.micro_batch_size / batch_size, train.max_steps, train.optimizer,
 model.gradient_checkpointing); flags override it. The keys above can also come from a
 YAML of their own: --plan-config FILE.yaml (gpu: T4, seq_len: 2048, ...).
+--device cpu plans a CPU run (host RAM, --ram; no time or cost); cuda, the default unless
+the config says train.device: cpu, plans for --gpu. Dtype and autocast follow finetune's rule.
 
 exit codes: 0 fits; 1 does not fit; 2 bad arguments.
 examples:
   shoestring plan --model llama-3-8b --method qlora --seq-len 2048 --gpu T4
   shoestring plan --config configs/llama-7b-lora-spot.yaml --gpu L4 --json
+  shoestring plan --config configs/tiny-reverse.yaml --device cpu
 """.format(presets=", ".join(sorted(PRESETS)))
 
 
 def _known_gpu(name: str) -> str | None:
+    if not name:
+        return None
     try:
         find_gpu(name)
     except KeyError:
@@ -47,12 +56,20 @@ class PlanConfig:
         "", "A shoestring finetune config (YAML) that supplies the defaults of the keys below."
     )
     model: str = knob("", "Preset name, model directory or config.json.")
+    device: PlanDevice = knob(
+        "auto",
+        "Plan a run on 'cuda' (a GPU of the catalog, --gpu) or on 'cpu' (host RAM, --ram). "
+        "'auto': cuda when --gpu is given, else the config's train.device (its auto is "
+        "planned as a GPU run), else cuda.",
+    )
     method: Method | None = knob(
         None, "Default: lora, or qlora when the config sets lora.quantize."
     )
     quantize: Quantize | None = knob(None, "Base quantization (qlora defaults to nf4).")
     dtype: ComputeDtype | None = knob(
-        None, "Compute dtype (default bfloat16; float16 on GPUs without bf16)."
+        None,
+        "Base-weight dtype, as model.dtype (default: finetune's auto: float32 on CPU; on "
+        "CUDA bfloat16, float16 on GPUs without bf16).",
     )
     r: int | None = knob(None, "LoRA rank (default 16).", check=positive)
     targets: list[str] | None = knob(
@@ -69,7 +86,12 @@ class PlanConfig:
     )
     optimizer: Optimizer | None = knob(None, "Optimizer (default adamw).")
     packed: bool = knob(False, "Samples are packed (no attention mask per batch).")
-    gpu: str = knob("L4", f"One of {', '.join(CATALOG)}.", check=_known_gpu)
+    gpu: str = knob(
+        "", f"One of {', '.join(CATALOG)} (default {DEFAULT_GPU}; none on CPU).", check=_known_gpu
+    )
+    ram: float | None = knob(
+        None, "--device cpu: host RAM in GiB to fit in (default: this machine's).", check=positive
+    )
     steps: int | None = knob(
         None, "Optimizer steps, for time and cost (default 1000).", check=positive
     )
@@ -86,6 +108,8 @@ class PlanConfig:
         return PlanRequest(
             config=Path(self.config) if self.config else None,
             model=self.model or None,
+            device=None if self.device == "auto" else self.device,
+            gpu=self.gpu or None,
             method=self.method,
             quantize=self.quantize,
             dtype=self.dtype,
@@ -116,19 +140,31 @@ def _list_gpus() -> str:
     return "\n".join(rows)
 
 
+def host_memory_bytes() -> int:
+    """This machine's physical memory (what a CPU run of finetune here has)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def run_plan(cfg: PlanConfig, call: Invocation) -> int:
-    from shoestring.plan.estimate import Schedule, make_plan
+    from shoestring.plan.estimate import Schedule, host_target, make_plan
     from shoestring.plan.report import to_json, to_text
     from shoestring.plan.workload import resolve_request
 
     if cfg.list_gpus:
         print(_list_gpus())
         return exitcodes.OK
-    gpu = find_gpu(cfg.gpu)  # checked by the knob
     cache = Path(call.env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
-    workload, steps = resolve_request(cfg.request(), gpu, cache_dir=cache)
+    r = resolve_request(cfg.request(), cache_dir=cache)
+    if r.gpu is not None and cfg.ram is not None:
+        raise ConfigError("--ram: this plans a CUDA run (GPU memory); --device cpu plans host RAM")
+    if r.gpu is not None:
+        target = r.gpu
+    elif cfg.ram is not None:
+        target = host_target(int(cfg.ram * GiB), "--ram")
+    else:
+        target = host_target(host_memory_bytes(), "this machine")
     plan = make_plan(
-        workload, gpu, Schedule(steps=steps, checkpoint_minutes=cfg.checkpoint_minutes)
+        r.workload, target, Schedule(steps=r.steps, checkpoint_minutes=cfg.checkpoint_minutes)
     )
     print(to_json(plan) if cfg.json else to_text(plan))
     return exitcodes.OK if plan.fits else exitcodes.FAILED

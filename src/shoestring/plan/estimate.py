@@ -52,15 +52,35 @@ class Plan:
     advice: list[dict[str, Any]]
     tokens: int
     flops_per_token: float
-    hours: float
-    hours_spot: float
-    cost_usd: float
-    cost_spot_usd: float
+    hours: float | None  # None: not estimated (a CPU run)
+    hours_spot: float | None
+    cost_usd: float | None
+    cost_spot_usd: float | None
     notes: tuple[str, ...] = ()
 
     @property
     def headroom_bytes(self) -> int:
         return self.gpu.memory_bytes - self.peak_bytes
+
+    @property
+    def on_cpu(self) -> bool:
+        """A CPU run: ``gpu`` is the host's RAM (:func:`host_target`), not a catalog GPU."""
+        return self.workload.device == "cpu"
+
+
+def host_target(memory_bytes: int, source: str) -> GPU:
+    """Host RAM as the memory a CPU run must fit in; it has no FLOPs or prices here."""
+    return GPU(
+        name=f"host RAM ({source})",
+        memory_bytes=memory_bytes,
+        bf16_flops=0.0,
+        fp16_flops=0.0,
+        on_demand_usd_h=0.0,
+        spot_usd_h=0.0,
+        price_source="",
+        price_date="",
+        preemptions_per_hour=0.0,
+    )
 
 
 def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
@@ -201,7 +221,7 @@ def _advice(w: Workload, gpu: GPU, peak: int, max_mb: int | None) -> list[dict[s
         if len(steps) > 1:
             out.append(entry("together: " + "; ".join(steps), cur))
     for g in sorted(CATALOG.values(), key=lambda g: g.spot_usd_h):
-        if g.memory_bytes >= peak and g.name != gpu.name:
+        if w.device == "cuda" and g.memory_bytes >= peak and g.name != gpu.name:
             out.append(
                 {
                     "change": f"a larger GPU: {g.name} ({g.memory_bytes / GiB:.0f} GiB, "
@@ -215,49 +235,67 @@ def _advice(w: Workload, gpu: GPU, peak: int, max_mb: int | None) -> list[dict[s
     return out
 
 
-def make_plan(w: Workload, gpu: GPU, schedule: Schedule = Schedule()) -> Plan:
-    """Everything ``shoestring plan`` prints."""
-    parts, act_parts = breakdown(w)
-    peak = sum(parts.values())
-    fits = peak <= gpu.memory_bytes
-    max_mb = _largest(w, gpu, "micro_batch", 1, 4096)
-    max_seq = _largest(w, gpu, "seq_len", 64, 1 << 20, step=64)
-    advice = [] if fits else _advice(w, gpu, peak, max_mb)
+def _time_and_cost(w: Workload, gpu: GPU, schedule: Schedule) -> dict[str, float | None]:
+    """Hours and dollars, on demand and on spot; None for a CPU run (the time model is
+    GPU tensor-core FLOPs at an assumed utilization, and a CPU has no catalog price)."""
+    if w.device == "cpu":
+        return dict.fromkeys(("hours", "hours_spot", "cost_usd", "cost_spot_usd"))
     tokens = schedule.steps * w.micro_batch * w.grad_accum * w.seq_len
-    fpt = flops_per_token(w)
     peak_flops = gpu.peak_flops(w.dtype) or gpu.fp16_flops
-    hours = tokens * fpt / (peak_flops * MFU[w.method]) / 3600
+    hours = tokens * flops_per_token(w) / (peak_flops * MFU[w.method]) / 3600
     # Each preemption costs a restart plus, on average, half a checkpoint interval of
     # redone work; the overhead time is itself exposed to preemption, hence the division.
     lost_h = (schedule.restart_minutes + schedule.checkpoint_minutes / 2) / 60
     exposure = gpu.preemptions_per_hour * lost_h
     hours_spot = hours / (1 - exposure) if exposure < 1 else float("inf")
+    return {
+        "hours": hours,
+        "hours_spot": hours_spot,
+        "cost_usd": hours * gpu.on_demand_usd_h,
+        "cost_spot_usd": hours_spot * gpu.spot_usd_h,
+    }
+
+
+def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
     notes = []
-    if w.dtype == "bfloat16" and not gpu.bf16_flops:
+    if w.device == "cpu":
+        notes.append(
+            "a CPU run: the peak is host RAM for the tensors (the process's own code and "
+            "libraries are not counted); time and cost are not estimated for CPUs"
+        )
+    elif w.dtype == "bfloat16" and not gpu.bf16_flops:
         notes.append(
             f"{gpu.name} has no bfloat16: use model.dtype float16 (QLoRA's authors "
             "report fp16 compute instabilities; timed here at the fp16 peak)"
         )
-    if w.optimizer == "paged_adamw8bit":
+    if w.optimizer == "paged_adamw8bit" and w.device == "cuda":
         notes.append(
             "paged optimizer state can move to host RAM under pressure: it absorbs "
             "spikes, the steady peak above is unchanged"
         )
+    return tuple(notes)
+
+
+def make_plan(w: Workload, gpu: GPU, schedule: Schedule = Schedule()) -> Plan:
+    """Everything ``shoestring plan`` prints. For a CPU run (``w.device == "cpu"``) the
+    ``gpu`` is the host's RAM (:func:`host_target`)."""
+    parts, act_parts = breakdown(w)
+    peak = sum(parts.values())
+    fits = peak <= gpu.memory_bytes
+    max_mb = _largest(w, gpu, "micro_batch", 1, 4096)
+    max_seq = _largest(w, gpu, "seq_len", 64, 1 << 20, step=64)
     return Plan(
         workload=w,
         gpu=gpu,
         breakdown=parts,
         activation_parts=act_parts,
-        notes=tuple(notes),
+        notes=_notes(w, gpu),
         peak_bytes=peak,
         fits=fits,
         max_micro_batch=max_mb,
         max_seq_len=max_seq,
-        advice=advice,
-        tokens=tokens,
-        flops_per_token=fpt,
-        hours=hours,
-        hours_spot=hours_spot,
-        cost_usd=hours * gpu.on_demand_usd_h,
-        cost_spot_usd=hours_spot * gpu.spot_usd_h,
+        advice=[] if fits else _advice(w, gpu, peak, max_mb),
+        tokens=schedule.steps * w.micro_batch * w.grad_accum * w.seq_len,
+        flops_per_token=flops_per_token(w),
+        **_time_and_cost(w, gpu, schedule),
     )

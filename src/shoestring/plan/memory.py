@@ -28,7 +28,7 @@ from math import ceil
 from typing import Literal
 
 from shoestring.plan.arch import LINEARS, Arch
-from shoestring.train.config import ComputeDtype, Optimizer, Quantize
+from shoestring.train.config import ComputeDtype, DeviceKind, Optimizer, Quantize
 
 Method = Literal["full", "lora", "qlora"]
 DTYPE_BYTES: dict[ComputeDtype, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -58,7 +58,7 @@ class Workload:
     gradient_checkpointing: bool = True
     optimizer: Optimizer = "adamw"
     padded: bool = True  # batches carry an attention mask (no packing)
-    device: str = "cuda"  # cuda | cpu: dropout masks are 1-byte bools on CUDA only
+    device: DeviceKind = "cuda"  # dropout masks are 1-byte bools on CUDA, 4-byte floats on CPU
     #: The step runs under 16-bit autocast (``train.precision bf16|fp16`` on a 16-bit
     #: model): the fp32 LoRA matmuls then run, and save their inputs, in ``dtype``.
     autocast: bool = False
@@ -201,7 +201,9 @@ def _linear(
     # Under autocast, lora_A/lora_B cast their fp32 inputs back to the compute dtype
     # and save those copies: the adapter matmuls run in 16 bits.
     lora_e = e if w.autocast else 4
-    mask_bytes = 1 if w.device == "cuda" else 4  # native_dropout bool mask vs CPU scaled mask
+    # CUDA's fused native_dropout saves a bool mask; CPU's dropout is input * (bernoulli
+    # / (1 - p)), which saves that scaled mask in the input's dtype: fp32 after PEFT's cast.
+    mask_bytes = 1 if w.device == "cuda" else 4
     if w.lora_dropout > 0:
         if x_rg:
             t.add("lora_inputs", T * din * mask_bytes)  # dropout runs on the fp32 cast

@@ -37,7 +37,9 @@ def to_dict(plan: Plan) -> dict[str, Any]:
     return {
         "fits": plan.fits,
         "peak_bytes": plan.peak_bytes,
-        "gpu_memory_bytes": g.memory_bytes,
+        "device": w.device,
+        "gpu_memory_bytes": None if plan.on_cpu else g.memory_bytes,
+        "ram_bytes": g.memory_bytes if plan.on_cpu else None,
         "breakdown": dict(plan.breakdown),
         "activation_parts": dict(plan.activation_parts),
         "max_micro_batch": plan.max_micro_batch,
@@ -50,7 +52,7 @@ def to_dict(plan: Plan) -> dict[str, Any]:
         "cost_usd": plan.cost_usd,
         "cost_spot_usd": plan.cost_spot_usd,
         "notes": list(plan.notes),
-        "gpu": asdict(g),
+        "gpu": None if plan.on_cpu else asdict(g),
         "workload": {
             **{k: v for k, v in asdict(w).items() if k != "arch"},
             "quant": w.quant,
@@ -63,27 +65,52 @@ def to_json(plan: Plan) -> str:
     return json.dumps(to_dict(plan), indent=2, sort_keys=True)
 
 
-def to_text(plan: Plan) -> str:
+def _header(plan: Plan) -> list[str]:
     w, g = plan.workload, plan.gpu
     a = w.arch
     method = w.method + (f" ({w.quant})" if w.quant != "none" else "")
-    lines = [
+    precision = ", autocast" if w.autocast else ""
+    return [
         f"model    {a.name}: {a.params / 1e9:.2f}B params, {a.layers} layers, hidden {a.hidden}, "
         f"vocab {a.vocab}",
-        f"method   {method}, r={w.lora_r} on {','.join(w.adapted) or '-'}, dtype {w.dtype}, "
-        f"optimizer {w.optimizer}"
+        f"method   {method}, r={w.lora_r} on {','.join(w.adapted) or '-'}, dtype {w.dtype}"
+        f"{precision}, optimizer {w.optimizer}"
         if w.method != "full"
-        else f"method   full fine-tuning, dtype {w.dtype}, optimizer {w.optimizer}",
+        else f"method   full fine-tuning, dtype {w.dtype}{precision}, optimizer {w.optimizer}",
         f"batch    micro-batch {w.micro_batch} x seq {w.seq_len}, accumulation {w.grad_accum}, "
         f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
         f"{', padded' if w.padded else ', packed'}",
-        f"gpu      {g.name}: {g.memory_bytes / GiB:.1f} GiB",
+        f"device   cpu: {g.name} {g.memory_bytes / GiB:.1f} GiB"
+        if plan.on_cpu
+        else f"gpu      {g.name}: {g.memory_bytes / GiB:.1f} GiB",
         "",
-        "memory (peak, per GPU):",
+        f"memory (peak, {'host RAM' if plan.on_cpu else 'per GPU'}):",
     ]
+
+
+def _time_lines(plan: Plan) -> list[str]:
+    g = plan.gpu
+    if plan.hours is None or plan.hours_spot is None:
+        return []
+    return [
+        "",
+        f"time     {plan.tokens / 1e6:.1f}M tokens x {plan.flops_per_token / 1e9:.3g} GFLOP/token "
+        f"= {_hours(plan.hours)} at the assumed utilization",
+        f"cost     on-demand ${plan.cost_usd:.2f} (${g.on_demand_usd_h:.2f}/h); "
+        f"spot ${plan.cost_spot_usd:.2f} (${g.spot_usd_h:.2f}/h, {plan.hours_spot:.2f} h incl. "
+        f"{g.preemptions_per_hour:.0%}/h preemptions)",
+        f"prices   {g.price_source}, {g.price_date}"
+        + (f" - {g.price_note}" if g.price_note else ""),
+    ]
+
+
+def to_text(plan: Plan) -> str:
+    w, g = plan.workload, plan.gpu
+    lines = _header(plan)
+    labels = {**_LABELS, "overhead": "allocator fragmentation"} if plan.on_cpu else _LABELS
     for k, v in plan.breakdown.items():
         if v:
-            lines.append(f"  {_LABELS.get(k, k):34s}{_gib(v)}")
+            lines.append(f"  {labels.get(k, k):34s}{_gib(v)}")
     lines.append(f"  {'total':34s}{_gib(plan.peak_bytes)}   of {g.memory_bytes / GiB:.1f} GiB")
     lines.append("")
     if plan.fits:
@@ -103,17 +130,14 @@ def to_text(plan: Plan) -> str:
             verdict = "fits" if adv["fits"] else "still too big"
             lines.append(f"  - {adv['change']}: {adv['peak_bytes'] / GiB:.2f} GiB, {verdict}")
     lines += [f"note     {n}" for n in plan.notes]
-    lines += [
-        "",
-        f"time     {plan.tokens / 1e6:.1f}M tokens x {plan.flops_per_token / 1e9:.3g} GFLOP/token "
-        f"= {_hours(plan.hours)} at the assumed utilization",
-        f"cost     on-demand ${plan.cost_usd:.2f} (${g.on_demand_usd_h:.2f}/h); "
-        f"spot ${plan.cost_spot_usd:.2f} (${g.spot_usd_h:.2f}/h, {plan.hours_spot:.2f} h incl. "
-        f"{g.preemptions_per_hour:.0%}/h preemptions)",
-        f"prices   {g.price_source}, {g.price_date}"
-        + (f" - {g.price_note}" if g.price_note else ""),
+    lines += _time_lines(plan)
+    lines.append(
         "note     memory terms are exact tensor accounting (byte-exact on CPU; within +3 % of "
         "max_memory_allocated on an H200 for a 0.86B LoRA/QLoRA, 2026-12-04); the "
-        "CUDA-context/fragmentation term and the time model are uncalibrated estimates.",
-    ]
+        + (
+            "fragmentation term is an assumption."
+            if plan.on_cpu
+            else "CUDA-context/fragmentation term and the time model are uncalibrated estimates."
+        )
+    )
     return "\n".join(lines)

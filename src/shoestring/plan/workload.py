@@ -7,10 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.config import ConfigError, load
-from shoestring.gpus import GPU
+from shoestring.gpus import GPU, find_gpu
 from shoestring.plan.arch import LINEARS, Arch, from_hf_config, load_arch
 from shoestring.plan.memory import Method, Workload
-from shoestring.train.config import FinetuneConfig
+from shoestring.train.config import (
+    ComputeDtype,
+    DeviceKind,
+    FinetuneConfig,
+    Numerics,
+    device_kind,
+    resolve_numerics,
+)
 
 
 def builtin_arch() -> Arch:
@@ -45,22 +52,27 @@ def _targets(names: list[str] | tuple[str, ...], where: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def numerics_fields(n: Numerics) -> dict[str, Any]:
+    """The :class:`Workload` fields that :func:`resolve_numerics` decides."""
+    return {"dtype": n.dtype, "device": n.device, "autocast": n.autocast}
+
+
+def _gpu_bf16(gpu: GPU | None) -> bool:
+    return gpu is None or bool(gpu.bf16_flops)
+
+
 def workload_from_config(
     cfg: FinetuneConfig,
     arch: Arch,
     world_size: int = 1,
-    device: str = "cuda",
+    device: DeviceKind = "cuda",
     gpu: GPU | None = None,
 ) -> tuple[Workload, int]:
-    """The per-rank workload of a finetune config, and its optimizer steps. A
-    ``model.dtype`` of 'auto' is planned as finetune resolves it on ``gpu``."""
+    """The per-rank workload of a finetune config on ``device`` (a ``gpu`` of the
+    catalog for cuda), and its optimizer steps. Dtype and precision are resolved by
+    finetune's own rule (:func:`resolve_numerics`)."""
     t = cfg.train
-    dtype = cfg.model.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if gpu is None or gpu.bf16_flops else "float16"
-    precision = t.precision
-    if precision == "auto":  # as train.device.resolve: 16-bit autocast on a GPU
-        precision = "fp32" if device == "cpu" else "bf16"
+    n = resolve_numerics(cfg.model, t, device, _gpu_bf16(gpu))
     mb = t.micro_batch_size or max(t.batch_size // world_size, 1)
     accum = max(t.batch_size // (mb * world_size), 1)
     method: Method = "qlora" if cfg.lora.quantize != "none" else "lora"
@@ -68,7 +80,6 @@ def workload_from_config(
         arch=arch,
         method=method,
         quantize=cfg.lora.quantize,
-        dtype=dtype,
         lora_r=cfg.lora.r,
         lora_targets=_targets(cfg.lora.target_modules, "lora.target_modules"),
         lora_dropout=cfg.lora.dropout,
@@ -80,8 +91,7 @@ def workload_from_config(
         # Packed rows get a block-diagonal mask (per-sample position ids), except under
         # flash attention, which packs by position ids without a mask.
         padded=not cfg.data.packing or cfg.model.attn_implementation != "flash_attention_2",
-        device=device,
-        autocast=precision != "fp32" and dtype != "float32",
+        **numerics_fields(n),
     )
     return w, t.max_steps
 
@@ -92,9 +102,11 @@ class PlanRequest:
 
     config: Path | None = None
     model: str | None = None
+    device: DeviceKind | None = None  # None: --gpu given -> cuda, else train.device, else cuda
+    gpu: str | None = None  # None: L4 (a CUDA plan), or none (a CPU plan)
     method: str | None = None
     quantize: str | None = None
-    dtype: str | None = None
+    dtype: ComputeDtype | None = None
     r: int | None = None
     targets: tuple[str, ...] | None = None
     lora_dropout: float | None = None
@@ -107,15 +119,41 @@ class PlanRequest:
     steps: int | None = None
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What a ``shoestring plan`` invocation plans: the workload (its ``device`` says
+    cpu or cuda), the optimizer steps, and the catalog GPU (None for a CPU run)."""
+
+    workload: Workload
+    steps: int
+    gpu: GPU | None
+
+
+#: The GPU a CUDA plan is made for when ``--gpu`` is not given.
+DEFAULT_GPU = "L4"
+
+
+def plan_device(req: PlanRequest, train_device: str | None) -> DeviceKind:
+    """``--device``, else cuda when ``--gpu`` names one, else the config's
+    ``train.device`` (its ``auto`` is planned as a GPU run: finetune picks CUDA
+    wherever there is one), else cuda."""
+    if req.device == "cpu" and req.gpu:
+        raise ConfigError(
+            "--gpu: a CPU run (--device cpu) has no GPU; drop --gpu, or plan --device cuda"
+        )
+    if req.device is not None:
+        return req.device
+    if req.gpu or train_device is None:
+        return "cuda"
+    return device_kind(train_device, cuda_available=True)
+
+
 def _check_positive(flag: str, v: Any) -> None:
     if v is not None and v <= 0:
         raise ConfigError(f"{flag}: must be > 0, got {v}")
 
 
-def resolve_request(
-    req: PlanRequest, gpu: GPU, cache_dir: Path | None = None
-) -> tuple[Workload, int]:
-    """The workload a ``shoestring plan`` invocation describes, and its steps."""
+def _check_flags(req: PlanRequest) -> None:
     for flag, v in (
         ("--r", req.r),
         ("--seq-len", req.seq_len),
@@ -126,22 +164,35 @@ def resolve_request(
         _check_positive(flag, v)
     if req.lora_dropout is not None and not 0 <= req.lora_dropout < 1:
         raise ConfigError(f"--lora-dropout: must be in [0, 1), got {req.lora_dropout}")
+
+
+def _base_workload(req: PlanRequest) -> Resolved:
+    """The workload before the flags that override it: from --config, else the defaults.
+    ``--dtype`` goes through finetune's dtype rule as ``model.dtype`` would."""
+    cfg = load(FinetuneConfig, str(req.config), []) if req.config else FinetuneConfig()
+    if req.dtype is not None:
+        cfg = replace(cfg, model=replace(cfg.model, dtype=req.dtype))
+    device = plan_device(req, cfg.train.device if req.config else None)
+    gpu = find_gpu(req.gpu or DEFAULT_GPU) if device == "cuda" else None
     if req.config is not None:
-        cfg = load(FinetuneConfig, str(req.config), [])
         model = req.model or cfg.model.path
         arch = arch_for(model, "--model" if req.model else f"{req.config}: model.path")
-        w, steps = workload_from_config(cfg, arch, gpu=gpu)
-        w = replace(w, gradient_checkpointing=cfg.model.gradient_checkpointing)
-    else:
-        if not req.model:
-            raise ConfigError("plan: give --model (a preset, model dir or config.json) or --config")
-        w = Workload(
-            arch=arch_for(req.model, "--model"),
-            gradient_checkpointing=True,
-            dtype="bfloat16" if gpu.bf16_flops else "float16",
-            autocast=True,  # finetune's train.precision auto on a GPU
-        )
-        steps = 1000
+        w, steps = workload_from_config(cfg, arch, device=device, gpu=gpu)
+        return Resolved(w, steps, gpu)
+    if not req.model:
+        raise ConfigError("plan: give --model (a preset, model dir or config.json) or --config")
+    n = resolve_numerics(cfg.model, cfg.train, device, _gpu_bf16(gpu))
+    w = Workload(
+        arch=arch_for(req.model, "--model"), gradient_checkpointing=True, **numerics_fields(n)
+    )
+    return Resolved(w, 1000, gpu)
+
+
+def resolve_request(req: PlanRequest, cache_dir: Path | None = None) -> Resolved:
+    """The workload a ``shoestring plan`` invocation describes, its steps and its GPU."""
+    _check_flags(req)
+    base = _base_workload(req)
+    w = base.workload
     method = req.method or w.method
     quantize = req.quantize or (w.quantize if req.method in (None, "qlora") else "none")
     if method == "qlora" and quantize == "none":
@@ -155,7 +206,6 @@ def resolve_request(
         method = "qlora"
     changes: dict[str, Any] = {"method": method, "quantize": quantize}
     asked: tuple[tuple[str, Any], ...] = (
-        ("dtype", req.dtype),
         ("lora_r", req.r),
         ("lora_dropout", req.lora_dropout),
         ("seq_len", req.seq_len),
@@ -171,4 +221,4 @@ def resolve_request(
         changes["lora_targets"] = _targets(req.targets, "--targets")
     if req.packed:
         changes["padded"] = False
-    return replace(w, **changes), req.steps or steps
+    return replace(base, workload=replace(w, **changes), steps=req.steps or base.steps)

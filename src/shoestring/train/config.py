@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shoestring.config import knob, non_negative, positive, to_flat, unit_interval
+from shoestring.config import ConfigError, knob, non_negative, positive, to_flat, unit_interval
 from shoestring.data.records import Format as DataFormat
 from shoestring.data.records import LossOn, Truncate
 from shoestring.track.config import TrackConfig
@@ -25,6 +25,8 @@ ComputeDtype = Literal["float32", "bfloat16", "float16"]
 ModelDtype = Literal["auto", ComputeDtype]
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
 PrecisionMode = Literal["auto", "bf16", "fp16", "fp32"]
+PrecisionName = Literal["bf16", "fp16", "fp32"]
+DeviceKind = Literal["cpu", "cuda"]
 Optimizer = Literal["adamw", "adamw8bit", "paged_adamw8bit"]
 Quantize = Literal["none", "nf4", "int8"]
 IntervalMode = Literal["fixed", "auto"]
@@ -413,6 +415,51 @@ RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "plan.",
     "track.",
 )
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """What ``finetune`` computes with on one kind of device: ``model.dtype`` and
+    ``train.precision`` with every ``auto`` made concrete (:func:`resolve_numerics`)."""
+
+    device: DeviceKind
+    dtype: ComputeDtype  # the frozen base weights, as loaded
+    precision: PrecisionName  # bf16 / fp16: the step runs under autocast; fp32: none
+
+    @property
+    def autocast(self) -> bool:
+        """Whether autocast changes anything: a 16-bit model under bf16/fp16 precision."""
+        return self.precision != "fp32" and self.dtype != "float32"
+
+
+def device_kind(spec: str, cuda_available: bool) -> DeviceKind:
+    """``train.device`` (auto, cpu, cuda, cuda:N) as the kind of device it runs on."""
+    if spec == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return "cpu" if spec == "cpu" else "cuda"
+
+
+def resolve_numerics(
+    model: ModelConfig, train: TrainConfig, device: DeviceKind, gpu_bf16: bool
+) -> Numerics:
+    """The one rule for ``model.dtype auto`` and ``train.precision auto``, shared by
+    ``finetune`` (on the device it probed) and ``shoestring plan`` (on the device and
+    catalog GPU it plans for). On CUDA: bf16 where the GPU computes it
+    (``gpu_bf16``), else fp16 (T4, V100); on CPU: float32 weights, no autocast."""
+    on_gpu = device == "cuda"
+    half: PrecisionName = "bf16" if gpu_bf16 else "fp16"
+    precision: PrecisionName = (
+        (half if on_gpu else "fp32") if train.precision == "auto" else train.precision
+    )
+    if precision == "fp16" and not on_gpu:
+        raise ConfigError(
+            "train.precision: fp16 needs a CUDA device (its gradient scaler is "
+            "CUDA-only); on CPU use bf16 or fp32"
+        )
+    dtype: ComputeDtype = model.dtype if model.dtype != "auto" else "float32"
+    if model.dtype == "auto" and on_gpu:
+        dtype = "bfloat16" if half == "bf16" else "float16"
+    return Numerics(device=device, dtype=dtype, precision=precision)
 
 
 def eval_fraction(spec: str) -> float | None:

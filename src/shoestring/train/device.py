@@ -13,14 +13,13 @@ import contextlib
 import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from shoestring.config import ConfigError
-from shoestring.train.config import FinetuneConfig, PrecisionMode
+from shoestring.train.config import FinetuneConfig, PrecisionName, resolve_numerics
 
-PrecisionName = Literal["bf16", "fp16", "fp32"]
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -65,27 +64,18 @@ def resolve_device(spec: str, local_rank: int, acc: Accelerator) -> str:
 
 
 def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> FinetuneConfig:
-    """``cfg`` with every ``auto`` of device, precision and base dtype made concrete."""
+    """``cfg`` with every ``auto`` of device, precision and base dtype made concrete
+    (the dtype and precision rule is :func:`shoestring.train.config.resolve_numerics`,
+    which ``shoestring plan`` uses too)."""
     device = resolve_device(cfg.train.device, local_rank, acc)
     on_gpu = device.startswith("cuda")
-    gpu_half: PrecisionMode = "bf16" if acc.bf16 else "fp16"
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = gpu_half if on_gpu else "fp32"
-    if precision == "fp16" and not on_gpu:
-        raise ConfigError(
-            "train.precision: fp16 needs a CUDA device (its gradient scaler is "
-            "CUDA-only); on CPU use bf16 or fp32"
-        )
-    dtype = cfg.model.dtype
-    if dtype == "auto":
-        dtype = ("bfloat16" if gpu_half == "bf16" else "float16") if on_gpu else "float32"
+    n = resolve_numerics(cfg.model, cfg.train, "cuda" if on_gpu else "cpu", acc.bf16)
     if cfg.model.attn_implementation == "flash_attention_2":
         _require_flash_attention(on_gpu)
     return replace(
         cfg,
-        train=replace(cfg.train, device=device, precision=precision),
-        model=replace(cfg.model, dtype=dtype),
+        train=replace(cfg.train, device=device, precision=n.precision),
+        model=replace(cfg.model, dtype=n.dtype),
     )
 
 
