@@ -78,6 +78,10 @@ def test_bad_input_fails_before_loading_anything(
     assert "memory.budget: 0.30 GB is too small for this model" in capsys.readouterr().err
     assert main(["infer", "--input", str(inp), "--output", str(out)]) == 2
     assert "--model (model.path) is required" in capsys.readouterr().err
+    # past the model's context (1024 positions): refused, not generated as garbage
+    inp.write_text('{"prompt": "a"}\n' + json.dumps({"prompt": "x" * 1000}) + "\n")
+    assert main(_args(tiny, inp, out, "--max-new-tokens", "64")) == 2
+    assert "line 2: the prompt + --max-new-tokens is 1064 tokens" in capsys.readouterr().err
     assert not Path(str(out) + ".run").exists()
 
 

@@ -324,7 +324,7 @@ def _work(
         return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input)
     assert given.records is not None
     sampled = Sampled(g.max_new_tokens, g.temperature, g.top_p, g.top_k, g.seed)
-    return tokenize(given.records, tok, g.mode, template, sampled)
+    return tokenize(given.records, tok, g.mode, template, sampled, context)
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

@@ -105,13 +105,18 @@ def tokenize(
     mode: str,
     template: str | None = None,
     sampled: Sampled = Sampled(),
+    context: int | None = None,
 ) -> Work:
+    """``{"prompt"}``/``{"messages"}`` records as sequences; a record that cannot be
+    answered (no tokens, longer than the model's ``context`` with what is generated
+    or scored) fails the job before anything loads, naming its line."""
     seqs, starts = [], []
     for r in records:
         ctx = _context(r, tok, template)
         if mode == "generate":
             if not ctx:
                 raise ConfigError(f"io.input: line {r.line}: the prompt has no tokens")
+            _fits(r, len(ctx) + sampled.max_new_tokens, context, "+ --max-new-tokens")
             seqs.append([ctx])
             starts.append([len(ctx)])
             continue
@@ -122,6 +127,7 @@ def tokenize(
             )
         outs = [r.completion] if r.completion is not None else list(r.choices or ())
         conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
+        _fits(r, len(ctx) + max(len(c) for c in conts), context, "+ its completion")
         seqs.append([ctx + c for c in conts])
         starts.append([len(ctx)] * len(conts))
     eos, pad = _stops(any(r.messages is not None for r in records), tok, template)
@@ -132,6 +138,14 @@ def tokenize(
         [sampled.choice(r.line) for r in records],
         [()] * n,
     )  # fmt: skip
+
+
+def _fits(r: Record, tokens: int, context: int | None, what: str) -> None:
+    if context is not None and tokens > context:
+        raise ConfigError(
+            f"io.input: line {r.line}: the prompt {what} is {tokens} tokens, more than "
+            f"the model's context of {context} (max_position_embeddings); shorten it"
+        )
 
 
 def tokenize_requests(
