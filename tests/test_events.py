@@ -54,3 +54,29 @@ def test_atomic_write_replaces_whole_and_leaves_no_temp_behind(
         atomic_write(p, b'{"a": 3}')
     assert p.read_bytes() == b'{"a": 2}'  # the old content, whole
     assert [q.name for q in tmp_path.iterdir()] == ["run.json"]  # no temp file left
+
+
+def test_a_full_disk_never_raises_out_of_the_event_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Writes that fail (ENOSPC) are reported once; close() does not raise them again
+    and hide the job's own error behind a traceback."""
+    import errno
+    import io
+
+    log = EventLog(tmp_path / "events.jsonl", run_id="r")
+
+    class Full(io.StringIO):
+        def write(self, s: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    log._fh.close()
+    log._fh = Full()  # type: ignore[assignment]
+    log.emit("step", step=1)
+    log.emit("step", step=2)
+    log.close()  # must not raise
+    err = capsys.readouterr().err
+    assert err.count("No space left on device") == 1

@@ -91,9 +91,21 @@ class EventLog:
                 os.fsync(self._fh.fileno())
 
     def close(self) -> None:
+        """Close the file. Lines a full disk refused were already reported by
+        :meth:`emit`; closing does not raise them again (that would replace the job's
+        own, clearer error with a traceback)."""
         with self._lock:
             if not self._fh.closed:
-                self._fh.close()
+                try:
+                    self._fh.close()  # flushes what a failed write left buffered
+                except OSError as e:
+                    if not self._write_failed:
+                        print(
+                            f"[shoestring] WARNING cannot write {self.path}: {e}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    self._write_failed = True
 
     def __enter__(self) -> EventLog:
         return self
