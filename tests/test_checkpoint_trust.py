@@ -129,7 +129,14 @@ def _adapter_without_one_tensor(ckpt: Path) -> bytes:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("damage", ["not_safetensors", "missing_tensor", "state_not_json"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "not_safetensors",
+        pytest.param("missing_tensor", marks=pytest.mark.slow),  # (CI's 20 minutes)
+        pytest.param("state_not_json", marks=pytest.mark.slow),
+    ],
+)
 def test_a_verified_checkpoint_that_does_not_load_falls_back(
     cli: CLI, tmp_path: Path, damage: str
 ) -> None:

@@ -24,7 +24,8 @@ import pytest
 from conftest import CLI, FAST, read_events, sha256
 from shoestring import exitcodes
 from shoestring.cli import main
-from shoestring.supervise.launch import LaunchSpec, launch_argv
+from shoestring.supervise.config import RunConfig
+from shoestring.supervise.launch import LaunchSpec, Nodes, launch_argv
 from shoestring.supervise.slurm import grace_from_events, requeue_after_signal, time_limit_s
 from slurmcluster import SlurmCluster, slurm_cluster  # noqa: F401  (session fixture)
 
@@ -151,14 +152,15 @@ def test_multi_node_script_and_rendezvous(
         "SLURM_JOB_NODELIST": "gpu[07-08]",
         "SLURM_JOB_ID": "4242",
     }
-    torchrun = launch_argv(LaunchSpec(tuple(argv[sep + 1 :]), nproc_per_node=8), env)
+    nodes = Nodes.resolve(RunConfig(), env)
+    torchrun = launch_argv(LaunchSpec(tuple(argv[sep + 1 :]), nproc_per_node=8, nodes=nodes))
     joined = " ".join(torchrun)
     for part in (
         "--nproc-per-node 8",
         "--nnodes 2",
-        "--node-rank 1",
         "--rdzv-endpoint gpu07:29400",
         "--rdzv-id 4242",
+        "--rdzv-conf is_host=0",
         "--no-python",
     ):
         assert part in joined

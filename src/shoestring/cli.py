@@ -92,6 +92,12 @@ RUN_EPILOG = """\
 example:
   shoestring run --nproc-per-node 2 --max-restarts 3 --run-dir runs/x \\
       -- shoestring finetune --output_dir runs/x
+
+several nodes without Slurm (one `shoestring run` per node, K = 0, 1; the run
+directory on a filesystem both see; under Slurm the SLURM_* variables fill these in):
+  shoestring run --nproc-per-node 8 --nnodes 2 --node-rank K \\
+      --rdzv-endpoint NODE0_ADDR:29400 --local-addr THIS_NODE_ADDR \\
+      -- shoestring finetune --output_dir /shared/runs/x
 """
 
 
@@ -156,11 +162,11 @@ VERBS: dict[str, Verb | ArgparseVerb] = {
         RunConfig,
         "shoestring.supervise.supervisor:supervise",
         help="launch a job (torchrun for several processes) and restart it on failure",
-        description="Run COMMAND, through torchrun when --nproc-per-node > 1 (or under a "
-        "multi-node Slurm allocation), and restart the whole job after a crash, a "
-        "killed rank or a preemption exit, so it continues from its last "
-        "checkpoint. A signal to this process is forwarded to the job and ends "
-        "the run without a restart.",
+        description="Run COMMAND, through torchrun when --nproc-per-node > 1 (or on several "
+        "nodes: --nnodes, or a multi-node Slurm allocation), and restart the whole job "
+        "after a crash, a killed rank, a lost node or a preemption exit, so it continues "
+        "from its last checkpoint. A signal to this process is forwarded to the job and "
+        "ends the run without a restart.",
         epilog=RUN_EPILOG,
         args=ArgSpec(command="command"),
     ),

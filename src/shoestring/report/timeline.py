@@ -29,7 +29,15 @@ from shoestring.rundir import RunDir
 #: Events that report a problem: listed in the alarms table and marked on the timeline.
 #: ``alarm`` is the generic kind (its own ``kind`` field says which).
 ALARM_EVENTS = frozenset(
-    {"hang", "straggler", "alarm", "gave_up", "checkpoint_failed", "checkpoint_invalid"}
+    {
+        "hang",
+        "straggler",
+        "alarm",
+        "peer_lost",
+        "gave_up",
+        "checkpoint_failed",
+        "checkpoint_invalid",
+    }
 )
 
 SUPERVISOR_RANK = -1
@@ -376,6 +384,10 @@ def to_alarm(e: Event) -> Alarm:
         kind = str(d.get("kind") or "alarm")
         ranks = _ranks(d.get("rank", d.get("ranks")))
         msg = str(d.get("message") or d.get("summary") or _kv(d))
+    elif e.kind == "peer_lost":
+        kind = "peer_lost"
+        ranks = _ranks(list(d.get("ranks") or ()))
+        msg = str(d.get("summary") or "")
     elif e.kind == "gave_up":
         kind = "gave_up"
         msg = (

@@ -20,12 +20,46 @@ def _http_url(v: Any) -> str | None:
     return None if not v or v.startswith(("http://", "https://")) else "must be an http(s) URL"
 
 
+def _one_word(v: Any) -> str | None:
+    return "must not contain whitespace" if any(c.isspace() for c in v) else None
+
+
 @dataclass
 class RunConfig:
     """``shoestring run [options] -- COMMAND ...``."""
 
     nproc_per_node: int = knob(1, "Processes (ranks) on this node.", check=at_least(1))
     max_restarts: int = knob(3, "Restarts after failures before giving up.", check=non_negative)
+    nnodes: int | None = knob(
+        None,
+        "Nodes of the job, one `shoestring run` on each (unset: $SLURM_NNODES, else 1).",
+        check=at_least(1),
+    )
+    node_rank: int | None = knob(
+        None,
+        "This node's rank, 0..nnodes-1; node 0 hosts the rendezvous (unset: "
+        "$SLURM_NODEID, else 0).",
+        check=non_negative,
+    )
+    rdzv_endpoint: str = knob(
+        "",
+        "HOST[:PORT] of the c10d rendezvous: node 0's address, port 29400 if not given "
+        "(empty: the first host of $SLURM_JOB_NODELIST).",
+        check=_one_word,
+    )
+    rdzv_id: str = knob(
+        "",
+        "Rendezvous id, the same on every node of the job (empty: $SLURM_JOB_ID, else "
+        "'shoestring').",
+        check=_one_word,
+    )
+    local_addr: str = knob(
+        "",
+        "This node's address for the rendezvous and the ranks (torchrun --local-addr); "
+        "gloo binds to the interface holding it unless GLOO_SOCKET_IFNAME is set "
+        "(empty: found from the hostname).",
+        check=_one_word,
+    )
     run_dir: str = knob(
         "",
         "The job's output_dir: attempts and restarts are logged to its "

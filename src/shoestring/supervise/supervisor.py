@@ -28,7 +28,8 @@ from shoestring.events import EventLog
 from shoestring.rundir import RunDir
 from shoestring.supervise.config import RunConfig, SlurmRequeue
 from shoestring.supervise.jobdir import job_run_dir
-from shoestring.supervise.launch import LaunchSpec, launch_argv
+from shoestring.supervise.launch import LaunchSpec, Nodes, launch_argv, launch_env
+from shoestring.supervise.peers import lost_peers, summary
 from shoestring.supervise.slurm import requeue_after_signal
 from shoestring.watch.alerts import Alerts, AlertSink, CallbackSink, StderrSink, WebhookSink
 from shoestring.watch.degrade import DegradePolicy
@@ -109,6 +110,7 @@ class Supervisor:
         self._child: subprocess.Popen[bytes] | None = None
         self._signalled: int | None = None
         self._hung: Verdict | None = None
+        self._lost: dict[int, dict[str, Any]] = {}  # ranks of other nodes lost with the attempt
         host = os.uname().nodename
         self.state = JobState(cfg.job, host)
         sinks: list[AlertSink] = [CallbackSink(self._emit_alarm), StderrSink(cfg.job)]
@@ -185,7 +187,18 @@ class Supervisor:
                 "verdict_file": str(path),
             },
         )
-        pids = {int(info["pid"]) for info in verdict.ranks.values() if info.get("pid")}
+        self._kill_job(verdict)
+
+    def _kill_job(self, verdict: Verdict) -> None:
+        """SIGKILL the verdict's ranks on this host, everything below the launcher, and
+        the launcher's process group. Only this host's ranks: with several nodes every
+        supervisor watches every rank, and a pid in another node's snapshot names some
+        unrelated process here."""
+        pids = {
+            int(info["pid"])
+            for info in verdict.ranks.values()
+            if info.get("pid") and info.get("host") == self.state.host
+        }
         child = self._child
         if child is not None and child.poll() is None:
             # Every process below the launcher too: torchrun may start ranks in sessions of
@@ -334,14 +347,15 @@ class Supervisor:
                 "restart",
                 attempt=attempt,
                 exit_code=rc,
-                reason="hang" if self._hung is not None else _reason(rc),
+                reason=self._restart_reason(rc),
+                host=self.state.host,
             )
             time.sleep(self.cfg.backoff_s)
 
     def _attempt(self, attempt: int) -> int:
         """Run the job once (watched when there is a run dir); its exit code."""
         t0, started = time.monotonic(), time.time()
-        self._emit("attempt_start", attempt=attempt, argv=self.argv)
+        self._emit("attempt_start", attempt=attempt, argv=self.argv, host=self.state.host)
         self.state.new_attempt(attempt)
         self._hung = None
         if self.cfg.run_dir is not None:  # torch needs them for its FIFOs and dump files
@@ -359,15 +373,48 @@ class Supervisor:
         else:
             rc = self._child.wait()
         self._child = None
+        self._lost = self._lost_peers(rc, started)
         if rc not in (0, exitcodes.PREEMPTED, exitcodes.PREEMPTED_HARD) and self._job_preempted(
             started
         ):
             rc = exitcodes.PREEMPTED  # torchrun reports a rank's exit 75 as 1
         wall = round(time.monotonic() - t0, 3)
         self._emit(
-            "attempt_end", attempt=attempt, exit_code=rc, wall_s=wall, hung=self._hung is not None
+            "attempt_end",
+            attempt=attempt,
+            exit_code=rc,
+            wall_s=wall,
+            hung=self._hung is not None,
+            host=self.state.host,
         )
         return rc
+
+    def _lost_peers(self, rc: int, since: float) -> dict[int, dict[str, Any]]:
+        """After a failed attempt: the ranks of other nodes that vanished with it (a node
+        killed, gone or frozen), reported as a ``peer_lost`` alarm; nothing on one node."""
+        if rc == 0 or self._hung is not None or self._signalled is not None:
+            return {}
+        if self.cfg.run_dir is None:
+            return {}
+        lost = lost_peers(self.cfg.run_dir, since, self.state.host)
+        if lost:
+            self.state.alarm("peer_lost", ",".join(map(str, lost)))
+            self.alerts(
+                "peer_lost",
+                {
+                    "summary": summary(lost) + "; a restart resumes once every node "
+                    "has rejoined the rendezvous",
+                    "ranks": {str(r): v for r, v in lost.items()},
+                    "hosts": sorted({str(v["host"]) for v in lost.values()}),
+                    "exit_code": rc,
+                },
+            )
+        return lost
+
+    def _restart_reason(self, rc: int) -> str:
+        if self._hung is not None:
+            return "hang"
+        return "peer_lost" if self._lost else _reason(rc)
 
     def _after_attempt(self, attempt: int, rc: int) -> int | None:
         """The supervisor's exit code when this attempt ends the run; None to restart."""
@@ -419,7 +466,9 @@ def supervise(cfg: RunConfig, call: Invocation) -> int:
     restart it on failure."""
     if not cfg.command:
         raise ConfigError("run: no COMMAND given (usage: shoestring run [options] -- COMMAND ...)")
-    argv = launch_argv(LaunchSpec(tuple(cfg.command), cfg.nproc_per_node), call.env)
+    nodes = Nodes.resolve(cfg, call.env)
+    argv = launch_argv(LaunchSpec(tuple(cfg.command), cfg.nproc_per_node, nodes))
+    env = launch_env(nodes, call.env)
     if not cfg.run_dir and cfg.watch:
         found = job_run_dir(cfg.command, Path.cwd())
         if found is None:
@@ -429,4 +478,4 @@ def supervise(cfg: RunConfig, call: Invocation) -> int:
             )
         else:
             cfg = replace(cfg, run_dir=str(found))
-    return Supervisor(argv, SupervisorConfig.from_run(cfg, call.env), call.env).run()
+    return Supervisor(argv, SupervisorConfig.from_run(cfg, env), env).run()
