@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from shoestring.config import (
 from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
 from shoestring.report.cli import ReportConfig, TopConfig
 from shoestring.rundir import RunDir
+from shoestring.secrets import RedactingFilter, redact_text
 from shoestring.supervise.config import SLURM_EPILOG, RunConfig, SlurmConfig
 from shoestring.train.config import FinetuneConfig, FinetuneOptions
 
@@ -361,24 +363,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("transformers", "peft", "botocore", "s3fs", "aiobotocore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:  # no credentials in any log line
+        handler.addFilter(RedactingFilter())
     args = sys.argv[1:] if argv is None else list(argv)
     command = args[0] if args else ""
     try:
         return dispatch(args, dict(os.environ))
     except ConfigError as e:
-        print(f"shoestring {command}: error: {e}", file=sys.stderr)
+        print(redact_text(f"shoestring {command}: error: {e}"), file=sys.stderr)
         return exitcodes.USAGE
     except Exception as e:  # noqa: BLE001 - a clear one-line error, traceback on request
         from shoestring.checkpoint import CheckpointSaveError
         from shoestring.data.records import DataError
 
         if isinstance(e, DataError):
-            print(f"shoestring {command}: error: {e}", file=sys.stderr)
+            print(redact_text(f"shoestring {command}: error: {e}"), file=sys.stderr)
             return exitcodes.USAGE
         if isinstance(e, CheckpointSaveError):
-            print(f"shoestring {command}: error: {e}", file=sys.stderr)
+            print(redact_text(f"shoestring {command}: error: {e}"), file=sys.stderr)
             return exitcodes.FAILED
-        raise
+        # The traceback, with any credential in its messages redacted.
+        print(redact_text(traceback.format_exc()), end="", file=sys.stderr, flush=True)
+        return exitcodes.FAILED
 
 
 if __name__ == "__main__":  # pragma: no cover

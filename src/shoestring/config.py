@@ -29,6 +29,8 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from shoestring.secrets import redact
+
 T = TypeVar("T")
 Check = Callable[[Any], "str | None"]
 
@@ -471,7 +473,9 @@ def to_flat(cfg: Any) -> dict[str, Any]:
 
 
 def to_yaml(cfg: Any) -> str:
-    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    """The config as YAML, as it is written down (``config.yaml``): secrets in URLs
+    (storage credentials, webhook tokens) redacted (:mod:`shoestring.secrets`)."""
+    return yaml.safe_dump(redact(dataclasses.asdict(cfg)), sort_keys=False)
 
 
 def _type_name(f: dataclasses.Field[Any], tp: Any) -> str:

@@ -5,18 +5,28 @@ reads from here, so the schema is versioned and documented in
 ``docs/events.md``. Records are appended with one ``write`` of a whole line and
 flushed, so a reader never sees half a record from a live writer, and a record
 cut by a kill is only ever the last line (readers skip it).
+
+The log never shrinks, so it is rotated at start (:func:`rotate`, by the one process
+holding the run directory) once it passes a size: ``events.jsonl`` becomes
+``events.N.jsonl`` and a new file begins. Nothing is dropped: readers of the whole
+history read :func:`segments` in order; a start reads only the recent tail
+(:func:`read_tail`). Values with credentials (URLs) are redacted before they are written.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from shoestring.fsio import fsync_dir
+from shoestring.secrets import redact
 
 SCHEMA_VERSION = 1
 
@@ -58,6 +68,9 @@ class EventLog:
         }
         rec.update(fields)
         line = json.dumps(rec, separators=(",", ":"), default=str) + "\n"
+        if "://" in line:  # a URL: no credential is written down (nor handed to trackers)
+            rec = redact(rec)
+            line = json.dumps(rec, separators=(",", ":"), default=str) + "\n"
         with self._lock:
             if not self._fh.closed:
                 try:
@@ -139,3 +152,64 @@ def read_events(path: str | Path, *, tail_bytes: int | None = None) -> Iterator[
             continue
         if isinstance(rec, dict):
             yield rec
+
+
+_SEGMENT = re.compile(r"^(?P<stem>.+)\.(?P<n>\d+)(?P<suffix>\.jsonl)$")
+
+
+def segments(path: str | Path) -> list[Path]:
+    """The rotated segments of the log at ``path``, oldest first, then ``path`` itself:
+    ``events.1.jsonl``, ``events.2.jsonl``, ..., ``events.jsonl`` (missing ones left out).
+    A reader of the whole history reads them in this order."""
+    path = Path(path)
+    found: list[tuple[int, Path]] = []
+    stem, suffix = path.stem, path.suffix
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        names = []
+    for name in names:
+        m = _SEGMENT.match(name)
+        if m and m.group("stem") == stem and m.group("suffix") == suffix:
+            found.append((int(m.group("n")), path.parent / name))
+    out = [p for _, p in sorted(found)]
+    return out + ([path] if path.exists() else [])
+
+
+def rotate(path: str | Path, max_bytes: int) -> Path | None:
+    """Start a new segment when the log at ``path`` has grown past ``max_bytes``: rename
+    it to the next ``<stem>.<N>.jsonl`` (one atomic rename: nothing is lost or copied).
+    Call it only where no one else writes the log (at start, under the run directory's
+    lock, before the log is opened). Returns the segment, or None."""
+    path = Path(path)
+    try:
+        if path.stat().st_size <= max_bytes:
+            return None
+    except FileNotFoundError:
+        return None
+    last = [_SEGMENT.match(p.name) for p in segments(path)[:-1]]
+    n = max((int(m.group("n")) for m in last if m), default=0) + 1
+    dest = path.with_name(f"{path.stem}.{n}{path.suffix}")
+    os.rename(path, dest)
+    fsync_dir(path.parent)
+    return dest
+
+
+def read_tail(path: str | Path, tail_bytes: int) -> Iterator[dict[str, Any]]:
+    """The records in the last ``tail_bytes`` of the log's history (its rotated segments
+    and the live file), oldest first: what recent history a start needs (the last
+    logged step, the failures of recent attempts), at a cost independent of the log's
+    length and of when it was last rotated."""
+    chosen: list[tuple[Path, int | None]] = []
+    budget = tail_bytes
+    for seg in reversed(segments(path)):
+        try:
+            size = seg.stat().st_size
+        except OSError:
+            continue
+        chosen.append((seg, None if size <= budget else budget))
+        budget -= size
+        if budget <= 0:
+            break
+    for seg, tail in reversed(chosen):
+        yield from read_events(seg, tail_bytes=tail)

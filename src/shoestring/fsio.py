@@ -40,3 +40,24 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+def fsync_tree(root: Path) -> None:
+    """Make every file under ``root`` and every directory entry durable (files first,
+    then directories bottom-up): what a directory about to be renamed into place needs,
+    so the rename never publishes names whose bytes a power cut could still lose."""
+    dirs: list[Path] = []
+    for here, subdirs, files in os.walk(root):
+        dirs.append(Path(here))
+        for name in files:
+            p = Path(here) / name
+            if p.is_symlink():
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        subdirs[:] = [d for d in subdirs if not (Path(here) / d).is_symlink()]
+    for d in reversed(dirs):
+        fsync_dir(d)

@@ -34,6 +34,7 @@ from shoestring.checkpoint.manifest import (
 from shoestring.fsio import fsync_dir
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
+_QUARANTINED_RE = re.compile(r"^\.corrupt-.*-(\d{9,})-[0-9a-f]+$")
 
 
 def step_dirname(step: int) -> str:
@@ -185,6 +186,27 @@ def quarantine(path: Path) -> Path:
     except OSError:
         return path
     return dest
+
+
+def prune_quarantined(root: Path, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` quarantined checkpoints (``.corrupt-*``, newest
+    by the time in their name, then by mtime); return the names deleted."""
+    if not root.is_dir():
+        return []
+    found = [
+        c
+        for c in root.iterdir()
+        if c.name.startswith(".corrupt-") and c.is_dir() and not c.is_symlink()
+    ]
+
+    def age(p: Path) -> tuple[int, float]:
+        m = _QUARANTINED_RE.match(p.name)
+        return (int(m.group(1)) if m else 0, p.stat().st_mtime)
+
+    doomed = sorted(found, key=age, reverse=True)[max(keep, 0) :]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return sorted(p.name for p in doomed)
 
 
 def manifest_or_none(path: Path) -> Manifest | None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoestring.events import segments
 from shoestring.rundir import RunDir
 
 #: Events that report a problem: listed in the alarms table and marked on the timeline.
@@ -234,16 +235,18 @@ class Timeline:
 
 # ---------------------------------------------------------------------- reading
 def event_files(run_dir: Path) -> list[Path]:
-    """Rank 0's log, then every other rank's, in rank order."""
+    """Rank 0's log, then every other rank's, in rank order; each with its rotated
+    segments (``events.N.jsonl``) first, oldest first."""
     rd = RunDir(run_dir)
-    files = [rd.events]
+    files = segments(rd.events)
     rank_files = []
     for p in rd.event_files()[1:]:
         try:
             rank_files.append((int(p.parent.name[4:]), p))
         except ValueError:
             continue
-    files += [p for _, p in sorted(rank_files)]
+    for _, p in sorted(rank_files):
+        files += segments(p)
     return [p for p in files if p.is_file()]
 
 

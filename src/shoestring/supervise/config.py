@@ -142,6 +142,12 @@ class RunConfig:
         "dumps before the kill (0: do not ask).",
         check=non_negative,
     )
+    keep_verdicts: int = knob(
+        20,
+        "Hang verdicts (RUN_DIR/verdicts/hang-*, with their stacks and NCCL dumps) to keep; "
+        "older ones are deleted when a new one is written.",
+        check=positive,
+    )
     command: list[str] = knob(
         [],
         "The job to run and its arguments: on the command line, "

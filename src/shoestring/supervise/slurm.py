@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoestring import exitcodes
-from shoestring.events import read_events
+from shoestring.events import read_tail
 from shoestring.rundir import RunDir
 from shoestring.supervise.config import time_limit_s
 
@@ -234,7 +234,8 @@ def grace_from_events(records: Iterable[Mapping[str, Any]]) -> tuple[int, str]:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    return list(read_events(path))
+    """The recent history of a run's log (its last 16 MB, across a rotation)."""
+    return list(read_tail(path, 16 << 20))
 
 
 # --------------------------------------------------------------------------- requeue

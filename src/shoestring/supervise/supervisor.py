@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -46,6 +47,10 @@ from shoestring.watch.watchdog import Watchdog
 
 log = logging.getLogger("shoestring.run")
 
+#: The end of the log an attempt's ``preempt`` record is looked for in (it is among the
+#: last records a preempted job writes).
+PREEMPT_TAIL_BYTES = 4 << 20
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -67,6 +72,7 @@ class SupervisorConfig:
     # On a hang, at most this long for the ranks' NCCL flight-recorder dumps before the kill
     # (0: do not ask; nothing is waited for either when no rank has a dump pipe, e.g. gloo).
     nccl_dump_wait_s: float = 5.0
+    keep_verdicts: int = 20  # hang verdicts kept in RUN_DIR/verdicts (older ones deleted)
 
     @classmethod
     def from_run(cls, cfg: RunConfig, env: Mapping[str, str]) -> SupervisorConfig:
@@ -92,9 +98,11 @@ class SupervisorConfig:
             job=job,
             prometheus_port=cfg.prometheus_port,
             prometheus_addr=cfg.prometheus_addr,
-            webhook=cfg.alert_webhook or None,
+            # From the environment, a webhook's token stays out of job scripts and argv.
+            webhook=cfg.alert_webhook or env.get("SHOESTRING_ALERT_WEBHOOK") or None,
             slurm_requeue=cfg.slurm_requeue,
             nccl_dump_wait_s=cfg.nccl_dump_wait,
+            keep_verdicts=cfg.keep_verdicts,
         )
 
 
@@ -162,6 +170,9 @@ class Supervisor:
         self._attach_nccl_traces(rec, f"{stem}.")
         path = vdir / f"{stem}.json"
         path.write_text(json.dumps(rec, indent=1))
+        pruned = prune_verdicts(vdir, self.cfg.keep_verdicts)
+        if pruned:
+            log.info("deleted %d old hang verdict(s) (--keep-verdicts)", len(pruned))
         ev = self._events()
         if ev is not None:
             with ev:
@@ -307,7 +318,7 @@ class Supervisor:
 
         return any(
             e.get("event") == "preempt" and e.get("saved") and e.get("ts", 0) >= since
-            for e in read_events(RunDir(self.cfg.run_dir).events)
+            for e in read_events(RunDir(self.cfg.run_dir).events, tail_bytes=PREEMPT_TAIL_BYTES)
         )
 
     def _watchdog(self) -> Watchdog:
@@ -439,6 +450,26 @@ class Supervisor:
             self._emit("gave_up", attempts=attempt + 1, exit_code=rc)
             return rc if rc > 0 else exitcodes.FAILED
         return None
+
+
+_VERDICT_RE = re.compile(r"^(hang-\d+)\.")
+
+
+def prune_verdicts(vdir: Path, keep: int) -> list[str]:
+    """Keep the newest ``keep`` hang verdicts: ``hang-<ms>.json`` and every file that
+    shares its ``hang-<ms>.`` prefix (the NCCL dumps kept with it). Returns the stems
+    deleted."""
+    groups: dict[str, list[Path]] = {}
+    for p in vdir.iterdir() if vdir.is_dir() else ():
+        m = _VERDICT_RE.match(p.name)
+        if m and p.is_file():
+            groups.setdefault(m.group(1), []).append(p)
+    stems = sorted(groups, key=lambda s: int(s.split("-", 1)[1]), reverse=True)
+    doomed = stems[max(keep, 0) :]
+    for stem in doomed:
+        for p in groups[stem]:
+            p.unlink(missing_ok=True)
+    return doomed
 
 
 def _reason(rc: int) -> str:

@@ -254,6 +254,12 @@ class CheckpointConfig:
         "newer one is committed.",
         check=positive,
     )
+    keep_quarantined: int = knob(
+        2,
+        "Checkpoints that failed verification are moved aside (checkpoints/.corrupt-*) for "
+        "inspection; keep at most this many, the newest (each is a full checkpoint).",
+        check=non_negative,
+    )
     storage: str = knob(
         "",
         "Where checkpoints are published: a local path or an fsspec URL "
@@ -364,6 +370,12 @@ class PlanSection:
 @dataclass
 class FinetuneConfig:
     output_dir: str = knob("runs/finetune", "Run directory: events.jsonl, checkpoints/, final/.")
+    events_rotate_mb: float = knob(
+        64.0,
+        "At start, an event log larger than this (MiB) is renamed to events.N.jsonl and a new "
+        "one begins (nothing is deleted; report reads every segment).",
+        check=positive,
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -397,6 +409,7 @@ class FinetuneOptions:
 #: the continuation. Anything else changed makes ``--resume`` refuse.
 RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "output_dir",
+    "events_rotate_mb",
     "train.max_steps",
     "train.log_every_steps",
     "train.num_threads",

@@ -1,16 +1,23 @@
 """Final outputs: a PEFT adapter dir that ``PeftModel.from_pretrained`` loads, and an
-optional merged model. Both are written to a temp dir and renamed into place."""
+optional merged model. Both are written to a temp dir (``.tmp-final-*``,
+``.tmp-merged-*``), every file and directory fsynced, then renamed into place — as
+durable as a checkpoint. A temp dir left by a kill is removed at the next start
+(:func:`prune_exports`)."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
 from shoestring.checkpoint.local import replace_dir
+from shoestring.fsio import fsync_tree
 
 log = logging.getLogger("shoestring.export")
+
+STALE_EXPORTS = (".tmp-final-", ".tmp-merged-", ".replaced-final-", ".replaced-merged-")
 
 
 def export_adapter(
@@ -24,8 +31,23 @@ def export_adapter(
     tmp = out_dir / f".tmp-final-{uuid.uuid4().hex[:6]}"
     model.save_pretrained(str(tmp), safe_serialization=True, state_dict=state_dict)
     tok.save_pretrained(str(tmp))
+    fsync_tree(tmp)
     replace_dir(tmp, final)
     return final
+
+
+def prune_exports(out_dir: Path) -> list[str]:
+    """Remove temp dirs of exports a killed run left (``.tmp-final-*``,
+    ``.tmp-merged-*``, ``.replaced-final-*``, ``.replaced-merged-*``). Called at start by
+    the one process that holds the run directory's lock, so none is being written."""
+    removed: list[str] = []
+    if not out_dir.is_dir():
+        return removed
+    for child in out_dir.iterdir():
+        if child.name.startswith(STALE_EXPORTS) and child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child.name)
+    return sorted(removed)
 
 
 #: Fixed text whose logits are compared before and after a merge.
@@ -107,6 +129,7 @@ def export_merged(model: Any, tok: Any, out_dir: Path) -> Path:
     merged.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2, sort_keys=True))
+    fsync_tree(tmp)
     log.info(
         "merged onto the %s base: logit drift max %.3g, mean %.3g (logit std %.3g), "
         "top-1 agreement %.1f%%",

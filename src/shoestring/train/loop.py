@@ -12,13 +12,14 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from shoestring import exitcodes
 from shoestring.checkpoint.interval import history_from_events
-from shoestring.events import read_events
-from shoestring.rundir import hold
+from shoestring.events import read_tail
+from shoestring.rundir import hold, require_writable
 from shoestring.train import state as S
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import Accelerator, resolve
@@ -36,6 +37,9 @@ __all__ = ["RunOptions", "finetune"]
 
 log = logging.getLogger("shoestring.finetune")
 
+#: How much of the log's end ``checkpoint.interval auto`` reads for the failure history.
+HISTORY_BYTES = 16 << 20
+
 
 def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
     """Run (or resume) a fine-tuning job; returns an exit code from :mod:`shoestring.exitcodes`."""
@@ -46,11 +50,17 @@ def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
         return _finetune(cfg, opts)
 
 
-def _one_job(cfg: FinetuneConfig, opts: RunOptions) -> contextlib.AbstractContextManager[None]:
-    """Rank 0 holds the output dir's lock: a second job on it is refused at once."""
+@contextlib.contextmanager
+def _one_job(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[None]:
+    """Rank 0 holds the output dir's lock (a second job on it is refused at once) and
+    checks that it can write there, before anything is read or loaded."""
     if opts.dist.rank != 0:
-        return contextlib.nullcontext()
-    return hold(Path(cfg.output_dir), "wait for it to end, or use another output_dir")
+        yield
+        return
+    out = Path(cfg.output_dir)
+    with hold(out, "wait for it to end, or use another output_dir"):
+        require_writable(out)
+        yield
 
 
 def _finetune(cfg: FinetuneConfig, opts: RunOptions) -> int:
@@ -76,7 +86,8 @@ def _save_policy(t: Trainer, step: int) -> SavePolicy:
     failures, hours = 0, 0.0
     if c.interval == "auto" and run.strategy.rank == 0 and run.dir.events.exists():
         run.events.sync()
-        failures, hours = history_from_events(read_events(run.dir.events))
+        # The recent history only: a start costs the same however long the log is.
+        failures, hours = history_from_events(read_tail(run.dir.events, HISTORY_BYTES))
     return SavePolicy.from_config(
         c, step, failures=failures, hours_observed=hours, share=run.strategy.share
     )

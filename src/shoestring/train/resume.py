@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.checkpoint import find_resume_point
-from shoestring.checkpoint.local import quarantine
+from shoestring.checkpoint.local import prune_quarantined, quarantine
 from shoestring.checkpoint.manifest import CorruptCheckpoint, Manifest, verify_dir
 from shoestring.checkpoint.sharded import is_sharded
 from shoestring.config import ConfigError, to_flat
-from shoestring.events import read_events
+from shoestring.events import read_tail
+from shoestring.secrets import redact
 from shoestring.train import state as S
 from shoestring.train.config import RESUME_SAFE_PREFIXES, FinetuneConfig, resume_relevant
+from shoestring.train.export import prune_exports
 from shoestring.train.trainer import Trainer
 
 log = logging.getLogger("shoestring.finetune")
@@ -27,7 +29,8 @@ log = logging.getLogger("shoestring.finetune")
 
 def check_compatible(saved: Mapping[str, Any], cfg: FinetuneConfig, where: str) -> None:
     """Refuse a resume whose config would break an exact continuation."""
-    old, new = resume_relevant(saved), resume_relevant(to_flat(cfg))
+    # Checkpoints store the config redacted (no credentials): compare redacted forms.
+    old, new = resume_relevant(redact(dict(saved))), resume_relevant(redact(to_flat(cfg)))
     # A key the checkpoint does not know was added by a later version: it had its default.
     default = resume_relevant(to_flat(FinetuneConfig()))
     old = {**{k: v for k, v in default.items() if k not in old}, **old}
@@ -46,10 +49,9 @@ def check_compatible(saved: Mapping[str, Any], cfg: FinetuneConfig, where: str) 
 
 
 def last_logged_step(events_path: Path) -> int | None:
-    """The last ``step`` event of the previous attempts (read from the file's tail)."""
-    steps = [
-        r["step"] for r in read_events(events_path, tail_bytes=1 << 20) if r.get("event") == "step"
-    ]
+    """The last ``step`` event of the previous attempts (read from the log's tail, across
+    a rotation)."""
+    steps = [r["step"] for r in read_tail(events_path, 1 << 20) if r.get("event") == "step"]
     return int(steps[-1]) if steps else None
 
 
@@ -80,6 +82,30 @@ def _choose(t: Trainer, mode: str, exclude: set[int]) -> tuple[int, str, str] | 
 
 
 def resume(t: Trainer, mode: str) -> S.Progress:
+    """The progress to continue from (see :func:`_resume`); then rank 0, which holds the
+    run directory's lock, prunes what earlier runs left (:func:`tidy`)."""
+    progress = _resume(t, mode)
+    if t.run.strategy.rank == 0:
+        tidy(t)
+    return progress
+
+
+def tidy(t: Trainer) -> None:
+    """Remove export temp dirs of killed runs and all but the newest
+    ``checkpoint.keep_quarantined`` quarantined checkpoints (each a full checkpoint);
+    one ``pruned`` event names what went."""
+    exports = prune_exports(t.run.out)
+    quarantined = prune_quarantined(t.run.dir.checkpoints, t.cfg.checkpoint.keep_quarantined)
+    if exports or quarantined:
+        log.info(
+            "pruned %d stale export dir(s), %d quarantined checkpoint(s)",
+            len(exports),
+            len(quarantined),
+        )
+        t.run.events.emit("pruned", exports=exports, quarantined=quarantined)
+
+
+def _resume(t: Trainer, mode: str) -> S.Progress:
     """The progress to continue from (a fresh, seeded start when there is none).
 
     A checkpoint that verifies but does not load on some rank (its bytes are not a

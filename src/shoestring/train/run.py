@@ -22,7 +22,7 @@ from shoestring.checkpoint import NO_FAULTS, FaultPlan, RemoteStore, Writer
 from shoestring.checkpoint.local import clean_stale
 from shoestring.config import ConfigError, to_yaml
 from shoestring.distributed import DistEnv, ProcessGroups
-from shoestring.events import EventLog
+from shoestring.events import EventLog, rotate
 from shoestring.fsio import atomic_write
 from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
 from shoestring.rundir import RunDir
@@ -138,6 +138,8 @@ def _prepare_dir(cfg: FinetuneConfig, out: Path, strategy: Strategy) -> str:
         out.mkdir(parents=True, exist_ok=True)
         run_id = _run_id(rd)
         clean_stale(rd.checkpoints)
+        for log_file in rd.event_files():  # no one writes them yet: start new segments
+            rotate(log_file, int(cfg.events_rotate_mb * 2**20))
         atomic_write(rd.config_yaml, to_yaml(cfg).encode())
     return str(strategy.share(run_id))
 

@@ -19,6 +19,7 @@ import torch
 
 from shoestring.config import to_flat
 from shoestring.hf import fingerprint, load_tokenizer
+from shoestring.secrets import redact
 from shoestring.train.config import FinetuneConfig, config_hash
 from shoestring.train.dataset import DataContext, TrainData, load_train_data
 from shoestring.train.device import Precision, set_deterministic
@@ -122,5 +123,14 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
     precision = Precision(cfg.train.precision, device)  # type: ignore[arg-type]
     learner = _learner(cfg, run, model_dir, precision)
     return Trainer(
-        cfg, run, model_dir, base_fp, tok, data, learner, precision, to_flat(cfg), config_hash(cfg)
+        cfg,
+        run,
+        model_dir,
+        base_fp,
+        tok,
+        data,
+        learner,
+        precision,
+        redact(to_flat(cfg)),  # written into every checkpoint: no credentials
+        config_hash(cfg),
     )

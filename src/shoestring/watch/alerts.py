@@ -24,6 +24,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from shoestring.secrets import redact_text, redact_webhook
+
 log = logging.getLogger("shoestring.alerts")
 
 
@@ -74,7 +76,7 @@ class WebhookSink:
         max_queue: int = 100,
     ) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"webhook: expected an http(s) URL, got {url!r}")
+            raise ValueError(f"webhook: expected an http(s) URL, got {redact_webhook(url)!r}")
         self.url, self.job, self.host = url, job, host
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self._q: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=max_queue)
@@ -123,8 +125,12 @@ class WebhookSink:
                 except (urllib.error.URLError, OSError, ValueError) as e:
                     if attempt == self.retries - 1:
                         self.failed += 1
+                        # The URL is the secret (Slack, Discord): name its host only.
                         log.warning(
-                            "alert webhook %s failed after %d tries: %s", self.url, self.retries, e
+                            "alert webhook %s failed after %d tries: %s",
+                            redact_webhook(self.url),
+                            self.retries,
+                            redact_text(str(e), known=(self.url,)),
                         )
                     else:
                         time.sleep(self.backoff_s * 2**attempt)
