@@ -103,7 +103,10 @@ def test_sampled_tokens_do_not_depend_on_the_other_sequences(
     together = _run(engine, prompts, Rules([9] * 6, choices=_sampled(6)))
     alone = _run(engine, prompts[2:3], Rules([9], choices=[_sampled(6)[2]]))
     assert together[2].tokens == alone[0].tokens
-    assert together[2].logprobs == pytest.approx(alone[0].logprobs, abs=1e-5)
+    # The tokens are the same draw; a logprob's last bits may not be: the CPU GEMM
+    # blocks a batch of 6 rows differently from 1 (fp32 reduction order, measured
+    # 1.05e-5 absolute = 2.4e-6 relative on a -4.35 logprob).
+    assert together[2].logprobs == pytest.approx(alone[0].logprobs, rel=1e-5)
     assert all(len(g.logprobs) == len(g.tokens) == len(g.top) for g in together)
     greedy = _run(engine, prompts, Rules.uniform(6, 9, set()))
     assert [g.tokens for g in together] != [g.tokens for g in greedy]

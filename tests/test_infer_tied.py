@@ -233,7 +233,8 @@ def test_job_reports_streamed_bytes_as_model_minus_resident(tied: Path, tmp_path
 def test_a_resident_embedding_pays_for_itself_by_shrinking_the_ring() -> None:
     """The ring holds the largest streamed unit: with a 100 MB embedding and 10 MB
     layers, keeping the embedding resident frees (depth + 1) x 90 MB of ring, which
-    buys it and 7 layers, where largest-first with the embedding's ring buys nothing."""
+    buys it and 8 layers (7 before the plan kept its slack out of the prefill
+    micro-batches too), where largest-first with the embedding's ring buys nothing."""
     from types import SimpleNamespace
 
     mb = 1 << 20
@@ -262,4 +263,4 @@ def test_a_resident_embedding_pays_for_itself_by_shrinking_the_ring() -> None:
         > plan.budget - 10 * mb
     )
     assert 0 in plan.resident and parts["read_ahead"] == 2 * 10 * mb
-    assert len([i for i in plan.resident if 1 <= i <= 20]) == 7
+    assert len([i for i in plan.resident if 1 <= i <= 20]) == 8

@@ -3,7 +3,9 @@
 The base weights stream from disk; the adapter is small and stays in memory.
 Each streamed weight is merged on the fly (W + scale * B @ A) in the reader
 thread, into the buffer that was just read, so compute sees a plain merged
-layer and the original files are never touched.
+layer and the original files are never touched. The product is formed a row
+block at a time (:data:`MERGE_SCRATCH`), so its temporaries stay a few MB
+whatever the weight's size.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch
 from shoestring.config import ConfigError
 
 _PREFIX = "base_model.model."
+#: Bytes of fp32 product one row block of ``B @ A`` may take (blocks are whole
+#: multiples of 64 rows, at least 64).
+MERGE_SCRATCH = 4 << 20
 
 
 class LoraDelta:
@@ -59,12 +64,33 @@ class LoraDelta:
                 "base model does not have (adapter for another model?)"
             )
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.pairs.values() for t in pair)
+
     def merge_(self, key: str, w: torch.Tensor) -> torch.Tensor:
-        """Add the adapter's delta to ``w`` in place (a no-op for untargeted keys)."""
+        """Add the adapter's delta to ``w`` in place (a no-op for untargeted keys), a
+        row block at a time."""
         pair = self.pairs.get(key)
         if pair is None:
             return w
         a, b = pair
-        delta = (b.to(w.device) @ a.to(w.device)) * self.scale
-        w.add_(delta.to(w.dtype))
+        a, b = a.to(w.device), b.to(w.device)
+        rows = _block_rows(w.shape[-1])
+        for i in range(0, w.shape[0], rows):
+            w[i : i + rows].add_((b[i : i + rows] @ a).mul_(self.scale).to(w.dtype))
         return w
+
+    def scratch(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Temporary bytes :meth:`merge_` takes for the weight ``key`` (0: untargeted):
+        one row block of the fp32 product, and its cast to ``dtype``."""
+        if key not in self.pairs:
+            return 0
+        cells = min(shape[0], _block_rows(shape[-1])) * shape[-1]
+        return cells * 4 + (cells * dtype.itemsize if dtype != torch.float32 else 0)
+
+
+def _block_rows(cols: int) -> int:
+    """Rows of ``B @ A`` formed at once: within :data:`MERGE_SCRATCH`, a multiple of 64
+    (at that granularity the product's values do not depend on the block: tested)."""
+    return max(64, MERGE_SCRATCH // (cols * 4) // 64 * 64)

@@ -44,11 +44,21 @@ NF4_CODE = torch.tensor(
 _NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=-1)
 
 
-def quantize(w: torch.Tensor, scheme: Scheme, rows: int = 256) -> dict[str, torch.Tensor]:
+#: Bytes of temporaries :func:`quantize` works within (it runs before the plan's
+#: buffers exist, under the same budget).
+QUANTIZE_SCRATCH = 16 << 20
+#: Temporary bytes per weight element while quantizing a row block: nf4 compares
+#: every element with the 16 codes in fp32 (64 B) and keeps the int64 argmin (8 B).
+_QUANTIZE_PER_ELEMENT = {"int8": 16, "nf4": 80}
+
+
+def quantize(w: torch.Tensor, scheme: Scheme, rows: int = 0) -> dict[str, torch.Tensor]:
     """Compressed parts of one 2-D weight, keyed by suffix ('q8'/'s' or 'q4'/'a').
 
-    Works ``rows`` rows at a time, so the fp32 temporaries stay a few MB even for a
-    huge matrix (compression runs under the same memory budget as inference)."""
+    Works ``rows`` rows at a time (0: as many as keep the temporaries within
+    :data:`QUANTIZE_SCRATCH`; every row is coded on its own, so the block size does
+    not change the result)."""
+    rows = rows or max(1, QUANTIZE_SCRATCH // (w.shape[1] * _QUANTIZE_PER_ELEMENT[scheme]))
     if w.shape[0] > rows:
         parts = [_quantize(w[i : i + rows], scheme) for i in range(0, w.shape[0], rows)]
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
@@ -60,7 +70,7 @@ def _quantize(w: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:
     if scheme == "nf4" and w.shape[1] % GROUP == 0:
         g = w.reshape(w.shape[0], -1, GROUP)
         absmax = g.abs().amax(-1, keepdim=True).clamp_min(1e-12)
-        idx = (g / absmax).unsqueeze(-1).sub(NF4_CODE).abs().argmin(-1).to(torch.uint8)
+        idx = (g / absmax).unsqueeze(-1).sub(NF4_CODE).abs_().argmin(-1).to(torch.uint8)
         idx = idx.reshape(w.shape[0], -1)
         packed = (idx[:, 0::2] << 4) | idx[:, 1::2]
         return {"q4": packed.contiguous(), "a": absmax[..., 0].contiguous()}
@@ -91,6 +101,21 @@ def dequantize(parts: dict[str, torch.Tensor], out: torch.Tensor, rows: int = 51
     if "q8" in parts:
         return _dequantize_int8(parts["q8"], parts["s"], out, rows)
     return _dequantize_nf4(parts["q4"], parts["a"], out, rows)
+
+
+def dequantize_scratch(shape: tuple[int, ...], part: str, out_dtype: torch.dtype) -> int:
+    """Temporary bytes :func:`dequantize` takes for a weight of ``shape`` stored as
+    ``part`` ('q8' or 'q4') into ``out_dtype``, at its default row block: int8 into a
+    16-bit dtype forms the product in fp32 a row block at a time; nf4 looks up a row
+    block's code bytes as int64 and their value pairs in fp32 (8 bytes per weight)."""
+    cols = shape[-1]
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    block = min(rows, 512)
+    if part == "q4":
+        return block * cols * 8
+    return 0 if out_dtype == torch.float32 else block * cols * 4
 
 
 def _dequantize_int8(

@@ -140,9 +140,11 @@ class MemoryConfig:
         check=_size_check,
     )
     runtime_reserve: str = knob(
-        "400MB",
-        "Part of the budget taken by Python, torch and transformers themselves.",
-        check=_size_check,
+        "auto",
+        "Part of the budget taken by the process itself (Python, torch, transformers, "
+        "the tokenizer, the tokenized input, an adapter): auto measures its RSS when "
+        "the job plans and adds what the first pass sets up; a size reserves at least that.",
+        check=lambda v: None if v == "auto" else _size_check(v),
     )
     prefetch_depth: int = knob(
         1,

@@ -47,18 +47,20 @@ from shoestring.infer.engine import (
     PassStopped,
     StreamingCausalLM,
     kv_bytes_per_token,
+    kv_scratch_per_token,
     read_config_json,
+    steady_memory,
     stored_dtype,
 )
 from shoestring.infer.inputs import Input, read_input
 from shoestring.infer.ledger import ChunkLedger, Pinned, RunRecord
-from shoestring.infer.plan import Plan, make_plan
-from shoestring.infer.report import Progress, Stats, print_summary
+from shoestring.infer.plan import Plan, check_setup, make_plan
+from shoestring.infer.report import Progress, Stats, current_rss, print_summary
 from shoestring.infer.report import summary as summary_of
 from shoestring.infer.requests import Answering
 from shoestring.infer.shards import ShardError, index_model
 from shoestring.infer.stream import Prepare
-from shoestring.infer.weights import weight_hook
+from shoestring.infer.weights import Needs, weight_hook, weight_needs
 from shoestring.infer.work import Sampled, Work, output_lines, tokenize, tokenize_requests
 from shoestring.preempt.flag import PreemptionFlag, SignalSource
 from shoestring.rundir import hold
@@ -134,8 +136,7 @@ class InferJob:
         given = read_input(Path(cfg.io.input), cfg.generate.mode, cfg.generate.max_new_tokens)
         output = Path(cfg.io.output)
         run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else default_run_dir(output)
-        budget = parse_size(cfg.memory.budget)
-        reserve = parse_size(cfg.memory.runtime_reserve)
+        steady_memory()  # before anything is computed: oneDNN reads its cache size once
         adapter = LoraDelta(Path(cfg.model.adapter)) if cfg.model.adapter else None
         if cfg.job.num_threads:
             torch.set_num_threads(cfg.job.num_threads)
@@ -152,16 +153,8 @@ class InferJob:
             identity["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
         if prior is not None:
             prior.check(identity)
-        scheme = cfg.compress.scheme
-        hook, unit_extra = weight_hook(
-            engine,
-            None if scheme == "none" else cast(Scheme, scheme),
-            adapter,
-            run_dir / f"weights-{scheme}",
-            f"{identity['model']}:{identity['adapter']}:{scheme}",
-        )
         pinned = prior.pinned if prior is not None else Pinned()
-        plan = _plan(cfg, engine, work, unit_extra, pinned, budget, reserve)
+        hook, plan = _weights_and_plan(cfg, engine, work, adapter, run_dir, identity, pinned)
         chunk_records = pinned.chunk_records or _chunk_records(cfg, plan, work)
         return cls(
             cfg,
@@ -378,24 +371,75 @@ def _identity(
     }
 
 
+def _weights_and_plan(
+    cfg: InferConfig,
+    engine: StreamingCausalLM,
+    work: Work,
+    adapter: LoraDelta | None,
+    run_dir: Path,
+    identity: dict[str, Any],
+    pinned: Pinned,
+) -> tuple[Prepare | None, Plan]:
+    """The reader's weight hook and the memory plan. A budget too small is refused
+    before the compressed copy is written (planned on the copy's predicted sizes, and
+    checked against what writing it holds); the plan is then made on the real sizes,
+    with the runtime measured again."""
+    name = cfg.compress.scheme
+    scheme = None if name == "none" else cast(Scheme, name)
+    budget = parse_size(cfg.memory.budget)
+    predicted = weight_needs(engine, scheme, adapter)
+    reserve = runtime_reserve(cfg.memory.runtime_reserve)
+    _plan(cfg, engine, work, predicted, pinned, budget, reserve)
+    check_setup(budget, reserve, predicted.build)
+    hook, needs = weight_hook(
+        engine,
+        scheme,
+        adapter,
+        run_dir / f"weights-{name}",
+        f"{identity['model']}:{identity['adapter']}:{name}",
+    )
+    reserve = runtime_reserve(cfg.memory.runtime_reserve)
+    return hook, _plan(cfg, engine, work, needs, pinned, budget, reserve)
+
+
+#: What the process adds once its passes run, beyond the plan's buffers and its RSS
+#: when it planned: the kernels' first use (oneDNN primitives, OpenMP), masks and
+#: rotary tables, allocator slack. Measured 7-19 MB over six modes of a 122 MB model,
+#: with 1 and 2 threads (docs/inference.md).
+FIRST_PASS_BYTES = 32 << 20
+#: The measured runtime is rounded up to this, so a rerun plans the same from it.
+_RUNTIME_GRAIN = 8 << 20
+
+
+def runtime_reserve(setting: str) -> int:
+    """The budget's runtime part: the process's RSS now (interpreter, torch, the
+    tokenizer and tokenized input, the model skeleton, an adapter) plus
+    :data:`FIRST_PASS_BYTES`, rounded up; ``setting`` (``memory.runtime_reserve``), if
+    a size, only raises it."""
+    measured = -(-(current_rss() + FIRST_PASS_BYTES) // _RUNTIME_GRAIN) * _RUNTIME_GRAIN
+    return measured if setting == "auto" else max(measured, parse_size(setting))
+
+
 def _plan(
     cfg: InferConfig,
     engine: StreamingCausalLM,
     work: Work,
-    unit_extra: list[int],
+    needs: Needs,
     pinned: Pinned,
     budget: int,
     reserve: int,
 ) -> Plan:
     new = work.most_new_tokens if cfg.generate.mode == "generate" else 0
+    bits = cfg.memory.kv_bits
     return make_plan(
         budget=budget,
         reserve=reserve,
-        unit_bytes=engine.unit_bytes,
-        unit_extra=unit_extra,
-        kv_per_token=kv_bytes_per_token(engine.config, engine.dtype, cfg.memory.kv_bits)
-        if new
-        else 0,
+        unit_bytes=needs.read,
+        unit_extra=needs.extra,
+        unit_prepare=needs.prepare,
+        kv_per_token=kv_bytes_per_token(engine.config, engine.dtype, bits) if new else 0,
+        kv_scratch_per_token=kv_scratch_per_token(engine.config, engine.dtype, bits),
+        sampling=any(c.temperature > 0 or c.logprobs >= 0 for c in work.choices),
         config=engine.config,
         itemsize=engine.dtype.itemsize,
         prompt_lens=[len(s) for seqs in work.seqs for s in seqs] or [1],  # (all errors)

@@ -1,18 +1,24 @@
 """The memory plan: what a budget buys — job batch, micro-batch size, resident layers.
 
-Everything here is arithmetic on the config, the model's unit sizes and the
-input lengths, never on measurements, so the same command always gets the same
-plan (and therefore the same numerics) after a restart.
+Everything here is arithmetic on the config, the model's unit sizes, the input
+lengths and the runtime the job measured when it planned (``reserve``), never on
+measurements taken while it runs, so the same command gets the same plan.
 
-Peak memory = runtime reserve + read-ahead ring + per-slot scratch
-            + activations of one micro-batch + hidden states of the whole batch
-            + KV cache of the whole batch + resident units + slack (1/32 of the
-            budget, taken from the resident set only).
+Peak memory = runtime (the process as it plans, plus what the first pass sets up)
+            + read-ahead ring + what preparing one unit needs on top of its slot
+            (dequantization row blocks, an adapter's ``B @ A`` row blocks)
+            + activations of one forward call (a layer's temporaries with the KV
+            cache handling of one layer, or the head's logits) + hidden states of
+            the whole batch + KV cache of the whole batch + resident units
+            + slack (1/32 of the budget).
 Batching is what turns streaming from hopeless into useful (each decode step
-reads W bytes for B tokens), so the batch is sized first and resident units
-take what is left. The batch is sized against a ring of the costliest unit; the
-ring finally reserved holds the costliest *streamed* unit (none when every unit
-is resident), and what a smaller ring frees goes to the resident set.
+reads W bytes for B tokens), so the batch is sized first, within the budget less
+the slack, and resident units take what is left. The batch is sized against a
+ring of the costliest unit; the ring finally reserved holds the costliest
+*streamed* unit (none when every unit is resident), and what a smaller ring frees
+goes to the resident set. Reading a resident unit that is rebuilt in scratch (cast
+or dequantized) holds its raw bytes for a moment at start; the resident set leaves
+room for that too.
 """
 
 from __future__ import annotations
@@ -45,29 +51,46 @@ def activation_per_token(config: Any, seq_len: int, itemsize: int) -> int:
     return int((4 * d + 3 * ffn) * itemsize + config.num_attention_heads * seq_len * 4)
 
 
+def logit_bytes(itemsize: int, generating: bool, sampling: bool) -> int:
+    """Bytes per vocabulary entry of one row of logits at the head: the lm_head's output
+    and its fp32 copy; scoring adds a log_softmax; sampling (or logprobs) adds the
+    float32 copies of ``sampling.pick`` (the busy and sampled rows, the tempered
+    logits, their full-vocabulary rows and log_softmax: 5 x 4 bytes)."""
+    if not generating:
+        return max(itemsize + 4, 8)
+    return 24 if sampling else itemsize + 4
+
+
 @dataclass(frozen=True)
 class _Activations:
-    """Peak activation bytes of one forward call over ``tokens`` tokens of ``batch``
-    sequences: a layer's temporaries, plus the logits (fp32 and a log_softmax copy) of
-    every scored position, or of one row a sequence when generating."""
+    """Peak bytes of one forward call: a layer's temporaries over its tokens, with one
+    layer's KV cache handled at once per sequence (``kv_scratch``: the copy its
+    update concatenates into, or an 8-bit cache's dequantized K/V), or the head's
+    logits (one row a sequence when generating, every scored position of one
+    sequence when scoring), whichever is larger: the head runs after the layers."""
 
     per_token: int
+    kv_scratch: int  # per sequence
     logit_row: int
-    new_tokens: int
+    generating: bool
+    longest: int
 
     def bytes(self, tokens: int, batch: int) -> int:
-        return (
-            tokens * self.per_token + (tokens if self.new_tokens == 0 else batch) * self.logit_row
-        )
+        if self.generating:  # decode feeds every sequence of the batch in one call
+            layer = max(tokens, batch) * self.per_token + batch * self.kv_scratch
+            return max(layer, batch * self.logit_row)
+        return max(tokens * self.per_token, self.longest * self.logit_row)
 
 
 @dataclass(frozen=True)
 class _Costs:
-    """Bytes each unit holds when resident (``held``) and in a ring slot (``slot``: raw
-    bytes plus scratch), and the read-ahead depth."""
+    """Bytes each unit holds when resident (``held``), in a ring slot (``slot``: raw
+    bytes plus scratch), and for a moment while it is read as a resident unit whose
+    raw bytes are then dropped (``load``: those raw bytes; 0 when they are kept)."""
 
     held: list[int]
     slot: list[int]
+    load: list[int]
     depth: int
 
     def ring(self, streamed: list[int]) -> int:
@@ -80,13 +103,40 @@ class _Costs:
     def streamed(self, resident: list[int]) -> list[int]:
         return [i for i in range(len(self.held)) if i not in resident]
 
+    def starting(self, resident: list[int]) -> int:
+        """Peak while the resident units are read at start (nothing else is yet)."""
+        return sum(self.held[i] for i in resident) + max(
+            (self.load[i] for i in resident), default=0
+        )
+
 
 def _unit_costs(
     unit_bytes: list[int], unit_extra: list[int], raw_kept: list[bool] | None, depth: int
 ) -> _Costs:
     slot = [b + e for b, e in zip(unit_bytes, unit_extra)]
     keep = raw_kept if raw_kept is not None else [True] * len(unit_bytes)
-    return _Costs([c if k else e for c, k, e in zip(slot, keep, unit_extra)], slot, depth)
+    held = [c if k else e for c, k, e in zip(slot, keep, unit_extra)]
+    load = [0 if k else b for b, k in zip(unit_bytes, keep)]
+    return _Costs(held, slot, load, depth)
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """What the plan takes before the batch: runtime, one unit's preparation, slack."""
+
+    budget: int
+    runtime: int
+    prepare: int
+
+    @property
+    def slack(self) -> int:
+        # What the arithmetic does not see (allocator fragmentation, per-thread
+        # buffers); reserved even when the batch fills the budget.
+        return self.budget // 32
+
+    @property
+    def room(self) -> int:
+        return self.budget - self.runtime - self.prepare - self.slack
 
 
 def make_plan(
@@ -107,58 +157,98 @@ def make_plan(
     pinned_batch: int | None = None,
     pinned_micro: int | None = None,
     raw_kept: list[bool] | None = None,
+    unit_prepare: list[int] | None = None,
+    kv_scratch_per_token: int = 0,
+    sampling: bool = False,
 ) -> Plan:
     """Size the job batch, then the prefill micro-batches, then the resident set.
 
-    ``unit_extra[i]`` is the scratch unit ``i`` needs once read (its dequantized
-    weights with compression): every ring slot needs the largest, and a resident
-    unit keeps its own, and its raw bytes only where ``raw_kept[i]`` (some of its
-    tensors are views into them; default: all). ``pinned_*`` come from a previous
-    attempt of the same job (run.json): the numerics must not change on resume, so
-    they are honoured or the plan fails.
+    ``unit_extra[i]``: the scratch unit ``i`` needs once read (dequantized or cast
+    weights); a resident unit keeps its raw bytes only where ``raw_kept[i]``.
+    ``unit_prepare[i]``: what preparing it takes on top, for a moment.
+    ``kv_scratch_per_token``: see :func:`shoestring.infer.engine.kv_scratch_per_token`;
+    ``sampling``: some sequence samples or wants logprobs. ``pinned_*``: from an
+    earlier attempt (run.json), honoured or the plan fails (the numerics must not change).
     """
     longest = max(prompt_lens) if prompt_lens else 1
-    seq = longest + new_tokens
     costs = _unit_costs(unit_bytes, unit_extra, raw_kept, depth)
     ring = costs.ring(list(range(len(unit_bytes))))  # before the resident set is known
-    act = _Activations(
-        activation_per_token(config, seq, itemsize), config.vocab_size * 8, new_tokens
+    act, per_seq = _per_call_and_per_seq(
+        config, itemsize, longest, new_tokens, kv_per_token, kv_scratch_per_token, sampling
     )
-    per_seq = seq * kv_per_token + seq * config.hidden_size * itemsize
-    room = budget - reserve - ring
-    one = act.bytes(longest, 1)
-    if room < per_seq + one:
-        raise _too_small(budget, reserve, ring, one, per_seq)
-    batch = _batch_size(int((room - one) // per_seq), want_batch, len(prompt_lens), pinned_batch)
+    fixed = _Fixed(budget, reserve, max(unit_prepare or [0], default=0))
+    room = fixed.room - ring
+    if room < per_seq + act.bytes(longest, 1):
+        raise _too_small(fixed, ring, act.bytes(longest, 1), per_seq)
+    if pinned_batch is None:
+        fits = _most_that_fit(act, per_seq, longest, room, want_batch)
+    else:  # a rerun may use the slack too: its measured runtime can differ a little
+        fits = _most_that_fit(act, per_seq, longest, room + fixed.slack, pinned_batch)
+    batch = _batch_size(fits, want_batch, len(prompt_lens), pinned_batch)
     left = room - batch * per_seq
     micro = pinned_micro or _micro_tokens(act, micro_tokens, batch, longest, left)
     left -= act.bytes(micro, batch)
-    # What the arithmetic above does not see (allocator fragmentation, per-thread
-    # buffers, the stacking of KV caches after the prefill) measured tens of MB over a
-    # 1.54 GB plan (docs/inference.md); only the resident set pays for the margin, so
-    # batch and micro sizes (the numerics) do not depend on it.
-    slack = budget // 32
-    resident, ring = _resident_and_ring(unit_bytes, costs, left - slack + ring, want_resident)
+    resident, ring = _resident_and_ring(unit_bytes, costs, left + ring, fixed.room, want_resident)
     parts = {
         "runtime": reserve,
         "read_ahead": ring,
+        "prepare": fixed.prepare,
         "activations": act.bytes(micro, batch),
         "kv_and_hidden": batch * per_seq,
         "resident": sum(costs.held[i] for i in resident),
-        "slack": slack,
+        "slack": fixed.slack,
     }
     return Plan(batch, micro, tuple(sorted(resident)), depth, budget, parts)
 
 
-def _too_small(budget: int, reserve: int, ring: int, act: int, per_seq: int) -> ConfigError:
-    need = reserve + ring + per_seq + act
-    return ConfigError(
-        f"memory.budget: {budget / 1e9:.2f} GB is too small for this model "
-        f"and input: one sequence needs {need / 1e9:.2f} GB (runtime "
-        f"{reserve / 1e9:.2f} + read-ahead {ring / 1e9:.2f} + activations "
-        f"{act / 1e9:.3f} + KV {per_seq / 1e9:.3f}); lower "
-        "memory.prefetch_depth or raise the budget"
+def _per_call_and_per_seq(
+    config: Any,
+    itemsize: int,
+    longest: int,
+    new_tokens: int,
+    kv_per_token: int,
+    kv_scratch_per_token: int,
+    sampling: bool,
+) -> tuple[_Activations, int]:
+    """The activations of one forward call, and what each sequence of the batch holds
+    (KV cache and hidden states at its longest)."""
+    seq = longest + new_tokens
+    act = _Activations(
+        activation_per_token(config, seq, itemsize),
+        seq * kv_scratch_per_token if new_tokens else 0,
+        config.vocab_size * logit_bytes(itemsize, new_tokens > 0, sampling),
+        new_tokens > 0,
+        longest,
     )
+    return act, seq * kv_per_token + seq * config.hidden_size * itemsize
+
+
+def _most_that_fit(act: _Activations, per_seq: int, longest: int, room: int, most: int) -> int:
+    """The largest batch (at most ``most``) whose KV cache, hidden states and smallest
+    micro-batch's activations fit in ``room``; 0 if not even one does."""
+    lo, hi = 0, max(most, 1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid * per_seq + act.bytes(longest, mid) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _too_small(fixed: _Fixed, ring: int, act: int, per_seq: int) -> ConfigError:
+    need = fixed.runtime + ring + fixed.prepare + act + per_seq + fixed.slack
+    return ConfigError(
+        f"memory.budget: {fixed.budget / 1e9:.2f} GB is too small for this model "
+        f"and input: one sequence needs {need / 1e9:.2f} GB ({_mb(fixed.runtime)} MB "
+        f"runtime + {_mb(ring)} MB read-ahead + {_mb(fixed.prepare)} MB preparing a unit "
+        f"+ {_mb(act)} MB activations + {_mb(per_seq)} MB KV cache and hidden states + "
+        f"{_mb(fixed.slack)} MB slack); lower memory.prefetch_depth or raise the budget"
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f}"
 
 
 def _batch_size(fits: int, want: int, n_seqs: int, pinned: int | None) -> int:
@@ -185,10 +275,11 @@ def _micro_tokens(act: _Activations, want: int, batch: int, longest: int, left: 
 
 
 def _resident_and_ring(
-    unit_bytes: list[int], costs: _Costs, room: int, want: int
+    unit_bytes: list[int], costs: _Costs, room: int, start_room: int, want: int
 ) -> tuple[list[int], int]:
     """The resident set that saves the most bytes per pass, and the ring its streamed
-    units need, together within ``room`` (``want`` as in :func:`_resident_set`).
+    units need, together within ``room`` (``want`` as in :func:`_resident_set`), and
+    read at start within ``start_room``.
 
     The ring holds the costliest streamed unit, so keeping the ``k`` costliest units
     resident shrinks it (a large embedding: by ``depth`` + 1 of them). Each ``k`` is
@@ -200,13 +291,16 @@ def _resident_and_ring(
             break
         forced, rest = by_cost[:k], by_cost[k:]
         spare = room - costs.ring(rest) - sum(costs.held[i] for i in forced)
-        if spare < 0:
+        if spare < 0 or costs.starting(forced) > start_room:
             continue
         more = _resident_set(unit_bytes, costs.held, spare, want - k if want > 0 else want, rest)
         resident = sorted(forced + more, key=lambda i: (-unit_bytes[i], -i))
+        while costs.starting(resident) > start_room:
+            resident.pop()  # the smallest: a raw buffer read at start does not fit
+        ring = costs.ring(costs.streamed(resident))
         saved = sum(unit_bytes[i] for i in resident)
-        if saved > best[0]:
-            best = (saved, resident, costs.ring(costs.streamed(resident)))
+        if saved > best[0] and ring + sum(costs.held[i] for i in resident) <= room:
+            best = (saved, resident, ring)
     return best[1], best[2]
 
 
@@ -225,3 +319,16 @@ def _resident_set(
             left -= held[i]
             resident.append(i)
     return resident
+
+
+def check_setup(budget: int, reserve: int, build: int) -> None:
+    """Refuse a budget that cannot hold writing the compressed copy (``build`` bytes at
+    its peak, beyond the runtime ``reserve``) with the slack."""
+    need = reserve + build + budget // 32
+    if build and need > budget:
+        raise ConfigError(
+            f"memory.budget: {budget / 1e9:.2f} GB is too small to write the compressed "
+            f"copy of this model: it needs {need / 1e9:.2f} GB ({_mb(reserve)} MB runtime "
+            f"+ {_mb(build)} MB for one layer read, compressed and serialized + "
+            f"{_mb(budget // 32)} MB slack); raise the budget"
+        )

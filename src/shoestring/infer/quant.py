@@ -16,14 +16,22 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shoestring.checkpoint.local import replace_dir
 from shoestring.fsio import fsync_dir
-from shoestring.infer.codecs import Scheme, dequantize, quantize
-from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.codecs import (
+    GROUP,
+    QUANTIZE_SCRATCH,
+    Scheme,
+    dequantize,
+    dequantize_scratch,
+    quantize,
+)
+from shoestring.infer.engine import StreamingCausalLM, trim_heap
 from shoestring.infer.shards import (
     ShardReader,
     TensorRef,
@@ -72,6 +80,8 @@ def build_compressed(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        trim_heap()  # its freed blocks would otherwise stay resident through the run
     return dest
 
 
@@ -82,7 +92,7 @@ def _write_layers(
     from safetensors.torch import save_file
 
     reader = ShardReader()
-    buf = aligned_empty(max(u.plan.nbytes for u in engine.units))
+    buf = aligned_empty(max(u.plan.nbytes for u in engine.units if u.name.startswith("layers.")))
     try:
         for unit in engine.units:
             if not unit.name.startswith("layers."):
@@ -118,6 +128,50 @@ def _compress_unit(
         else:
             out[ref.key] = t.clone()
     return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What streaming a compressed copy takes, per unit, known before it is written."""
+
+    read: list[int]  # bytes of each unit's tensors as streamed
+    scratch: list[int]  # its dequantized weights, in slot scratch
+    temps: list[int]  # what dequantizing it takes on top, for a moment
+    build: int  # what writing the copy holds at once (without a transform's temporaries)
+
+
+def compressed_layout(engine: StreamingCausalLM, scheme: Scheme) -> Layout:
+    """The layout of ``engine``'s decoder layers compressed with ``scheme`` (from the
+    original tensors' shapes; call it before :func:`use_compressed` repoints them).
+    A layer's scratch includes its other tensors' casts to the compute dtype; other
+    units' casts are not in it (:meth:`StreamingCausalLM.cast_bytes`)."""
+    n = len(engine.units)
+    read, scratch, temps = [u.plan.nbytes for u in engine.units], [0] * n, [0] * n
+    raw = unit = part = 0
+    for i, u in enumerate(engine.units):
+        if not u.name.startswith("layers."):
+            continue
+        read[i] = 0
+        for r in u.refs:
+            packed = _packed_bytes(r, scheme) if _compressible(r.key, r) else r.nbytes
+            read[i] += packed
+            part = max(part, packed)
+            if _compressible(r.key, r) or (r.dtype.is_floating_point and r.dtype != engine.dtype):
+                scratch[i] += engine.dtype.itemsize * _numel(r.shape)  # dequantized, or cast
+            if _compressible(r.key, r):
+                code = "q4" if scheme == "nf4" and r.shape[-1] % GROUP == 0 else "q8"
+                temps[i] = max(temps[i], dequantize_scratch(r.shape, code, engine.dtype))
+        raw, unit = max(raw, u.plan.nbytes), max(unit, read[i])
+    # One layer read, its copy built (the row blocks' parts and their concatenation
+    # beside it) and serialized by save_file (a second copy).
+    return Layout(read, scratch, temps, raw + 2 * unit + 2 * part + QUANTIZE_SCRATCH)
+
+
+def _packed_bytes(ref: TensorRef, scheme: Scheme) -> int:
+    rows, cols = ref.shape[0], ref.shape[-1]
+    if scheme == "nf4" and cols % GROUP == 0:
+        return rows * cols // 2 + rows * (cols // GROUP) * 4
+    return rows * cols + rows * 4
 
 
 def use_compressed(engine: StreamingCausalLM, src: Path) -> tuple[Prepare, list[int]]:

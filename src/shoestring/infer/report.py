@@ -13,7 +13,32 @@ from shoestring.infer.plan import Plan
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The process's peak resident set: Linux's ``VmHWM`` (``ru_maxrss`` elsewhere).
+
+    Not ``ru_maxrss`` on Linux: a process keeps through ``exec`` the high-water mark of
+    the parent it was forked from, so a job started by a big parent (a test, a Python
+    orchestrator) would report that parent's peak as its own."""
+    hwm = _proc_status("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss() -> int:
+    """The process's resident set now (Linux ``VmRSS``; elsewhere its peak so far,
+    which is never less)."""
+    rss = _proc_status("VmRSS")
+    return rss if rss is not None else peak_rss()
+
+
+def _proc_status(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status``, in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class Progress:
@@ -105,6 +130,7 @@ def summary(
     # The bandwidth roofline of a pass is its streamed bytes at the read rate we
     # measured ourselves; the fraction says how much of the pass time it explains.
     roof = (stats.passes * streamed / bw) if bw else 0.0
+    peak = peak_rss()
     return {
         "prompts": stats.prompts,
         "tokens": stats.tokens,
@@ -123,8 +149,9 @@ def summary(
         "read_bytes_per_s": round(bw),
         "io_wait_s": round(st.wait_s, 3) if st else 0.0,
         "roofline_pct": round(100 * roof / stats.pass_s, 1) if stats.pass_s else 0.0,
-        "peak_rss_bytes": peak_rss(),
+        "peak_rss_bytes": peak,
         "budget_bytes": plan.budget,
+        "over_budget_bytes": max(0, peak - plan.budget),
         "resident_units": len(plan.resident),
         "batch_size": plan.batch_size,
     }
@@ -142,3 +169,10 @@ def print_summary(s: dict[str, Any], output: Path, stream: TextIO) -> None:
         f"budget; {s['resident_units']} units resident; batch {s['batch_size']}",
         file=stream,
     )
+    if s["over_budget_bytes"] > 0:
+        print(
+            f"  WARNING: peak RSS exceeded the memory budget by "
+            f"{s['over_budget_bytes'] / 1e6:,.1f} MB; lower memory.batch_size or raise "
+            "memory.runtime_reserve (the plan is in OUTPUT.run/events.jsonl, infer_start)",
+            file=stream,
+        )

@@ -1,8 +1,10 @@
 """What the reader thread does to a unit's tensors before compute: dequantize the
-compressed copy of the decoder layers, merge a LoRA adapter, or both."""
+compressed copy of the decoder layers, merge a LoRA adapter, or both; and what that
+takes in memory, per unit, for the plan."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -10,8 +12,74 @@ import torch
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.codecs import Scheme
 from shoestring.infer.engine import StreamingCausalLM
-from shoestring.infer.quant import build_compressed, use_compressed
+from shoestring.infer.quant import Layout, build_compressed, compressed_layout, use_compressed
 from shoestring.infer.stream import Prepare, Slot
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the weights take in memory, per unit, beyond the runtime."""
+
+    read: list[int]  # bytes streamed
+    extra: list[int]  # slot scratch: dequantized weights, casts to the compute dtype
+    prepare: list[int]  # temporaries while it is prepared (dequantization, an adapter)
+    build: int = 0  # writing the compressed copy, at its peak (0: nothing to write)
+
+
+def weight_needs(
+    engine: StreamingCausalLM, scheme: Scheme | None, adapter: LoraDelta | None
+) -> Needs:
+    """What :func:`weight_hook` will give, known before anything is read or written."""
+    if adapter is not None:  # an adapted lm_head is no longer the embedding's tensor
+        engine.untie(set(adapter.pairs))
+    n = len(engine.units)
+    layout = (
+        compressed_layout(engine, scheme)
+        if scheme is not None
+        else Layout(engine.unit_bytes, [0] * n, [0] * n, 0)
+    )
+    compressed = scheme is not None
+    layers = [compressed and u.name.startswith("layers.") for u in engine.units]
+    return Needs(
+        layout.read,
+        [x + (0 if layers[i] else engine.cast_bytes(i)) for i, x in enumerate(layout.scratch)],
+        [t + _merge_scratch(engine, i, adapter, compressed) for i, t in enumerate(layout.temps)],
+        layout.build + _merge_in_copy(engine, adapter) if compressed else 0,
+    )
+
+
+def _merge_scratch(
+    engine: StreamingCausalLM, i: int, adapter: LoraDelta | None, compressed: bool
+) -> int:
+    """The adapter's row-block temporaries while unit ``i`` is prepared (none for a
+    compressed decoder layer: its copy has the adapter merged already)."""
+    if adapter is None or (compressed and engine.units[i].name.startswith("layers.")):
+        return 0
+    return max((adapter.scratch(r.key, r.shape, r.dtype) for r in engine.units[i].refs), default=0)
+
+
+def _merge_in_copy(engine: StreamingCausalLM, adapter: LoraDelta | None) -> int:
+    """What merging the adapter into a decoder layer's weight takes while the compressed
+    copy is written: the weight as an fp32 copy and a row block of the product."""
+    if adapter is None:
+        return 0
+    return max(
+        (
+            4 * _numel(r.shape) + adapter.scratch(r.key, r.shape, torch.float32)
+            for u in engine.units
+            if u.name.startswith("layers.")
+            for r in u.refs
+            if r.key in adapter.pairs
+        ),
+        default=0,
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def weight_hook(
@@ -20,26 +88,28 @@ def weight_hook(
     adapter: LoraDelta | None,
     compressed_dir: Path,
     source_id: str,
-) -> tuple[Prepare | None, list[int]]:
-    """The ``prepare`` hook for ``engine`` (None: use the tensors as read), and the scratch
-    bytes each unit needs for it, including casts to the compute dtype.
+) -> tuple[Prepare | None, Needs]:
+    """The ``prepare`` hook for ``engine`` (None: use the tensors as read), and what the
+    weights take per unit (:class:`Needs`).
 
     With ``scheme`` the decoder layers are compressed once into ``compressed_dir``
     (kept while ``source_id`` names the same model, adapter and scheme; the adapter is
     merged into the copy) and streamed from there."""
+    needs = weight_needs(engine, scheme, adapter)
     hook: Prepare | None = None
-    if adapter is not None:  # an adapted lm_head is no longer the embedding's tensor
-        engine.untie(set(adapter.pairs))
     extra = [0] * len(engine.units)
     if scheme is not None:
-        merge = (lambda k, t: adapter.merge_(k, t.float().clone())) if adapter else None
+        merge = (
+            (lambda k, t: adapter.merge_(k, t.to(torch.float32, copy=True))) if adapter else None
+        )
         dest = build_compressed(engine, compressed_dir, scheme, source_id, merge)
         hook, extra = use_compressed(engine, dest)
         if adapter is not None:  # layers are merged in the copy; embed/head still need it
             hook = _merged_outside_layers(hook, adapter, engine)
     elif adapter is not None:
         hook = _merged(adapter)
-    return hook, [x + engine.cast_bytes(i) for i, x in enumerate(extra)]
+    cast = [x + engine.cast_bytes(i) for i, x in enumerate(extra)]
+    return hook, Needs(engine.unit_bytes, cast, needs.prepare, needs.build)
 
 
 def _merged(adapter: LoraDelta) -> Prepare:
