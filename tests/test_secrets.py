@@ -5,7 +5,6 @@ still the ones used to connect (the checkpoints reach the store, the webhook is 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -46,7 +45,10 @@ TOKEN = "PLANTEDsecretTOKEN42"
         (f"https://hooks.slack.com/services/T0/B0/{TOKEN}", "https://hooks.slack.com/***"),
         (f"https://discord.com/api/webhooks/1/{TOKEN}", "https://discord.com/***"),
         (f"http://127.0.0.1:9/my-hook/{TOKEN}", "http://127.0.0.1:9/***"),
-        (f"https://x.org/cb#access_token={TOKEN}&state=1", "https://x.org/cb#access_token=***&state=1"),
+        (
+            f"https://x.org/cb#access_token={TOKEN}&state=1",
+            "https://x.org/cb#access_token=***&state=1",
+        ),
     ],
 )
 def test_redact_url(url: str, want: str) -> None:
@@ -111,9 +113,7 @@ def _closed_port() -> int:
 
 
 @pytest.mark.e2e
-def test_no_planted_secret_in_any_file_or_log_of_a_supervised_run(
-    cli: CLI, tmp_path: Path
-) -> None:
+def test_no_planted_secret_in_any_file_or_log_of_a_supervised_run(cli: CLI, tmp_path: Path) -> None:
     """``shoestring run`` with a webhook whose path is its token (the port is closed, so
     the post fails and is logged) over ``finetune`` publishing to a storage URL with a
     signature; a hang of step 6 makes a verdict, an alarm and a restart. Then no file
@@ -136,7 +136,11 @@ def test_no_planted_secret_in_any_file_or_log_of_a_supervised_run(
     # The live values were used: checkpoints reached the store, the webhook was tried.
     assert any(p.name == "manifest.json" for p in tmp_path.glob("store*/step-*/*"))
     assert "alert webhook http://127.0.0.1:" in r.stderr and "failed after" in r.stderr
-    leaks = [f"stdout/stderr: {s[max(s.find(TOKEN) - 80, 0):][:160]!r}" for s in (r.stdout, r.stderr) if TOKEN in s]
+    leaks = [
+        f"stdout/stderr: {s[max(s.find(TOKEN) - 80, 0) :][:160]!r}"
+        for s in (r.stdout, r.stderr)
+        if TOKEN in s
+    ]
     for p in sorted(out.rglob("*")):
         if TOKEN in p.name:
             leaks.append(f"name: {p}")
@@ -146,3 +150,16 @@ def test_no_planted_secret_in_any_file_or_log_of_a_supervised_run(
             if at >= 0:
                 leaks.append(f"{p.relative_to(out)}: {data[max(at - 80, 0) : at + 40]!r}")
     assert not leaks, "\n".join(leaks)
+
+
+def test_webhook_from_the_environment() -> None:
+    from shoestring.supervise.config import RunConfig
+    from shoestring.supervise.supervisor import SupervisorConfig
+
+    url = f"https://hooks.slack.com/services/{TOKEN}"
+    env = {"SHOESTRING_ALERT_WEBHOOK": url}
+    assert SupervisorConfig.from_run(RunConfig(), env).webhook == url
+    assert SupervisorConfig.from_run(RunConfig(alert_webhook="http://a/h"), env).webhook == (
+        "http://a/h"
+    )
+    assert SupervisorConfig.from_run(RunConfig(), {}).webhook is None

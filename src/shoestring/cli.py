@@ -86,6 +86,8 @@ environment (read here only):
                      (default ~/.cache/shoestring)
   SHOESTRING_FAULTS  fault injection for tests, e.g. ckpt.before_rename@2:kill or
                      step.end@6:kill:rank1:once (only rank 1; once per output_dir)
+  SHOESTRING_ALERT_WEBHOOK  run: the alert webhook when --alert-webhook is not given
+                     (keeps its token out of job scripts; docs/security.md)
   RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT   set by torchrun: run as one rank
   SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_JOB_NODELIST   the same under srun
 """

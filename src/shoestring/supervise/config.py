@@ -122,7 +122,9 @@ class RunConfig:
     prometheus_addr: str = knob("127.0.0.1", "Address the Prometheus endpoint binds to.")
     alert_webhook: str = knob(
         "",
-        "POST every alarm as JSON (Slack-compatible 'text' field) to this URL (empty: none).",
+        "POST every alarm as JSON (Slack-compatible 'text' field) to this URL (empty: "
+        "$SHOESTRING_ALERT_WEBHOOK, else none; the environment keeps its token out of job "
+        "scripts). Logs and records name only its host.",
         check=_http_url,
     )
     job_id: str = knob(

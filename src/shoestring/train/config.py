@@ -264,7 +264,9 @@ class CheckpointConfig:
         "",
         "Where checkpoints are published: a local path or an fsspec URL "
         "(s3://bucket/prefix, gs://...). Empty: OUTPUT/checkpoints only. "
-        "OUTPUT/checkpoints is always the local cache.",
+        "OUTPUT/checkpoints is always the local cache. Credentials: preferably from the "
+        "environment or fsspec's config (docs/security.md); one in the URL is used but "
+        "redacted wherever the URL is written.",
     )
     async_mode: AsyncMode = knob(
         "thread",
