@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -119,6 +120,40 @@ def hold(root: Path, what: str) -> Iterator[None]:
         if created:
             _remove_if_unused(root)
         os.close(fd)  # releases the lock
+
+
+def require_writable(root: Path) -> None:
+    """Refuse (:class:`ConfigError`, naming the path) a run directory the job could not
+    write into — a read-only mount, a folder without write permission, an event log it
+    cannot append to — when the job starts, not at its first save. Probes the directory,
+    each folder in it that a run writes into (``checkpoints/``, ``ranks/`` and the rank
+    folders, exports; not hidden ones) and every event log, with a temp file each."""
+    subdirs = [p for p in sorted(root.iterdir()) if _is_run_folder(p)]
+    if (root / "ranks").is_dir():
+        subdirs += [p for p in sorted((root / "ranks").iterdir()) if _is_run_folder(p)]
+    for folder in [root, *subdirs]:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(
+                f"{folder}: cannot be written ({e.strerror or e}); the run directory must be "
+                "writable"
+            ) from None
+    for log in RunDir(root).event_files():
+        try:
+            if log.exists():
+                os.close(os.open(log, os.O_WRONLY | os.O_APPEND))
+        except OSError as e:
+            raise ConfigError(
+                f"{log}: cannot be appended to ({e.strerror or e}); the run directory must be "
+                "writable"
+            ) from None
+
+
+def _is_run_folder(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink() and not p.name.startswith(".")
 
 
 def _remove_if_unused(root: Path) -> None:
