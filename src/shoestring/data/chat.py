@@ -75,7 +75,11 @@ def load_template(path: str) -> str:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{path}: no such file (data.chat_template)")
-    source = p.read_text(encoding="utf-8")
+    try:
+        source = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = p.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: data.chat_template is not UTF-8 text ({e.reason})") from e
     env = ImmutableSandboxedEnvironment(
         extensions=["jinja2.ext.loopcontrols", _generation_tag_extension()]
     )

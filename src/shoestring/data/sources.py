@@ -334,6 +334,30 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8-sig")
 
 
+def _first_undecodable(path: Path) -> tuple[int, int, str] | None:
+    """Where ``path`` (decompressed) first stops being UTF-8: ``(line, byte offset,
+    reason)``. Line by line, so memory is one line: no UTF-8 sequence holds a newline byte."""
+    offset = 0
+    with gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return n, offset + e.start, e.reason
+            offset += len(raw)
+    return None
+
+
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> DataError:
+    """The one-line error for a file that is not UTF-8, naming the line of the first bad
+    byte (the text reader decodes ahead in blocks, so its position says nothing)."""
+    found = _first_undecodable(path)
+    if found is None:
+        return DataError(f"{path}: not UTF-8 text ({e.reason})")
+    line, offset, reason = found
+    return DataError(f"{path}:{line}: not UTF-8 text ({reason} at byte {offset} of the file)")
+
+
 def _json_line(line: str, where: str) -> Any:
     try:
         return json.loads(line)
@@ -342,19 +366,21 @@ def _json_line(line: str, where: str) -> Any:
 
 
 def _jsonl_rows(path: Path) -> Rows:
-    n = 0
     try:
         with _open_text(path) as f:
             for n, line in enumerate(f, start=1):
                 if line.strip():
                     yield f"{path}:{n}", _json_line(line.rstrip("\r\n"), f"{path}:{n}")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{n + 1}: not UTF-8 text ({e.reason})") from e
+        raise _not_utf8(path, e) from e
 
 
 def _json_rows(path: Path) -> Rows:
-    with _open_text(path) as f:
-        text = f.read()
+    try:
+        with _open_text(path) as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from e
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -391,6 +417,8 @@ def _csv_rows(path: Path) -> Rows:
                 yield f"{path}:row {n}", {k: v for k, v in row.items() if k is not None}
     except csv.Error as e:
         raise DataError(f"{path}:row {n + 1}: invalid CSV: {e}") from e
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from e
 
 
 _FILE_ROWS: Mapping[SourceKind, Callable[[Path], Rows]] = MappingProxyType(
