@@ -20,7 +20,9 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
 
 from shoestring.data.chat import encode_with_offsets, label_tokens, render_chats, require_fast
 from shoestring.data.records import (
@@ -36,6 +38,12 @@ from shoestring.proc import die_with_parent
 
 #: Records per unit of work: ``should_stop`` is polled and progress shown per chunk.
 CHUNK = 1024
+#: A text piece (a text, a prompt, a completion, a rendered conversation) of at most this
+#: many characters per token of ``data.max_length`` (+ :data:`SLACK`) is tokenized whole.
+CHARS_PER_TOKEN = 8
+#: Tokens past ``data.max_length`` that a cut piece must still give, so that the place of
+#: the cut cannot change the tokens truncation keeps.
+SLACK = 64
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,71 @@ class TokenizeStats:
 
 
 ChunkResult = tuple[list[Example], TokenizeStats]
+#: A conversation's token ids and each token's ``(start, end)`` characters.
+Encoding = tuple[list[int], np.ndarray]
+E = TypeVar("E")
 ChunkResults = Generator[ChunkResult, None, None]
+
+
+# --------------------------------------------------------------------------- long pieces
+#
+# Tokenizing a 50 MB line whole takes ~10 GB (ids, offsets and the tokenizer's own
+# structures per character) to keep 2048 of its tokens. A piece longer than
+# CHARS_PER_TOKEN * (max_length + SLACK) characters is tokenized in growing cuts instead
+# — its first characters (its last ones for data.truncate=left), doubled until the cut
+# gives max_length + SLACK tokens or is the whole piece. A piece that short of tokens is
+# tokenized whole, as before; a longer one is over max_length however it ends, and
+# truncation keeps tokens that lie SLACK tokens before the cut. Memory per record is
+# then bounded by max_length, not by the record.
+
+
+def _first_cut(spec: TokenizeSpec) -> int:
+    return CHARS_PER_TOKEN * (spec.max_length + SLACK)
+
+
+def _bounded(
+    text: str, spec: TokenizeSpec, encode_one: Callable[[str], E], size: Callable[[E], int]
+) -> tuple[E, int]:
+    """``encode_one`` of ``text``, or of the shortest doubling cut of it that gives
+    ``max_length + SLACK`` tokens (``size`` counts them); and where in ``text`` the
+    encoded part starts."""
+    want, n = spec.max_length + SLACK, _first_cut(spec)
+    while n < len(text):
+        start = len(text) - n if spec.truncate == "left" else 0
+        encoded = encode_one(text[start : start + n])
+        if size(encoded) >= want:
+            return encoded, start
+        n *= 2
+    return encode_one(text), 0
+
+
+def _encode_pieces(tok: Any, texts: list[str], spec: TokenizeSpec) -> list[list[int]]:
+    """:func:`encode_many`, the pieces too long to matter whole cut first."""
+    limit = _first_cut(spec)
+    whole = iter(encode_many(tok, [t for t in texts if len(t) <= limit]))
+    return [
+        next(whole)
+        if len(t) <= limit
+        else _bounded(t, spec, lambda c: encode_many(tok, [c])[0], len)[0]
+        for t in texts
+    ]
+
+
+def _encode_chats(tok: Any, texts: list[str], spec: TokenizeSpec) -> list[Encoding]:
+    """:func:`encode_with_offsets` per rendered conversation (offsets into the whole
+    text), the conversations too long to matter whole cut first."""
+    limit = _first_cut(spec)
+    whole = iter(encode_with_offsets(tok, [t for t in texts if len(t) <= limit]))
+    out: list[Encoding] = []
+    for t in texts:
+        if len(t) > limit:
+            (ids, offsets), start = _bounded(
+                t, spec, lambda c: next(iter(encode_with_offsets(tok, [c]))), lambda e: len(e[0])
+            )
+            out.append((ids, offsets + start))
+        else:
+            out.append(next(whole))
+    return out
 
 
 # --------------------------------------------------------------------------- one chunk
@@ -103,7 +175,7 @@ def _chat_examples(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> I
         return iter(())
     require_fast(tok)
     rendered = render_chats(records, tok, spec)
-    encoded = encode_with_offsets(tok, [c.text for c in rendered])
+    encoded = _encode_chats(tok, [c.text for c in rendered], spec)
     return (
         Example(ids, label_tokens(ids, offsets, c.spans))
         for (ids, offsets), c in zip(encoded, rendered, strict=True)
@@ -113,7 +185,7 @@ def _chat_examples(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> I
 def _untruncated(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> list[Example]:
     """Examples of a chunk in order, encoded in one batch per kind of record."""
     plain = [r for r in records if r.kind != "chat"]
-    pieces = iter(encode_many(tok, [p for r in plain for p in _plain_pieces(r)]))
+    pieces = iter(_encode_pieces(tok, [p for r in plain for p in _plain_pieces(r)], spec))
     chats = _chat_examples([r for r in records if r.kind == "chat"], tok, spec)
     sp = specials(tok) if plain else Specials((), (), None)
     return [next(chats) if r.kind == "chat" else _plain_example(r, pieces, sp) for r in records]
