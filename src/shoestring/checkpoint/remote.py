@@ -17,7 +17,13 @@ from typing import Any
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.local import parse_step, replace_dir, step_dirname
-from shoestring.checkpoint.manifest import MANIFEST, CorruptCheckpoint, Manifest, verify_dir
+from shoestring.checkpoint.manifest import (
+    MANIFEST,
+    CorruptCheckpoint,
+    Manifest,
+    check_name,
+    verify_dir,
+)
 from shoestring.fsio import fsync_dir
 
 
@@ -84,6 +90,12 @@ class RemoteStore:
         except FileNotFoundError as e:
             raise CorruptCheckpoint(f"{where}: missing") from e
         return Manifest.from_json(text, where)
+
+    def read_bytes(self, step: int, name: str) -> bytes:
+        """One file of checkpoint ``step`` (a small one: it is read whole)."""
+        where = self._p(step_dirname(step), check_name(name, self.url))
+        with self.fs.open(where, "rb") as f:
+            return bytes(f.read())
 
     def publish(self, local_dir: Path, manifest: Manifest, faults: FaultPlan = NO_FAULTS) -> None:
         """Upload a locally committed checkpoint; the manifest goes last."""

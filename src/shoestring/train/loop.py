@@ -27,6 +27,7 @@ from shoestring.train.evaluate import eval_loss, exact_match
 from shoestring.train.model import model_summary
 from shoestring.train.progress import ProgressDisplay
 from shoestring.train.resume import resume
+from shoestring.train.resumecheck import check_resume
 from shoestring.train.run import Inputs, RunOptions, open_run
 from shoestring.train.saves import SavePolicy
 from shoestring.train.step import train_step
@@ -65,6 +66,10 @@ def _one_job(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[None]:
 
 def _finetune(cfg: FinetuneConfig, opts: RunOptions) -> int:
     inputs = Inputs.prepare(cfg, opts.dist, opts.cache_dir)
+    # Refuses before the run directory is touched or any weights load (rank 0 also
+    # checks a named checkpoint's hashes, as the load does).
+    deep = cfg.checkpoint.verify and opts.dist.rank == 0
+    check_resume(cfg, opts.resume, inputs.remote, opts.cache_dir, deep=deep)
     with open_run(cfg, opts, inputs.remote) as run:
         try:
             with run.rec.phase("setup"):
