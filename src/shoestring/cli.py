@@ -19,7 +19,7 @@ import os
 import sys
 import textwrap
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,10 @@ environment (read here only):
                      (keeps its token out of job scripts; docs/security.md)
   RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT   set by torchrun: run as one rank
   SLURM_PROCID SLURM_NTASKS SLURM_LOCALID SLURM_JOB_NODELIST   the same under srun
+  OMP_WAIT_POLICY GOMP_SPINCOUNT   how OpenMP threads wait; unless one is set, every
+                     command sets GOMP_SPINCOUNT=3000 (a busy neighbour no longer stalls
+                     torch's threads; OMP_WAIT_POLICY=PASSIVE: more so, slower when
+                     quiet; docs/architecture.md)
 """
 
 RUN_EPILOG = """\
@@ -359,7 +363,32 @@ def dispatch(argv: list[str], env: dict[str, str]) -> int:
     return run_verb(name, verb, args, env)
 
 
+#: Iterations a waiting OpenMP thread spins before it sleeps (libgomp's default: 300,000,
+#: a few ms; 100,000 is about 1 ms). See :func:`openmp_defaults`.
+OMP_SPIN_COUNT = 3000
+
+
+def openmp_defaults(env: Mapping[str, str]) -> dict[str, str]:
+    """What to add to the environment before torch is imported: a short OpenMP spin
+    (``GOMP_SPINCOUNT``), unless the environment already says how OpenMP threads wait
+    (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``). GNU libgomp, the OpenMP runtime in
+    torch's wheels, reads them once, as torch loads it, so this runs before any
+    ``import torch``; child processes (``shoestring run``'s ranks) inherit it.
+
+    With libgomp's default a thread that finished its share of an operation spins a few
+    ms for the others; when another process keeps a core busy, the spinning thread takes
+    the CPU from the one it waits for. Measured 2026-12-05 with
+    ``benchmarks/busy_neighbour.py`` (2-core VM, the default finetune, 2 threads, median
+    step quiet / beside one CPU burner; docs/architecture.md): libgomp's default 84 / 600
+    ms; 3,000 spins 89 / 200 ms; ``OMP_WAIT_POLICY=PASSIVE`` 139 / 146 ms (+65 % quiet,
+    and slower than spinning with a burner on every core)."""
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return {}
+    return {"GOMP_SPINCOUNT": str(OMP_SPIN_COUNT)}
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.update(openmp_defaults(os.environ))  # before anything imports torch
     logging.basicConfig(
         level=logging.INFO, format="[shoestring] %(levelname)s %(message)s", stream=sys.stderr
     )
