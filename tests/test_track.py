@@ -533,6 +533,58 @@ def test_submit_never_blocks_when_the_queue_is_full(caplog: pytest.LogCaptureFix
     assert len(warnings) == 2 and "queue full" in warnings[0] and "dropped" in warnings[1]
 
 
+class RecordingSink:
+    """Counts rows and flushes; ``flushed`` is set at each flush."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.flushes = 0
+        self.flushed = threading.Event()
+
+    def open(self, ids: TrackerIds, resume_step: int | None) -> dict[str, str]:
+        return {}
+
+    def write(self, row: TrackerRow) -> None:
+        self.events.append(row.event)
+
+    def flush(self) -> None:
+        self.flushes += 1
+        self.flushed.set()
+
+    def close(self, status: str) -> None:
+        pass
+
+
+def test_step_records_wait_for_the_batch_and_a_checkpoint_flushes_them_at_once() -> None:
+    """Step records do not wake the tracker thread (its Python work would contend with
+    every step for the GIL); a checkpoint record does, and its batch is flushed: every
+    step up to a committed checkpoint reaches the sinks' files right after the commit."""
+    sink = RecordingSink()
+    tracker = Tracker([sink], batch_s=60.0)
+    for s in range(1, 6):
+        tracker.submit(step_record(s))
+    time.sleep(0.5)
+    assert sink.events == [] and sink.flushes == 0, "a step record woke the tracker thread"
+    tracker.submit({"event": "checkpoint", "ts": time.time(), "step": 5, "bytes": 10})
+    assert sink.flushed.wait(10), "a checkpoint record did not wake the tracker thread"
+    assert sink.events == ["step"] * 5 + ["checkpoint"] and sink.flushes == 1
+    tracker.submit(step_record(6))
+    assert tracker.flush(10) and sink.events[-1] == "step" and sink.flushes == 2
+    tracker.close()
+
+
+def test_a_half_full_queue_wakes_the_tracker_thread() -> None:
+    sink = RecordingSink()
+    tracker = Tracker([sink], queue_size=10, batch_s=60.0)
+    for s in range(1, 6):
+        tracker.submit(step_record(s))
+    assert sink.flushed.wait(10), "a half-full queue did not wake the tracker thread"
+    assert sink.events == ["step"] * 5 and tracker.dropped == 0
+    tracker.close()
+
+
 def test_submit_ignores_events_trackers_do_not_show() -> None:
     sink = BlockingSink()
     sink.release.set()

@@ -88,7 +88,9 @@ class Sink(Protocol):
     def write(self, row: TrackerRow) -> None: ...
 
     def flush(self) -> None:
-        """Deliver what ``write`` buffered (called when idle, about once a second)."""
+        """Put what ``write`` buffered on disk or the wire (called at the end of each
+        batch the tracker thread takes: at most about a second after a step record, at
+        once after a checkpoint record)."""
         ...
 
     def close(self, status: Status) -> None:
@@ -162,7 +164,6 @@ class TensorBoardSink:
         if row.config is not None and not self._config_logged:
             w.add_text("config", render_config(row.config), step, walltime=wall)
             self._config_logged = True
-        w.flush()  # a SIGKILL loses nothing already written (the writer's own flush is 120 s)
 
     def flush(self) -> None:
         self._writer.flush()

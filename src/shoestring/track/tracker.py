@@ -2,7 +2,12 @@
 
 ``Tracker.submit(record)`` only puts the record on a bounded queue (a full queue drops
 it and counts the drop); ONE daemon thread opens the sinks, maps each record to a
-:class:`TrackerRow` (``metrics.to_row``) and hands it to every sink. A sink that raises
+:class:`TrackerRow` (``metrics.to_row``) and hands it to every sink. Step records, the
+only frequent ones, do not wake the thread: it takes them in one batch at most
+:data:`FLUSH_EVERY_S` later (or when the queue is half full), so the sinks' Python
+work runs in one burst a second instead of contending with every step for the GIL;
+any other record (checkpoint, eval, alarm, ...) wakes it at once, and every batch
+ends with a flush of the sinks. A sink that raises
 (network outage, library error) is logged as a warning at most once a minute per sink,
 skipped for a growing back-off (1 s doubling to 60 s, reset by a success) and retried;
 the error never reaches the training loop. ``close(status)`` drains the queue and closes
@@ -36,9 +41,11 @@ log = logging.getLogger("shoestring.track")
 WARN_EVERY_S = 60.0
 MAX_BACKOFF_S = 60.0
 CLOSE_TIMEOUT_S = 30.0
-#: Sinks may buffer (MLflow batches metrics); they are flushed this long after a write,
-#: when the queue is idle, and on ``Tracker.flush``.
+#: The longest a step record waits for the tracker thread; every batch of records the
+#: thread takes ends with a flush of the sinks (MLflow batches metrics until then).
 FLUSH_EVERY_S = 1.0
+#: Records that do not wake the tracker thread (taken with the next batch).
+BATCHED = frozenset({"step"})
 
 
 @dataclass
@@ -106,6 +113,7 @@ class Tracker:
         queue_size: int = 10000,
         config_file: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        batch_s: float = FLUSH_EVERY_S,
     ) -> None:
         self._slots = [_Slot(s) for s in sinks]
         self._ids = planned_ids(sinks, ids or TrackerIds())
@@ -113,10 +121,12 @@ class Tracker:
         self._last_step = resume_step or 0
         self._config_file = config_file
         self._clock = clock
+        self._batch_s = batch_s  # how long a step record may wait for the thread
         self._q: queue.Queue[Mapping[str, Any] | threading.Event | _Stop] = queue.Queue(
             maxsize=queue_size
         )
         self._lock = threading.Lock()
+        self._wake = threading.Event()
         self._dropped = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -171,6 +181,8 @@ class Tracker:
             return
         try:
             self._q.put_nowait(record)
+            if record.get("event") not in BATCHED or 2 * self._q.qsize() >= self._q.maxsize:
+                self._wake.set()
         except queue.Full:
             with self._lock:
                 self._dropped += 1
@@ -192,6 +204,7 @@ class Tracker:
             self._q.put(done, timeout=timeout)
         except queue.Full:
             return False
+        self._wake.set()
         return done.wait(max(0.0, deadline - time.monotonic()))
 
     def close(self, status: Status = "completed", timeout: float = CLOSE_TIMEOUT_S) -> None:
@@ -208,6 +221,7 @@ class Tracker:
         except queue.Full:
             log.warning("track: trackers still busy after %.0f s; not waiting", timeout)
             return
+        self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             log.warning("track: trackers did not finish within %.0f s; not waiting", timeout)
@@ -229,28 +243,35 @@ class Tracker:
 
     def _run(self) -> None:
         self._each(_nothing)
-        dirty_since: float | None = None  # when the oldest write not yet flushed was made
+        while True:
+            self._wake.wait(self._batch_s)
+            self._wake.clear()  # a record put after this wakes the next wait
+            if self._take_batch():
+                return
+
+    def _take_batch(self) -> bool:
+        """Deliver every queued record, flush the sinks if anything was written, then
+        release the ``flush`` callers waiting; True once the tracker is stopped."""
+        written, waiting = False, list[threading.Event]()
         while True:
             try:
-                item = self._q.get(timeout=FLUSH_EVERY_S)
+                item = self._q.get_nowait()
             except queue.Empty:
-                item = None  # idle
+                break
             if isinstance(item, _Stop):
-                self._close_sinks(item.status)
-                return
-            if isinstance(item, Mapping) and self._deliver(item) and dirty_since is None:
-                dirty_since = self._clock()
-            marker = item if isinstance(item, threading.Event) else None
-            # A committed checkpoint is what a kill cannot take back: flush up to it now.
-            committed = isinstance(item, Mapping) and item.get("event") == "checkpoint"
-            due = dirty_since is not None and (
-                committed or self._clock() - dirty_since >= FLUSH_EVERY_S
-            )
-            if dirty_since is not None and (item is None or marker is not None or due):
-                self._each(lambda s: s.flush(), opened_only=True)
-                dirty_since = None
-            if marker is not None:
-                marker.set()
+                self._close_sinks(item.status)  # closing flushes
+                for done in waiting:
+                    done.set()
+                return True
+            if isinstance(item, threading.Event):
+                waiting.append(item)
+            elif self._deliver(item):
+                written = True
+        if written:
+            self._each(lambda s: s.flush(), opened_only=True)
+        for done in waiting:
+            done.set()
+        return False
 
     def _deliver(self, record: Mapping[str, Any]) -> bool:
         """Write the record's row to every sink; False when it shows nothing."""
