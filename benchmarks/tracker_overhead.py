@@ -47,10 +47,15 @@ from shoestring.track import TrackConfig, Tracker
 ALL_SINKS = ("--track.to", "tensorboard,wandb,mlflow", "--track.wandb_mode", "offline")
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a benchmark's child run (this checkout; offline trackers)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TORCHDYNAMO_DISABLE": "1"}
+    return {**env, "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true"}
+
+
 def finetune_steps(out: Path, steps: int, *extra: str) -> list[dict[str, Any]]:
     """Step records of a short real run on the built-in model."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TORCHDYNAMO_DISABLE": "1"}
-    env.update(MLFLOW_ALLOW_FILE_STORE="true", WANDB_SILENT="true")
+    env = child_env()
     cmd = [sys.executable, "-m", "shoestring", "finetune", "--output_dir", str(out)]
     cmd += ["--train.max_steps", str(steps), "--train.num_threads", "1", *extra]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
@@ -70,7 +75,6 @@ def gated_child(out: str, steps: int, block: int) -> None:
             submit(self, record)
 
     Tracker.submit = gated  # type: ignore[method-assign]
-    os.environ.update(MLFLOW_ALLOW_FILE_STORE="true", WANDB_SILENT="true")
     args = ["finetune", "--output_dir", out, "--train.max_steps", str(steps)]
     raise SystemExit(cli.main([*args, "--train.num_threads", "1", *ALL_SINKS]))
 
@@ -79,28 +83,34 @@ def gated_run(tmp: Path, pairs: int, block: int, skip: int) -> dict[str, Any]:
     """The headline: per pair of blocks, the fed block's median step over the unfed
     one's (each without its first ``skip`` steps), in %; their mean and 95 % interval."""
     out, steps = tmp / "gated", 2 * pairs * block + block
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TORCHDYNAMO_DISABLE": "1"}
     cmd = [sys.executable, __file__, "--gated-child", str(out), str(steps), str(block)]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    subprocess.run(cmd, env=child_env(), check=True, capture_output=True, text=True)
     ms: dict[int, list[float]] = {}
     for r in read_events(out / "events.jsonl"):
         if r.get("event") == "step" and r["step"] % block >= skip:
             ms.setdefault(r["step"] // block, []).append(float(r["step_ms"]))
     blocks = {b: median(v) for b, v in ms.items() if b >= 1}  # block 0 warms up
-    pct = [100 * (blocks[2 * i + 1] / blocks[2 * i + 2] - 1) for i in range(pairs)]
+    per_pair = [100 * (blocks[2 * i + 1] / blocks[2 * i + 2] - 1) for i in range(pairs)]
     fed = median([x for b, v in ms.items() if b % 2 for x in v])
     unfed = median([x for b, v in ms.items() if b >= 1 and not b % 2 for x in v])
     return {
-        "gated_pct_pairs": pct,
-        "gated_pct": sum(pct) / len(pct),
-        "gated_pct_ci95": ci95(pct),
+        "gated_pct_pairs": per_pair,
+        "gated_pct": sum(per_pair) / len(per_pair),
+        "gated_pct_ci95": ci95(per_pair),
         "gated_ms_fed": fed,
         "gated_ms_unfed": unfed,
     }
 
 
-#: Student t quantiles (0.975) by degrees of freedom, for the 95 % interval.
-T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+#: Student t quantiles (0.975) by degrees of freedom, for the 95 % interval (2.0 past 30).
+T975 = dict(
+    enumerate(
+        [12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+        + [2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086]
+        + [2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042],
+        start=1,
+    )
+)
 
 
 def ci95(xs: list[float]) -> float:

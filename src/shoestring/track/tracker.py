@@ -250,28 +250,27 @@ class Tracker:
                 return
 
     def _take_batch(self) -> bool:
-        """Deliver every queued record, flush the sinks if anything was written, then
-        release the ``flush`` callers waiting; True once the tracker is stopped."""
-        written, waiting = False, list[threading.Event]()
-        while True:
+        """Deliver every queued record, flush the sinks if anything was written (closing
+        them at a stop), then release the ``flush`` callers waiting; True once stopped."""
+        written, stopped = False, False
+        waiting: list[threading.Event] = []
+        while not stopped:
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
                 break
             if isinstance(item, _Stop):
                 self._close_sinks(item.status)  # closing flushes
-                for done in waiting:
-                    done.set()
-                return True
-            if isinstance(item, threading.Event):
+                stopped = True
+            elif isinstance(item, threading.Event):
                 waiting.append(item)
             elif self._deliver(item):
                 written = True
-        if written:
+        if written and not stopped:
             self._each(lambda s: s.flush(), opened_only=True)
         for done in waiting:
             done.set()
-        return False
+        return stopped
 
     def _deliver(self, record: Mapping[str, Any]) -> bool:
         """Write the record's row to every sink; False when it shows nothing."""
