@@ -248,3 +248,39 @@ def test_long_lines_are_decimated_but_keep_their_spikes() -> None:
     assert len(out) <= 4 * 1000 and max(p[1] for p in out) == 1000.0
     assert out[0] == seg[0] and out[-1] == seg[-1] and out == sorted(out)
     assert decimate(seg[:1500], 1000) == seg[:1500]  # short lines are drawn point by point
+
+
+def test_an_attempt_begins_when_its_process_started(tmp_path: Path) -> None:
+    """``start`` carries the process start: loading counts in the attempt, the wall time
+    and the ledger's restart overhead; a process killed while loading is an attempt."""
+    from shoestring.report.ledger import compute
+
+    run = tmp_path / "loads"
+    run.mkdir()
+    (run / "events.jsonl").write_text(
+        rec("start", 5, process_start=T + 0.0)  # logged 5 s after its process started
+        + rec("load", 6, phase="data", seconds=1.0)
+        + rec("load", 60, phase="model", seconds=54.0, read_s=20.0, quantize_s=34.0)
+        + rec("run_start", 60, step=0, max_steps=4)
+        + rec("step", 61, step=1, step_ms=5.0)
+        + rec("step", 62, step=2, step_ms=5.0)
+        + rec("start", 104, process_start=T + 100.0)  # killed while loading
+        + rec("start", 204, process_start=T + 200.0)
+        + rec("load", 210, phase="model", seconds=6.0, read_s=4.0, source="qbase-local")
+        + rec("resume", 212, from_step=2, steps_lost=0)
+        + rec("run_start", 212, step=2, max_steps=4)
+        + rec("step", 220, step=3, step_ms=5.0)
+        + rec("run_end", 221, step=3)
+    )
+    tl = load(run)
+    assert [(a.index, a.start - T) for a in tl.attempts] == [(0, 0.0), (1, 100.0), (2, 200.0)]
+    assert tl.t0 == T and tl.wall_s == 221.0
+    # process start -> first step, and the whole attempt killed while loading
+    assert compute(tl).restart_hours == pytest.approx((20.0 + 4.0) / 3600)
+    assert main(["report", str(run)]) == 0
+    html = (run / "report.html").read_text()
+    assert (
+        "#0: 61.0 s to the first step: data 1.0 s; model 54.0 s (read 20.0 s, quantize 34.0 s)"
+        in html
+    )
+    assert "#2: 20.0 s to the first step: model 6.0 s (read 4.0 s, from qbase-local)" in html

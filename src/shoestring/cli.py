@@ -146,8 +146,19 @@ def _finetune(cfg: FinetuneConfig, call: Invocation) -> int:
             dist=dist,
             preflight=preflight_event,
             ledger=run_ledger,
+            process_start=process_start_time(),
         ),
     )
+
+
+def process_start_time() -> float | None:
+    """When this process started (epoch seconds; interpreter start and imports included)."""
+    import psutil
+
+    try:
+        return float(psutil.Process().create_time())
+    except (psutil.Error, OSError):
+        return None
 
 
 def _finetune_options(call: Invocation) -> FinetuneOptions:

@@ -102,8 +102,10 @@ def seal(
     meta: dict[str, Any],
     faults: FaultPlan = NO_FAULTS,
     entries: dict[str, FileEntry] | None = None,
+    name: str | None = None,
 ) -> tuple[Path, Manifest]:
     """Commit a temp dir whose data files are durable: manifest last, fsync, rename.
+    It becomes ``root/name`` (default: the step's directory name).
 
     ``entries`` (size + sha256 per file) is computed from the files on disk when
     not given — the case of files written by other processes (the shards of a
@@ -119,7 +121,7 @@ def seal(
     write_file_durably(tmp / MANIFEST, manifest.to_json().encode())
     fsync_dir(tmp)
     faults.hit("ckpt.before_rename")
-    final = root / step_dirname(step)
+    final = root / (name or step_dirname(step))
     # The same step may be saved again (a rerun that re-reached it): replace it.
     replace_dir(tmp, final)
     faults.hit("ckpt.after_rename")

@@ -83,13 +83,22 @@ class RemoteStore:
         return sorted(set(steps), reverse=True)
 
     def read_manifest(self, step: int) -> Manifest:
-        where = self._p(step_dirname(step), MANIFEST)
+        return self.read_manifest_of(step_dirname(step))
+
+    def read_manifest_of(self, name: str) -> Manifest:
+        """The manifest of the committed directory ``name`` (a step's, or any other)."""
+        where = self._p(check_name(name, self.url), MANIFEST)
         try:
             with self.fs.open(where, "rb") as f:
                 text = f.read().decode()
         except FileNotFoundError as e:
             raise CorruptCheckpoint(f"{where}: missing") from e
         return Manifest.from_json(text, where)
+
+    def has(self, name: str) -> bool:
+        """Whether directory ``name`` is committed here (its manifest was uploaded)."""
+        self.fs.invalidate_cache()
+        return bool(self.fs.exists(self._p(check_name(name, self.url), MANIFEST)))
 
     def read_bytes(self, step: int, name: str) -> bytes:
         """One file of checkpoint ``step`` (a small one: it is read whole)."""
@@ -99,12 +108,17 @@ class RemoteStore:
 
     def publish(self, local_dir: Path, manifest: Manifest, faults: FaultPlan = NO_FAULTS) -> None:
         """Upload a locally committed checkpoint; the manifest goes last."""
-        name = step_dirname(manifest.step)
+        self.publish_as(step_dirname(manifest.step), local_dir, manifest, faults)
+
+    def publish_as(
+        self, name: str, local_dir: Path, manifest: Manifest, faults: FaultPlan = NO_FAULTS
+    ) -> None:
+        """Upload a locally committed directory as ``name``; the manifest goes last."""
         if self.is_local:
             self._publish_local(local_dir, name, manifest, faults)
             return
         dest = self._p(name)
-        # A previous, interrupted upload of the same step may have left a manifest
+        # A previous, interrupted upload of the same name may have left a manifest
         # for other bytes: uncommit it before overwriting any data file.
         if self.fs.exists(self._p(name, MANIFEST)):
             self.fs.rm(self._p(name, MANIFEST))
@@ -139,13 +153,17 @@ class RemoteStore:
 
     def fetch(self, step: int, cache_root: Path, *, deep: bool = True) -> Path:
         """Download checkpoint ``step`` into the local cache and verify it; return its dir."""
-        manifest = self.read_manifest(step)
-        name = step_dirname(step)
+        return self.fetch_as(step_dirname(step), cache_root, deep=deep)
+
+    def fetch_as(self, name: str, cache_root: Path, *, deep: bool = True) -> Path:
+        """Download committed directory ``name`` to ``cache_root/name`` and verify it."""
+        manifest = self.read_manifest_of(name)
         cache_root.mkdir(parents=True, exist_ok=True)
         tmp = cache_root / f".fetch-{name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             for fname in manifest.files:
+                (tmp / fname).parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(self._p(name, fname), str(tmp / fname))
             self.fs.get_file(self._p(name, MANIFEST), str(tmp / MANIFEST))
             verify_dir(tmp, deep=deep)

@@ -23,7 +23,7 @@ from typing import Any
 from shoestring.fsio import atomic_write
 from shoestring.report import svg
 from shoestring.report.live import read_live
-from shoestring.report.timeline import Alarm, Attempt, Timeline, load, median
+from shoestring.report.timeline import Alarm, Attempt, Timeline, load, load_phase_text, median
 
 #: Event-band and rule colours (rank colours come from :data:`svg.PALETTE`).
 COLORS = {
@@ -170,6 +170,7 @@ def summary(ctx: Context) -> Section:
         ("steps redone after resumes", redone),
         ("started", utc(tl.t0)),
         ("wall time", duration(tl.wall_s)),
+        ("loading, per attempt", _loading(tl)),
         ("attempts", len(tl.attempts)),
         ("restarts", len(tl.restarts())),
         ("preemptions", len(tl.preemptions())),
@@ -191,6 +192,25 @@ def summary(ctx: Context) -> Section:
         + "</dl>"
     )
     return Section("summary", "Summary", body)
+
+
+def _loading(tl: Timeline) -> str | None:
+    """Each attempt's process start → first step, and its load phases."""
+    first_step: dict[int, float] = {}
+    for e in tl.of("step"):
+        first_step.setdefault(e.attempt, e.ts)
+    lines = []
+    for a in tl.attempts:
+        phases = [load_phase_text(e.data) for e in tl.of("load") if e.attempt == a.index]
+        if not phases:
+            continue
+        to_step = (
+            f"{first_step[a.index] - a.start:.1f} s to the first step: "
+            if (a.index in first_step)
+            else ""
+        )
+        lines.append(f"#{a.index}: {to_step}{'; '.join(phases)}")
+    return " | ".join(lines) or None
 
 
 def cost_ledger(ctx: Context) -> Section | None:

@@ -61,7 +61,7 @@ class Ledger:
     wall_hours: float
     device_hours: float
     recompute_hours: float  # device-hours spent redoing lost steps
-    restart_hours: float  # device-hours from each later attempt's start to its first step
+    restart_hours: float  # device-hours from each later attempt's process start to its first step
     checkpoint_hours: float  # device-hours training was blocked by saves
     usd: float | None
     on_demand_usd: float | None  # the useful work (without recompute/restarts) on on-demand
@@ -104,7 +104,7 @@ def compute(tl: Timeline, price: Price | None = None) -> Ledger:
     by_attempt: dict[int, list[float]] = {}
     first_step: dict[int, float] = {}
     for e in tl.events:
-        by_attempt.setdefault(e.attempt, []).append(e.ts)
+        by_attempt.setdefault(e.attempt, []).extend((e.ts, e.until))
         if e.kind == "step" and e.attempt not in first_step:
             first_step[e.attempt] = e.ts
     spans = {a: (min(ts), max(ts)) for a, ts in by_attempt.items()}
@@ -112,7 +112,13 @@ def compute(tl: Timeline, price: Price | None = None) -> Ledger:
         lo, hi = spans.get(att.index, (att.start, att.end or att.start))
         spans[att.index] = (min(lo, att.start), max(hi, att.end or hi))
     wall = sum(hi - lo for lo, hi in spans.values())
-    restart = sum(first_step[a] - spans[a][0] for a in spans if a > min(spans) and a in first_step)
+    # A later attempt's process start -> its first step; one that never stepped (killed
+    # while loading) was restart overhead for its whole span.
+    restart = sum(
+        (first_step[a] if a in first_step else spans[a][1]) - spans[a][0]
+        for a in spans
+        if a > min(spans)
+    )
     step_ms = [s.step_ms for s in tl.steps().get(0, []) if s.step_ms]
     med_step_s = statistics.median(step_ms) / 1e3 if step_ms else 0.0
     recomputed = sum(int(e.get("steps_lost") or 0) for e in tl.of("resume") if e.rank == 0)

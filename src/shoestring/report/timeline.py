@@ -57,6 +57,13 @@ class Event:
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
 
+    @property
+    def until(self) -> float:
+        """The end of the moment a record covers: a ``start`` (dated at its process's
+        start) lasts until it was written."""
+        logged = self.data.get("ts")
+        return max(self.ts, float(logged)) if isinstance(logged, (int, float)) else self.ts
+
 
 @dataclass(frozen=True)
 class Step:
@@ -278,6 +285,32 @@ def read_lines(path: Path) -> tuple[list[dict[str, Any]], SourceFile]:
     return recs, src
 
 
+#: The records a process writes first, in this order, before its first step.
+ATTEMPT_OPENERS = ("start", "resume", "run_start")
+
+
+def load_phase_text(r: Mapping[str, Any]) -> str:
+    """A ``load`` record in words: ``model 412.3 s (read 98.1 s, quantize 301.0 s, from
+    model_dir)``."""
+    parts = [
+        f"{k.removesuffix('_s')} {float(r[k]):.1f} s"
+        for k in ("verify_s", "read_s", "quantize_s", "save_s")
+        if isinstance(r.get(k), (int, float)) and (r[k] or k == "read_s")
+    ]
+    if r.get("source"):
+        parts.append(f"from {r['source']}")
+    detail = f" ({', '.join(parts)})" if parts else ""
+    return f"{r.get('phase', '?')} {float(r.get('seconds') or 0):.1f} s{detail}"
+
+
+def _happened(r: dict[str, Any]) -> float:
+    """When a record's moment was: its time, except ``start``, which stands for the
+    process start it carries (interpreter, imports and loading count in the attempt)."""
+    ts = float(r["ts"])
+    began = r.get("process_start") if r["event"] == "start" else None
+    return min(ts, float(began)) if isinstance(began, (int, float)) else ts
+
+
 def load(run_dir: str | Path) -> Timeline:
     """Read every event log of ``run_dir`` into one :class:`Timeline`."""
     run_dir = Path(run_dir)
@@ -288,15 +321,15 @@ def load(run_dir: str | Path) -> Timeline:
         tl.sources.append(src)
         for seq, r in enumerate(recs):
             r.setdefault("rank", 0)
-            raw.append({**r, "_order": (i, seq)})
-    raw.sort(key=lambda r: (float(r["ts"]), r["_order"]))
+            raw.append({**r, "_order": (i, seq), "_ts": _happened(r)})
+    raw.sort(key=lambda r: (r["_ts"], r["_order"]))
     starts = sorted(
         (float(r["ts"]), int(r.get("attempt", 0)))
         for r in raw
         if r["event"] == "attempt_start" and _int(r.get("rank")) == SUPERVISOR_RANK
     )
     run_starts: dict[int, int] = {}
-    resumed: dict[int, bool] = {}
+    opened: dict[int, bool] = {}
     for r in raw:
         rank = _int(r.get("rank"))
         rank = 0 if rank is None else rank
@@ -304,15 +337,18 @@ def load(run_dir: str | Path) -> Timeline:
             i = bisect.bisect_right([t for t, _ in starts], float(r["ts"])) - 1
             attempt = starts[max(i, 0)][1]
         else:
-            # A process logs ``resume`` (if it loaded a checkpoint) and then ``run_start``:
-            # whichever comes first begins its attempt.
-            if r["event"] in ("resume", "run_start") and not resumed.pop(rank, False):
-                run_starts[rank] = run_starts.get(rank, -1) + 1
-                resumed[rank] = r["event"] == "resume"
+            # A process logs ``start``, ``resume`` (if it loaded a checkpoint), then
+            # ``run_start`` (logs before 2026-12-06 have no ``start``): ``start`` always
+            # begins an attempt (a process killed while loading ends one without a
+            # ``run_start``); the others begin one unless an opener came before them.
+            if r["event"] in ATTEMPT_OPENERS:
+                if r["event"] == "start" or not opened.get(rank, False):
+                    run_starts[rank] = run_starts.get(rank, -1) + 1
+                opened[rank] = r["event"] != "run_start"
             attempt = max(run_starts.get(rank, 0), 0)
-        data = {k: v for k, v in r.items() if k != "_order"}
+        data = {k: v for k, v in r.items() if k not in ("_order", "_ts")}
         tl.events.append(
-            Event(ts=float(r["ts"]), kind=str(r["event"]), rank=rank, attempt=attempt, data=data)
+            Event(ts=r["_ts"], kind=str(r["event"]), rank=rank, attempt=attempt, data=data)
         )
     tl.attempts = _attempts(tl.events, bool(starts))
     return tl
@@ -345,7 +381,7 @@ def _attempts(events: list[Event], supervised: bool) -> list[Attempt]:
     for i, a in sorted(by_index.items()):
         end = a["end"]
         if end is None and not supervised:  # last record of the attempt is the best we know
-            end = max(e.ts for e in events if e.attempt == i)
+            end = max(e.until for e in events if e.attempt == i)
         out.append(
             Attempt(
                 index=i,

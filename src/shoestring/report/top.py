@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from shoestring.report.live import Tail, read_live
-from shoestring.report.timeline import ALARM_EVENTS, SUPERVISOR_RANK, Alarm, Event, to_alarm
+from shoestring.report.timeline import (
+    ALARM_EVENTS,
+    SUPERVISOR_RANK,
+    Alarm,
+    Event,
+    load_phase_text,
+    to_alarm,
+)
 from shoestring.rundir import RunDir
 
 #: A running rank whose snapshot is older than this is shown as stale.
@@ -64,6 +71,8 @@ class JobState:
     max_steps: int | None = None
     alarms: deque[Alarm] = field(default_factory=lambda: deque(maxlen=20))
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)
+    started: float | None = None  # this attempt's process start (rank 0)
+    loads: list[str] = field(default_factory=list)  # its load phases so far
 
 
 class Top:
@@ -115,6 +124,13 @@ class Top:
         elif kind == "restart":
             job.restarts += 1
             job.last_restart = str(r.get("reason", ""))
+        elif kind == "start" and rank == 0:
+            began = r.get("process_start")
+            job.started = float(began) if isinstance(began, (int, float)) else ts
+            job.loads = []
+            job.status = "loading"
+        elif kind == "load" and rank == 0:
+            job.loads.append(load_phase_text(r))
         elif kind == "run_start":
             st = self._rank(rank)
             st.step_ms.clear()
@@ -186,6 +202,9 @@ class Top:
             f"{job.preemptions} | step {max(steps) if steps else '-'}"
             f"/{job.max_steps or '?'} | last checkpoint {ck} | {status}"
         )
+        if job.started is not None:
+            phases = " | ".join(job.loads) if job.loads else "..."
+            lines.append(f"load  process started {_ago(now - job.started)} ago | {phases}")
         show_metrics = any(s.metrics for s in self.ranks.values())
         hdr = (
             f"{'RANK':>4}  {'STATUS':<9} {'PHASE':<22} {'STEP':>6} {'LAST ms':>8} "

@@ -72,6 +72,32 @@ def quantization_config(quantize: str, dtype: str) -> Any:
     raise ConfigError(f"lora.quantize: unknown value {quantize!r} (none|nf4|int8)")
 
 
+def _from_pretrained_kwargs(cfg: ModelConfig, device: str, on_device: bool) -> dict[str, Any]:
+    # use_kernels=False: transformers 5 otherwise swaps layers for kernels fetched from the
+    # Hugging Face Hub at load time (a download, and kernels that differ between machines).
+    kwargs: dict[str, Any] = {
+        "dtype": _DTYPES[cfg.dtype],
+        "use_kernels": False,
+        "attn_implementation": cfg.attn_implementation,
+    }
+    if on_device or device != "cpu":  # weights go straight to the device
+        kwargs["device_map"] = {"": device}
+    return kwargs
+
+
+def _frozen(model: Any, quantized: bool, model_dir: Path) -> Any:
+    """Ready for adapters: no KV cache, nothing trainable, one 4-bit format; named after
+    ``model_dir`` (the adapter's ``base_model_name_or_path``), wherever it was read from."""
+    model.config.use_cache = False
+    model.config._name_or_path = str(model_dir)
+    model.name_or_path = str(model_dir)
+    for p in model.parameters():  # k-bit preparation without peft's fp32 upcast
+        p.requires_grad_(False)
+    if quantized:
+        keep_one_4bit_format(model)
+    return model
+
+
 def load_base_model(
     model_dir: Path, cfg: ModelConfig, quantize: str = "none", device: str = "cpu"
 ) -> Any:
@@ -81,17 +107,9 @@ def load_base_model(
 
     quiet_hf()
     qcfg = quantization_config(quantize, cfg.dtype)
-    # use_kernels=False: transformers 5 otherwise swaps layers for kernels fetched from the
-    # Hugging Face Hub at load time (a download, and kernels that differ between machines).
-    kwargs: dict[str, Any] = {
-        "dtype": _DTYPES[cfg.dtype],
-        "use_kernels": False,
-        "attn_implementation": cfg.attn_implementation,
-    }
+    kwargs = _from_pretrained_kwargs(cfg, device, qcfg is not None)
     if qcfg is not None:
         kwargs["quantization_config"] = qcfg
-    if qcfg is not None or device != "cpu":  # weights go straight to the device
-        kwargs["device_map"] = {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except RuntimeError as e:
@@ -101,12 +119,18 @@ def load_base_model(
                 "On CPU, 4-bit layer widths must be multiples of 64."
             ) from e
         raise
-    model.config.use_cache = False
-    for p in model.parameters():  # k-bit preparation without peft's fp32 upcast
-        p.requires_grad_(False)
-    if qcfg is not None:
-        keep_one_4bit_format(model)
-    return model
+    return _frozen(model, qcfg is not None, model_dir)
+
+
+def load_prequantized(saved_dir: Path, model_dir: Path, cfg: ModelConfig, device: str) -> Any:
+    """A base saved quantized (its config carries the bitsandbytes quantization_config),
+    loaded as :func:`load_base_model` would have quantized ``model_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_hf()
+    kwargs = _from_pretrained_kwargs(cfg, device, True)
+    model = AutoModelForCausalLM.from_pretrained(str(saved_dir), **kwargs)
+    return _frozen(model, True, model_dir)
 
 
 def keep_one_4bit_format(model: Any) -> int:

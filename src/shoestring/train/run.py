@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ class RunOptions:
     # at a clean finish, the cost ledger's ``cost`` event fields and one summary line.
     preflight: Callable[[FinetuneConfig, Path, int], dict[str, Any] | None] | None = None
     ledger: Callable[[Path], tuple[dict[str, Any], str]] | None = None
+    process_start: float | None = None  # epoch seconds, read by the CLI (``start`` event)
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,8 @@ def open_run(cfg: FinetuneConfig, opts: RunOptions, remote: RemoteStore | None) 
         # Rank 0 owns events.jsonl; other ranks log beside it (the watchdog reads those).
         events = EventLog(RunDir(out).rank_events(dist.rank), run_id=run_id, rank=dist.rank)
         stack.callback(events.close)
+        # The attempt begins when the process did: its load time counts (report, ledger).
+        events.emit("start", process_start=opts.process_start, pid=os.getpid())
         writer = strategy.make_writer(
             RunDir(out).checkpoints, cfg.checkpoint, events, remote, opts.faults
         )

@@ -2,7 +2,8 @@
 
 Order: threads and determinism → base model dir (rank 0 materializes the
 built-in one first) → memory plan check (before anything heavy) → tokenizer
-and tokenized data → base model on the strategy's load device → LoRA → wrap →
+and tokenized data → base model on the strategy's load device (from the
+quantized-base cache when it has it) → LoRA → wrap →
 learner (optimizer, schedule, gradient scaler). Nothing is added to a
 :class:`Trainer` after :func:`build_trainer` returns, except the counters of
 what was saved.
@@ -10,6 +11,7 @@ what was saved.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,15 +22,12 @@ import torch
 from shoestring.config import to_flat
 from shoestring.hf import fingerprint, load_tokenizer
 from shoestring.secrets import redact
+from shoestring.train.baseload import load_base
 from shoestring.train.config import FinetuneConfig, config_hash
 from shoestring.train.dataset import DataContext, TrainData, load_train_data
 from shoestring.train.device import Precision, set_deterministic
 from shoestring.train.learner import Learner
-from shoestring.train.model import (
-    apply_lora,
-    load_base_model,
-    resolve_model_dir,
-)
+from shoestring.train.model import apply_lora, resolve_model_dir
 from shoestring.train.run import Inputs, Run, data_cache_storage
 
 
@@ -89,12 +88,17 @@ def _plan_check(cfg: FinetuneConfig, run: Run, model_dir: Path) -> None:
         run.events.emit("plan", **fields)
 
 
-def _learner(cfg: FinetuneConfig, run: Run, model_dir: Path, precision: Precision) -> Learner:
-    strategy = run.strategy
-    base = load_base_model(model_dir, cfg.model, cfg.lora.quantize, strategy.load_device())
-    model = apply_lora(base, cfg.lora, cfg.train.seed, cfg.model.gradient_checkpointing)
+def _learner(
+    cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str, precision: Precision
+) -> Learner:
+    t0 = time.perf_counter()
+    loaded = load_base(cfg, run, model_dir, base_fp)
+    run.events.emit(
+        "load", phase="model", seconds=round(time.perf_counter() - t0, 3), **loaded.fields
+    )
+    model = apply_lora(loaded.model, cfg.lora, cfg.train.seed, cfg.model.gradient_checkpointing)
     model.train()
-    wrapped = strategy.wrap(model, getattr(run.rec, "ddp_comm_hook", None))
+    wrapped = run.strategy.wrap(model, getattr(run.rec, "ddp_comm_hook", None))
     return Learner.build(model, wrapped, cfg.train, precision.make_scaler())
 
 
@@ -118,10 +122,12 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
     model_dir = _model_dir(cfg, run)
     _plan_check(cfg, run, model_dir)
     base_fp = fingerprint(model_dir)
+    t0 = time.perf_counter()
     tok = load_tokenizer(model_dir)
     data = load_train_data(cfg, inputs.data, inputs.batch, tok, _data_context(cfg, run))
+    run.events.emit("load", phase="data", seconds=round(time.perf_counter() - t0, 3))
     precision = Precision(cfg.train.precision, device)  # type: ignore[arg-type]
-    learner = _learner(cfg, run, model_dir, precision)
+    learner = _learner(cfg, run, model_dir, base_fp, precision)
     return Trainer(
         cfg,
         run,

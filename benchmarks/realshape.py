@@ -1,0 +1,187 @@
+"""Real-shape random-init models, written without ever holding them in memory.
+
+A Llama-2-7B has 6.7 billion parameters (13.5 GB in bf16); building it with
+``from_config`` + ``save_pretrained`` needs the whole model in RAM twice over. Here
+the tensor names and shapes come from transformers itself (the model instantiated
+on the meta device), and each tensor is generated in row blocks, from its own
+seeded generator, straight into sharded safetensors files with an index, as the
+Hub's checkpoints are laid out. Peak memory is one row block (64 MiB of fp32).
+
+``materialize(name)`` is what the scale benchmark (and the GPU check) use;
+``init_tensor`` is the same values for a whole tensor, so a test can build the
+identical model in memory and compare.
+
+    .venv/bin/python benchmarks/realshape.py llama2-7b   # prints the model dir
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:  # run from a checkout without `pip install -e`
+    sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from shoestring.stwriter import TensorSpec, write_sharded  # noqa: E402
+
+DEFAULT_CACHE = Path(
+    os.environ.get("SHOESTRING_BENCH_CACHE", Path.home() / ".cache" / "shoestring")
+)
+INIT_STD = 0.02
+LM_HEAD_STD = 0.15  # as the built-in model: a confident head, so greedy tokens are clear
+ROW_BLOCK_ELEMS = 16 << 20  # fp32 elements generated at once (64 MiB)
+_FORMAT = 1  # bump when the init scheme or layout changes: old dirs are rebuilt
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's published shape (Llama family; GQA when kv_heads < heads)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    max_positions: int
+    rope_theta: float
+    inference_only: bool = False
+
+    def config(self, tokenizer_ids: dict[str, int]) -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.ffn,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.hidden // self.heads,
+            max_position_embeddings=self.max_positions,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            initializer_range=INIT_STD,
+            dtype="bfloat16",
+            **tokenizer_ids,
+        )
+
+
+SHAPES: dict[str, Shape] = {
+    # meta-llama/Llama-2-7b-hf: MHA, 32k vocabulary
+    "llama2-7b": Shape(4096, 32, 32, 32, 11008, 32000, 4096, 10000.0),
+    # meta-llama/Meta-Llama-3-8B: GQA 32/8, 128k vocabulary (1 GB embedding and head)
+    "llama3-8b": Shape(4096, 32, 32, 8, 14336, 128256, 8192, 500000.0),
+    # meta-llama/Llama-2-13b-hf: for streamed inference only (26 GB)
+    "llama2-13b": Shape(5120, 40, 40, 40, 13824, 32000, 4096, 10000.0, inference_only=True),
+    # the same structures at small widths (CI smoke; widths multiples of 64)
+    "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0),
+    "small-gqa": Shape(256, 2, 4, 1, 640, 1024, 512, 500000.0),
+}
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """Each tensor's generator seed: independent of write order and sharding."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _std(name: str) -> float | None:
+    """None: a norm weight (ones)."""
+    if name.endswith("norm.weight"):
+        return None
+    return LM_HEAD_STD if name.startswith("lm_head.") else INIT_STD
+
+
+def row_blocks(
+    name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
+) -> Iterator[torch.Tensor]:
+    """The tensor's values, a block of leading rows at a time."""
+    std = _std(name)
+    rows = shape[0]
+    per_row = max(1, int(torch.Size(shape[1:]).numel()))
+    step = max(1, ROW_BLOCK_ELEMS // per_row)
+    gen = torch.Generator().manual_seed(tensor_seed(seed, name))
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        block_shape = (n, *shape[1:])
+        if std is None:
+            yield torch.ones(block_shape, dtype=dtype)
+        else:
+            yield torch.empty(block_shape).normal_(0.0, std, generator=gen).to(dtype)
+
+
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """The whole tensor, equal to what :func:`row_blocks` streams (for tests)."""
+    return torch.cat(list(row_blocks(name, shape, seed, dtype)), dim=0)
+
+
+def model_tensors(config: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint's tensor names and shapes, as transformers saves them."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
+
+
+def _tokenizer_ids() -> tuple[Any, dict[str, int]]:
+    from shoestring.train.builtin import SPECIAL_TOKENS, model_tokenizer
+
+    tok = model_tokenizer()
+    pad, bos, eos = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
+    return tok, {"pad_token_id": pad, "bos_token_id": bos, "eos_token_id": eos}
+
+
+def write_model(
+    target: Path,
+    shape: Shape,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
+    """A Hugging Face model folder: config, generation config, the byte-level tokenizer,
+    ``model-0000k-of-0000n.safetensors`` shards and ``model.safetensors.index.json``."""
+    from transformers import GenerationConfig
+
+    tok, ids = _tokenizer_ids()
+    config = shape.config(ids)
+    specs = [TensorSpec(name, shp, dtype) for name, shp in model_tensors(config)]
+    write_sharded(
+        target, specs, lambda s: row_blocks(s.name, s.shape, seed, s.dtype), max_shard_bytes
+    )
+    config.save_pretrained(target)
+    GenerationConfig(**ids).save_pretrained(target)
+    tok.save_pretrained(target)
+    return target
+
+
+def materialize(name: str, cache: Path = DEFAULT_CACHE, seed: int = 0) -> Path:
+    """``cache/realshape-<name>-s<seed>-v<format>``, written once (a temporary sibling
+    renamed into place, so an interrupted build is never mistaken for a model)."""
+    target = cache / f"realshape-{name}-s{seed}-v{_FORMAT}"
+    if (target / ".complete").is_file():
+        return target
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_model(tmp, SHAPES[name], seed=seed)
+    (tmp / ".complete").write_text("ok\n")
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(tmp, target)
+    return target
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:] or ["small-mha"]:
+        print(materialize(arg))

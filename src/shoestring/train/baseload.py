@@ -1,0 +1,75 @@
+"""Loading the frozen base, timed: from the quantized-base cache, or read and quantized
+(and then cached). The ``load`` event says which, and where the seconds went."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shoestring.checkpoint import RemoteStore
+from shoestring.train.config import FinetuneConfig
+from shoestring.train.model import load_base_model, load_prequantized, require_bitsandbytes
+from shoestring.train.qbase import QBASE_DIR, QuantizedBaseCache, QuantKey, timing
+from shoestring.train.run import Run
+
+#: The bitsandbytes function each quantization spends its time in (called per weight).
+_QUANTIZER = {"nf4": "quantize_4bit", "int8": "int8_vectorwise_quant"}
+
+
+@dataclass(frozen=True)
+class LoadedBase:
+    model: Any
+    fields: dict[str, Any]  # the ``load`` event
+
+
+def qbase_cache(cfg: FinetuneConfig, run: Run) -> QuantizedBaseCache | None:
+    """The cache for this run, or None (no quantization, or ``lora.cache_quantized`` off)."""
+    if cfg.lora.quantize == "none" or not cfg.lora.cache_quantized:
+        return None
+    storage = cfg.checkpoint.storage
+    remote = None
+    if run.remote is not None and storage:
+        remote = RemoteStore(f"{storage.rstrip('/')}/{QBASE_DIR}")
+    return QuantizedBaseCache(run.opts.cache_dir / QBASE_DIR, remote, run.events.emit)
+
+
+def load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> LoadedBase:
+    device = run.strategy.load_device()
+    cache = qbase_cache(cfg, run)
+    key = QuantKey.of(base_fp, cfg.lora.quantize, cfg.model.dtype, device) if cache else None
+    found = cache.find(key) if cache and key else None
+    t0 = time.perf_counter()
+    if found is not None:
+        model = load_prequantized(found.path, model_dir, cfg.model, device)
+        return LoadedBase(
+            model,
+            {
+                "source": f"qbase-{found.source}",
+                "verify_s": round(found.verify_s, 3),
+                "read_s": round(time.perf_counter() - t0, 3),
+                "quantize_s": 0.0,
+            },
+        )
+    model, quantize_s = _read_and_quantize(cfg, model_dir, device)
+    fields = {
+        "source": "model_dir",
+        "read_s": round(time.perf_counter() - t0 - quantize_s, 3),
+        "quantize_s": round(quantize_s, 3),
+    }
+    if cache is not None and key is not None and run.strategy.rank == 0:
+        t_save = time.perf_counter()
+        cache.store(model, key)
+        fields.update(qbase_saved=key.name, save_s=round(time.perf_counter() - t_save, 3))
+    return LoadedBase(model, fields)
+
+
+def _read_and_quantize(cfg: FinetuneConfig, model_dir: Path, device: str) -> tuple[Any, float]:
+    quantize = cfg.lora.quantize
+    if quantize == "none":
+        return load_base_model(model_dir, cfg.model, quantize, device), 0.0
+    bnb = require_bitsandbytes("lora.quantize")
+    with timing(bnb.functional, _QUANTIZER[quantize]) as quantizer:
+        model = load_base_model(model_dir, cfg.model, quantize, device)
+    return model, quantizer.seconds
