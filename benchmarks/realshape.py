@@ -55,6 +55,7 @@ class Shape:
     max_positions: int
     rope_theta: float
     inference_only: bool = False
+    shard_bytes: int = 2 << 30  # as the Hub's checkpoints: several shards and an index
 
     def config(self, tokenizer_ids: dict[str, int]) -> Any:
         from transformers import LlamaConfig
@@ -85,8 +86,8 @@ SHAPES: dict[str, Shape] = {
     # meta-llama/Llama-2-13b-hf: for streamed inference only (26 GB)
     "llama2-13b": Shape(5120, 40, 40, 40, 13824, 32000, 4096, 10000.0, inference_only=True),
     # the same structures at small widths (CI smoke; widths multiples of 64)
-    "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0),
-    "small-gqa": Shape(256, 2, 4, 1, 640, 1024, 512, 500000.0),
+    "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0, shard_bytes=1 << 20),
+    "small-gqa": Shape(256, 2, 4, 1, 640, 1024, 512, 500000.0, shard_bytes=1 << 20),
 }
 
 
@@ -149,7 +150,7 @@ def write_model(
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
-    max_shard_bytes: int = 2 << 30,
+    max_shard_bytes: int | None = None,
 ) -> Path:
     """A Hugging Face model folder: config, generation config, the byte-level tokenizer,
     ``model-0000k-of-0000n.safetensors`` shards and ``model.safetensors.index.json``."""
@@ -159,7 +160,10 @@ def write_model(
     config = shape.config(ids)
     specs = [TensorSpec(name, shp, dtype) for name, shp in model_tensors(config)]
     write_sharded(
-        target, specs, lambda s: row_blocks(s.name, s.shape, seed, s.dtype), max_shard_bytes
+        target,
+        specs,
+        lambda s: row_blocks(s.name, s.shape, seed, s.dtype),
+        max_shard_bytes or shape.shard_bytes,
     )
     config.save_pretrained(target)
     GenerationConfig(**ids).save_pretrained(target)
