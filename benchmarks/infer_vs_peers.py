@@ -380,6 +380,12 @@ def main() -> None:
     p.add_argument("--worker", default="")
     p.add_argument("--model", default="")
     p.add_argument("--work", default="")
+    p.add_argument(
+        "--model-dir",
+        default="",
+        help="an existing model folder (e.g. benchmarks/realshape.py llama2-7b) instead of "
+        "building one from --hidden/--layers/--ffn",
+    )
     a = p.parse_args()
     if a.worker:
         print("RESULT " + json.dumps(worker(a.worker, a)), flush=True)
@@ -387,7 +393,7 @@ def main() -> None:
     from shoestring.infer.config import parse_size
 
     cap = parse_size(a.cap)
-    model = build_model(a.hidden, a.layers, a.ffn)
+    model = Path(a.model_dir) if a.model_dir else build_model(a.hidden, a.layers, a.ffn)
     model_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     work = Path(tempfile.mkdtemp(prefix="bench-infer-"))
     prompts = write_prompts(work / "prompts.jsonl", int(a.prompts))
@@ -395,7 +401,7 @@ def main() -> None:
     bw0 = disk_bandwidth(shard)
     tools = [t for t in a.tools.split(",") if t] + [f"ours-{c}" for c in a.compress.split(",") if c]
     print(
-        f"model {model_bytes / 1e9:.2f} GB ({a.layers} layers, hidden {a.hidden}); cap "
+        f"model {model.name} {model_bytes / 1e9:.2f} GB; cap "
         f"{cap / 2**30:.2f} GiB; {a.prompts} prompts x {a.new_tokens} new tokens; "
         f"{a.threads} threads; disk {bw0 / 1e9:.2f} GB/s (dd iflag=direct, best of "
         "16M/256M x 3)",

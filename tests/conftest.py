@@ -45,7 +45,9 @@ FAST = [
 
 
 #: Fixtures that start real processes or servers: a test using one is end-to-end.
-PROCESS_FIXTURES = frozenset({"cli", "reference", "ddp_ref", "s3_server", "slurm_cluster"})
+PROCESS_FIXTURES = frozenset(
+    {"cli", "reference", "reference_run", "ddp_ref", "s3_server", "slurm_cluster"}
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -165,12 +167,18 @@ def cli(cache_dir: Path) -> CLI:
 
 
 @pytest.fixture(scope="session")
-def reference(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The uninterrupted FAST run's state digest at step 12."""
+def reference_run(cli: CLI, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output directory of the uninterrupted FAST run."""
     out = tmp_path_factory.mktemp("reference") / "run"
     r = cli.run(out, *FAST)
     assert r.returncode == 0, r.stderr
-    return state_digest(out, 12)
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run: Path) -> dict[str, str]:
+    """The uninterrupted FAST run's state digest at step 12."""
+    return state_digest(reference_run, 12)
 
 
 #: Global batch 8 in micro-batches of 2: 4 accumulated micro-batches at world size 1,

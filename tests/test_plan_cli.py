@@ -212,3 +212,41 @@ def test_preflight_warns_instead_when_not_enforced(cache_dir: Path) -> None:
     fine = preflight(load(FinetuneConfig, None, ["--plan.gpu", "T4"]), d)
     assert fine is not None and fine.fits
     assert preflight(load(FinetuneConfig, None, ["--plan.gpu", "none"]), d) is None
+
+
+def test_memory_levers_from_a_config_and_flags(tmp_path: Path) -> None:
+    """train.loss_chunk_tokens and train.offload_activations reach the plan from a finetune
+    config (flags override them). On the Llama-3-8B shape at 2048 tokens, chunking takes
+    the 128k-vocabulary logits out of the peak; offload moves the saved activations to
+    host RAM on a GPU plan, and on a CPU plan only says where they are."""
+    from shoestring.plan.memory import activation_bytes
+    from shoestring.plan.report import to_dict, to_text
+    from shoestring.plan.workload import PlanRequest, resolve_request
+
+    y = tmp_path / "c.yaml"
+    y.write_text(
+        "lora:\n  quantize: nf4\ndata:\n  max_length: 2048\n"
+        "train:\n  batch_size: 1\n  loss_chunk_tokens: 512\n  offload_activations: true\n"
+    )
+    r = resolve_request(PlanRequest(config=y, model="llama-3-8b", gpu="T4"))
+    w = r.workload
+    assert (w.loss_chunk_tokens, w.offload_activations, w.device) == (512, True, "cuda")
+    plain = replace(w, loss_chunk_tokens=0, offload_activations=False)
+    assert peak_bytes(plain) - peak_bytes(replace(w, offload_activations=False)) > 2 << 30
+    plan = make_plan(w, find_gpu("T4"))
+    act = activation_bytes(w)
+    assert plan.host_bytes == {"offloaded_activations": act.saved} and act.host == act.saved
+    assert plan.breakdown["activations"] == act.held
+    assert "host RAM (pinned" in to_text(plan) and to_dict(plan)["host_bytes"] == plan.host_bytes
+    off = PlanRequest(
+        config=y, model="llama-3-8b", gpu="T4", loss_chunk_tokens=0, offload_activations=False
+    )
+    assert resolve_request(off).workload == replace(
+        w, loss_chunk_tokens=0, offload_activations=False
+    )
+    cpu = make_plan(replace(w, device="cpu"), find_gpu("T4"))
+    assert not cpu.host_bytes and any("host RAM" in n for n in cpu.notes)
+    assert (
+        cpu.peak_bytes
+        == make_plan(replace(plain, device="cpu", loss_chunk_tokens=512), find_gpu("T4")).peak_bytes
+    )

@@ -342,3 +342,129 @@ def test_activation_bytes_under_autocast(tmp_path: Path, case: tuple[Any, ...]) 
     without = M.activation_bytes(M.Workload(**{**w.__dict__, "autocast": False})).saved
     assert without > measured * 1.05  # the autocast term matters at these shapes
     _within(M.activation_bytes(w).saved, measured, 0.05)
+
+
+CHUNKED_CASES = [
+    # shape, batch, seq, dtype, autocast, quantize, dropout, gc, method, chunk
+    (
+        dict(h=128, f=256, layers=2, heads=2, kv=1, vocab=320),
+        2,
+        40,
+        "float32",
+        False,
+        "none",
+        0.05,
+        False,
+        "lora",
+        23,
+    ),
+    (
+        dict(h=128, f=384, layers=2, heads=2, kv=2, vocab=512),
+        2,
+        48,
+        "bfloat16",
+        True,
+        "none",
+        0.0,
+        True,
+        "lora",
+        32,
+    ),
+    (
+        dict(h=128, f=384, layers=2, heads=2, kv=2, vocab=320),
+        2,
+        32,
+        "bfloat16",
+        False,
+        "nf4",
+        0.05,
+        False,
+        "qlora",
+        24,
+    ),
+    (
+        dict(h=128, f=256, layers=2, heads=4, kv=2, vocab=512),
+        2,
+        32,
+        "float32",
+        False,
+        "none",
+        0.0,
+        False,
+        "full",
+        20,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "case", CHUNKED_CASES, ids=lambda c: f"{c[8]}-{c[3]}-{'gc' if c[7] else 'nogc'}-c{c[9]}"
+)
+def test_chunked_and_offloaded_activations_are_exact(tmp_path: Path, case: tuple[Any, ...]) -> None:
+    """train.loss_chunk_tokens: the bytes autograd saves through the trainer's chunked loss
+    (padded batch, ignored labels, chunks that do not divide the batch) are the planner's,
+    byte for byte; train.offload_activations: its hooks take exactly those bytes, which a
+    CUDA plan moves from device memory to host RAM (a CPU plan leaves them)."""
+    from dataclasses import replace
+
+    from shoestring.train.chunkedloss import causal_lm_loss
+    from shoestring.train.offload import HostOffload
+
+    shape, b, s, dtype, autocast, quantize, dropout, gc, method, chunk = case
+    torch.set_num_threads(1)
+    model_dir, cfg = _tiny_dir(tmp_path, **shape)
+    if method == "full":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        model.config.use_cache = False
+    else:
+        model = _lora_model(
+            model_dir, dtype, quantize, r=8, dropout=dropout, targets=["all-linear"], gc=gc
+        )
+    model.train()
+    ids = torch.randint(0, shape["vocab"], (b, s), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, s // 2 :] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, :5] = -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    n = (labels[:, 1:] != -100).sum()
+
+    def forward() -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return causal_lm_loss(model, model, batch, n, chunk)
+
+    w = M.Workload(
+        arch=from_hf_config(cfg.to_dict()),
+        method=method,
+        quantize=quantize,
+        dtype=dtype,
+        lora_r=8,
+        lora_dropout=dropout,
+        seq_len=s,
+        micro_batch=b,
+        gradient_checkpointing=gc,
+        padded=True,
+        device="cpu",
+        autocast=autocast,
+        loss_chunk_tokens=chunk,
+    )
+    act = M.activation_bytes(w)
+    plain = M.activation_bytes(replace(w, loss_chunk_tokens=0))
+    assert act.parts["head"] < plain.parts["head"]
+    assert saved_activation_bytes(model, forward) == act.saved
+    off = HostOffload(model, torch.device("cpu"))
+    with off:
+        forward().backward()
+    assert off.bytes == act.saved
+    on_cpu = M.activation_bytes(replace(w, offload_activations=True))
+    assert (on_cpu.host, on_cpu.peak) == (0, act.peak)
+    gpu = replace(w, device="cuda", offload_activations=True)
+    moved = M.activation_bytes(gpu)
+    assert (
+        moved.host
+        == moved.saved
+        == M.activation_bytes(replace(gpu, offload_activations=False)).saved
+    )
+    assert moved.device_saved == 0

@@ -8,7 +8,6 @@ import json
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -38,21 +37,20 @@ class _Tok(_Saver):
         return {"input_ids": torch.zeros(1, 3, dtype=torch.long)}
 
 
-class _Model(_Saver):
-    training, device, dtype = False, "cpu", torch.float32
+def _tiny_peft_model() -> Any:
+    """A one-layer Llama with a LoRA adapter: the merged export streams real modules."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    def get_base_model(self) -> Any:
-        return SimpleNamespace(config=SimpleNamespace())
-
-    def eval(self) -> None: ...
-
-    def train(self, mode: bool = True) -> None: ...
-
-    def __call__(self, input_ids: torch.Tensor) -> Any:
-        return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 4))
-
-    def merge_and_unload(self) -> _Model:
-        return self
+    cfg = LlamaConfig(
+        vocab_size=8,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=2, target_modules=["q_proj"]))
 
 
 def _record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
@@ -78,11 +76,12 @@ def test_exports_are_fsynced_before_their_rename(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
     log = _record_fsyncs(monkeypatch)
-    model, tok = _Model(("adapter_model.safetensors", "adapter_config.json")), _Tok(("tok.json",))
+    tok = _Tok(("tok.json",))
     if which == "final":
+        model = _Saver(("adapter_model.safetensors", "adapter_config.json"))
         final = export.export_adapter(model, tok, tmp_path)
     else:
-        final = export.export_merged(model, tok, tmp_path)
+        final = export.export_merged(_tiny_peft_model(), tok, tmp_path)
     (rename,) = [i for i, (k, what) in enumerate(log) if k == "rename" and what.endswith(which)]
     tmp = log[rename][1].split(" -> ")[0]
     synced_before = {p for k, p in log[:rename] if k == "fsync"}

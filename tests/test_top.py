@@ -195,3 +195,25 @@ def test_live_loop_redraws_until_interrupted(run: Path) -> None:
     assert naps == [0.5, 0.5, 0.5] and text.count("\x1b[H\x1b[2J") == 3
     assert text.startswith("\x1b[?25l") and text.endswith("\x1b[?25h")  # cursor restored
     assert all(len(line) <= 100 for line in text.replace("\x1b[H\x1b[2J", "\n").splitlines()[1:])
+
+
+def test_a_loading_attempt_shows_its_process_start_and_phases(tmp_path: Path) -> None:
+    run = tmp_path / "loading"
+    run.mkdir()
+    (run / "events.jsonl").write_text(
+        rec("start", NOW - 400, process_start=NOW - 412.0, pid=7)
+        + rec("load", NOW - 398, phase="data", seconds=2.0)
+        + rec("load", NOW - 10, phase="model", seconds=388.0, read_s=90.0, quantize_s=298.0)
+    )
+    top = Top(run)
+    top.poll()
+    frame = top.frame(NOW)
+    assert "| loading" in frame.splitlines()[1]
+    assert (
+        "load  process started 6m52s ago | data 2.0 s | model 388.0 s (read 90.0 s, "
+        "quantize 298.0 s)" in frame
+    )
+    with open(run / "events.jsonl", "a") as f:  # the next attempt starts over
+        f.write(rec("start", NOW - 5, process_start=NOW - 6.0, pid=8))
+    top.poll()
+    assert "load  process started 6.0s ago | ..." in top.frame(NOW)

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from shoestring import exitcodes
-from shoestring.config import ConfigError, Invocation, knob, positive, unit_interval
+from shoestring.config import (
+    ConfigError,
+    Invocation,
+    knob,
+    non_negative,
+    positive,
+    unit_interval,
+)
 from shoestring.gpus import CATALOG, GiB, find_gpu
 from shoestring.plan.arch import LINEARS, PRESETS
 from shoestring.plan.memory import Method
@@ -24,7 +31,8 @@ PLAN_EPILOG = """\
 --model takes a preset ({presets}), a local model directory or a config.json.
 With --config, the finetune YAML supplies the defaults (model.path, lora.*, data.max_length,
 train.micro_batch_size / batch_size, train.max_steps, train.optimizer,
-model.gradient_checkpointing); flags override it. The keys above can also come from a
+train.loss_chunk_tokens, train.offload_activations, model.gradient_checkpointing); flags
+override it. The keys above can also come from a
 YAML of their own: --plan-config FILE.yaml (gpu: T4, seq_len: 2048, ...).
 --device cpu plans a CPU run (host RAM, --ram; no time or cost); cuda, the default unless
 the config says train.device: cpu, plans for --gpu. Dtype and autocast follow finetune's rule.
@@ -86,6 +94,17 @@ class PlanConfig:
     )
     optimizer: Optimizer | None = knob(None, "Optimizer (default adamw).")
     packed: bool = knob(False, "Samples are packed (no attention mask per batch).")
+    loss_chunk_tokens: int | None = knob(
+        None,
+        "Chunked cross-entropy, as train.loss_chunk_tokens: tokens per chunk of the LM "
+        "head and loss (default 0: off).",
+        check=non_negative,
+    )
+    offload_activations: bool | None = knob(
+        None,
+        "Saved activations in host RAM, as train.offload_activations (default off; "
+        "--no-offload-activations overrides a config's true).",
+    )
     gpu: str = knob(
         "", f"One of {', '.join(CATALOG)} (default {DEFAULT_GPU}; none on CPU).", check=_known_gpu
     )
@@ -122,6 +141,8 @@ class PlanConfig:
             gradient_checkpointing=self.gradient_checkpointing,
             optimizer=self.optimizer,
             packed=self.packed or None,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            offload_activations=self.offload_activations,
             steps=self.steps,
         )
 

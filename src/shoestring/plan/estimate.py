@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shoestring.gpus import CATALOG, GPU, GiB, MiB
@@ -28,6 +28,8 @@ FRAGMENTATION = 0.05
 #: Model FLOPs utilization assumed per method (uncalibrated). QLoRA's 1.6x
 #: slowdown over LoRA is litgpt's measurement (nf4-dq vs LoRA, A100).
 MFU = {"full": 0.40, "lora": 0.35, "qlora": 0.35 / 1.6}
+#: The ``train.loss_chunk_tokens`` the advice proposes.
+ADVISED_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class Plan:
     cost_usd: float | None
     cost_spot_usd: float | None
     notes: tuple[str, ...] = ()
+    #: Bytes in host RAM instead of device memory (``train.offload_activations`` on a
+    #: GPU): not part of ``peak_bytes``, which is the device's.
+    host_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def headroom_bytes(self) -> int:
@@ -88,20 +93,26 @@ def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
     wb = weight_bytes(w)
     act = activation_bytes(w)
     weights = wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"]
-    dynamic = act.saved + act.held + max(act.logits, act.recompute)
+    dynamic = act.device_saved + act.held + max(act.logits, act.recompute)
     parts = {
         "weights": weights,
         "quant_state": wb["quant_state"],
         "adapters": adapter_bytes(w),
         "gradients": grad_bytes(w),
         "optimizer": optimizer_bytes(w),
-        "activations": act.saved + act.held,
+        "activations": act.device_saved + act.held,
         "logits_and_backward_transient": max(act.logits, act.recompute),
         "workspace": CUBLAS_WORKSPACE_BYTES if w.device == "cuda" else 0,
         "overhead": (CUDA_CONTEXT_BYTES if w.device == "cuda" else 0)
         + int(FRAGMENTATION * dynamic),
     }
     return parts, act.parts
+
+
+def host_breakdown(w: Workload) -> dict[str, int]:
+    """What a GPU run keeps in host RAM instead: the offloaded activations (pinned)."""
+    host = activation_bytes(w).host
+    return {"offloaded_activations": host} if host else {}
 
 
 def peak_bytes(w: Workload) -> int:
@@ -137,7 +148,8 @@ def _largest(w: Workload, gpu: GPU, field: str, lo: int, hi: int, step: int = 1)
 def flops_per_token(w: Workload) -> float:
     """Training FLOPs per token: forward 2N; backward input-grads 2N (frozen base) or
     4N (full); recompute adds a forward of the layers under checkpointing. Causal
-    attention adds 2·L·s·d_q forward (twice that backward)."""
+    attention adds 2·L·s·d_q forward (twice that backward); chunked cross-entropy
+    recomputes the head's forward."""
     a = w.arch
     layer_lin = sum(i * o for i, o in a.linear_shapes().values())
     n_layers = a.layers * layer_lin
@@ -146,6 +158,8 @@ def flops_per_token(w: Workload) -> float:
     fwd = 2 * (n_layers + head) + attn
     bwd = (4 * (n_layers + head) if w.method == "full" else 2 * (n_layers + head)) + 2 * attn
     recompute = 2 * n_layers + attn if w.gradient_checkpointing else 0
+    if w.loss_chunk_tokens:
+        recompute += 2 * head  # each chunk's logits again in backward
     return float(fwd + bwd + recompute)
 
 
@@ -174,6 +188,21 @@ def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
             (
                 "pack samples (data.packing: true): no attention-mask bias per layer",
                 {"padded": False},
+            )
+        )
+    if not w.loss_chunk_tokens:
+        out.append(
+            (
+                f"chunked cross-entropy (train.loss_chunk_tokens: {ADVISED_CHUNK}): "
+                "the logits are never whole",
+                {"loss_chunk_tokens": ADVISED_CHUNK},
+            )
+        )
+    if w.device == "cuda" and not w.offload_activations:
+        out.append(
+            (
+                "activations in host RAM (train.offload_activations: true)",
+                {"offload_activations": True},
             )
         )
     return out
@@ -268,6 +297,15 @@ def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
             f"{gpu.name} has no bfloat16: use model.dtype float16 (QLoRA's authors "
             "report fp16 compute instabilities; timed here at the fp16 peak)"
         )
+    if w.offload_activations:
+        notes.append(
+            "offloaded activations (train.offload_activations) already live in host RAM "
+            "on a CPU run: the total above is unchanged"
+            if w.device == "cpu"
+            else "offloaded activations: in host RAM (below), not in the GPU total; backward "
+            "brings them back a node at a time (in the transient); the PCIe copies are not "
+            "in the time estimate"
+        )
     if w.optimizer == "paged_adamw8bit" and w.device == "cuda":
         notes.append(
             "paged optimizer state can move to host RAM under pressure: it absorbs "
@@ -295,6 +333,7 @@ def make_plan(w: Workload, gpu: GPU, schedule: Schedule = Schedule()) -> Plan:
         max_micro_batch=max_mb,
         max_seq_len=max_seq,
         advice=[] if fits else _advice(w, gpu, peak, max_mb),
+        host_bytes=host_breakdown(w),
         tokens=schedule.steps * w.micro_batch * w.grad_accum * w.seq_len,
         flops_per_token=flops_per_token(w),
         **_time_and_cost(w, gpu, schedule),

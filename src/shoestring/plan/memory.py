@@ -18,7 +18,10 @@ of thumb, and each is checked against instantiated tiny models in
 * **activations**: the tensors autograd saves for backward, walked op by op
   through the HF Llama forward with PEFT's LoRA layers (see :func:`_layer_saved`),
   tracking which tensors require grad (the first layer of a frozen model saves
-  less, because nothing before it requires grad).
+  less, because nothing before it requires grad). With chunked cross-entropy
+  (``train.loss_chunk_tokens``) the head saves only its checkpointed inputs; with
+  activation offload (``train.offload_activations``) on CUDA the saved bytes live in
+  host RAM and only what backward brings back is on the device (:func:`_restored`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ class Workload:
     #: model): the fp32 LoRA matmuls then run, and save their inputs, in ``dtype``.
     autocast: bool = False
     double_quant: bool = True
+    #: ``train.loss_chunk_tokens``: the head and the loss over this many positions at a
+    #: time, checkpointed (0: the whole micro-batch at once, transformers' own loss).
+    loss_chunk_tokens: int = 0
+    #: ``train.offload_activations``: saved tensors live in host RAM (on CUDA).
+    offload_activations: bool = False
 
     @property
     def quant(self) -> Quantize:
@@ -77,6 +85,11 @@ class Workload:
     @property
     def adapted(self) -> tuple[str, ...]:
         return () if self.method == "full" else self.lora_targets
+
+    @property
+    def offloads(self) -> bool:
+        """Saved activations leave the device (a CPU run keeps them where they are)."""
+        return self.offload_activations and self.device == "cuda"
 
 
 # --------------------------------------------------------------------------- static memory
@@ -274,6 +287,54 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
     return s_rg or d
 
 
+def _head(w: Workload, t: _Tally, T: int) -> None:
+    """What the LM head and the loss save."""
+    a, e = w.arch, w.e
+    if w.loss_chunk_tokens:
+        # Checkpointed chunks: autograd keeps only their inputs, views of the final
+        # hidden states and of the shifted int64 labels, and the divisor
+        # (num_items_in_batch, an int64 scalar); each chunk's logits are recomputed.
+        t.add("head", T * a.hidden * e + T * 8 + 8)
+        return
+    if w.method == "full":
+        t.add("head", T * a.hidden * e)  # lm_head input, for its weight gradient
+    t.add("head", T * a.vocab * 4 + T * 8 + 4)  # fp32 log-softmax, shifted labels, weight
+
+
+def _logits(w: Workload, T: int) -> int:
+    """The loss's transient in backward (plus one dequantized weight for 4/8-bit)."""
+    a, e = w.arch, w.e
+    c = min(w.loss_chunk_tokens, T)
+    if c:
+        # One chunk at a time: its recomputed fp32 log-probs, their gradient and the
+        # fp32 logits' gradient; beside them the hidden states' gradient being gathered
+        # (whole, twice, when the chunks' parts are concatenated).
+        peak = max(c * a.vocab * 12 + T * a.hidden * e, 2 * T * a.hidden * e)
+    else:
+        # At the start of backward the logits (dtype), the upcast fp32 copy's gradient
+        # and the log-softmax gradient live together.
+        peak = T * a.vocab * (e + 8)
+    if w.quant != "none":
+        # bitsandbytes dequantizes one weight at a time to the compute dtype.
+        peak += max(i * o for i, o in a.linear_shapes().values()) * e
+    return peak
+
+
+def _restored(w: Workload, T: int, per_layer: int) -> tuple[int, int]:
+    """With offload, what backward copies back to the device on top of the loss's and
+    the layers' transients (upper bounds: a backward node frees what it restored).
+    Returns (extra for the loss, the layers' transient)."""
+    a, e = w.arch, w.e
+    if w.loss_chunk_tokens:
+        loss = T * a.hidden * e + T * 8  # the chunks' inputs, for their recompute
+    else:
+        loss = T * a.vocab * 4 + T * 8  # the log-softmax and the labels
+    # Checkpointing: a layer's input comes back for its recompute, whose saves stay on
+    # the device. Without: at most one layer's saves are back at a time.
+    layers = per_layer + (T * a.hidden * e if w.gradient_checkpointing else 0)
+    return loss, layers
+
+
 @dataclass(frozen=True)
 class Activations:
     """Activation memory of one micro-batch."""
@@ -284,10 +345,16 @@ class Activations:
     recompute: int  # transient during backward with checkpointing: one layer's saves
     per_layer: int  # one (non-first) layer's saves without checkpointing
     held: int = 0  # kept alive by checkpoint closures, outside autograd's saved tensors
+    host: int = 0  # of ``saved``, the bytes offloaded to host RAM (not on the device)
+
+    @property
+    def device_saved(self) -> int:
+        return self.saved - self.host
 
     @property
     def peak(self) -> int:
-        return self.saved + self.held + max(self.logits, self.recompute)
+        """Device bytes at the peak."""
+        return self.device_saved + self.held + max(self.logits, self.recompute)
 
 
 def activation_bytes(w: Workload) -> Activations:
@@ -317,16 +384,12 @@ def activation_bytes(w: Workload) -> Activations:
     if rope[0]:
         t.add("attention", 2 * s * a.head_dim * e)  # cos, sin
     _norm(w, t, s_rg, T)
-    if full:
-        t.add("head", T * a.hidden * e)  # lm_head input, for its weight gradient
-    t.add("head", T * a.vocab * 4 + T * 8 + 4)  # fp32 log-softmax, shifted labels, weight
-    # At the start of backward the logits (dtype), the upcast fp32 copy's gradient and
-    # the log-softmax gradient live together.
-    logits = T * a.vocab * (e + 8)
-    if w.quant != "none":
-        # bitsandbytes dequantizes one weight at a time to the compute dtype.
-        logits += max(i * o for i, o in a.linear_shapes().values()) * e
+    _head(w, t, T)
+    logits = _logits(w, T)
     recompute = probe.total if w.gradient_checkpointing else 0
+    if w.offloads:
+        loss, recompute = _restored(w, T, probe.total)
+        logits += loss
     return Activations(
         saved=t.total,
         parts=dict(t.parts),
@@ -334,4 +397,5 @@ def activation_bytes(w: Workload) -> Activations:
         recompute=recompute,
         per_layer=probe.total,
         held=held,
+        host=t.total if w.offloads else 0,
     )

@@ -22,6 +22,9 @@ _LABELS = {
 }
 
 
+_HOST_LABELS = {"offloaded_activations": "activations saved for backward"}
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:7.2f} GiB"
 
@@ -41,6 +44,7 @@ def to_dict(plan: Plan) -> dict[str, Any]:
         "gpu_memory_bytes": None if plan.on_cpu else g.memory_bytes,
         "ram_bytes": g.memory_bytes if plan.on_cpu else None,
         "breakdown": dict(plan.breakdown),
+        "host_bytes": dict(plan.host_bytes),
         "activation_parts": dict(plan.activation_parts),
         "max_micro_batch": plan.max_micro_batch,
         "max_seq_len": plan.max_seq_len,
@@ -79,7 +83,9 @@ def _header(plan: Plan) -> list[str]:
         else f"method   full fine-tuning, dtype {w.dtype}{precision}, optimizer {w.optimizer}",
         f"batch    micro-batch {w.micro_batch} x seq {w.seq_len}, accumulation {w.grad_accum}, "
         f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
-        f"{', padded' if w.padded else ', packed'}",
+        f"{', padded' if w.padded else ', packed'}"
+        + (f", loss in chunks of {w.loss_chunk_tokens} tokens" if w.loss_chunk_tokens else "")
+        + (", activations offloaded to host RAM" if w.offload_activations else ""),
         f"device   cpu: {g.name} {g.memory_bytes / GiB:.1f} GiB"
         if plan.on_cpu
         else f"gpu      {g.name}: {g.memory_bytes / GiB:.1f} GiB",
@@ -112,6 +118,10 @@ def to_text(plan: Plan) -> str:
         if v:
             lines.append(f"  {labels.get(k, k):34s}{_gib(v)}")
     lines.append(f"  {'total':34s}{_gib(plan.peak_bytes)}   of {g.memory_bytes / GiB:.1f} GiB")
+    if plan.host_bytes:
+        lines.append("host RAM (pinned, not in the GPU total):")
+        for k, v in plan.host_bytes.items():
+            lines.append(f"  {_HOST_LABELS.get(k, k):34s}{_gib(v)}")
     lines.append("")
     if plan.fits:
         lines.append(f"FITS, {plan.headroom_bytes / GiB:.2f} GiB to spare.")

@@ -91,6 +91,8 @@ def workload_from_config(
         # Packed rows get a block-diagonal mask (per-sample position ids), except under
         # flash attention, which packs by position ids without a mask.
         padded=not cfg.data.packing or cfg.model.attn_implementation != "flash_attention_2",
+        loss_chunk_tokens=t.loss_chunk_tokens,
+        offload_activations=t.offload_activations,
         **numerics_fields(n),
     )
     return w, t.max_steps
@@ -116,6 +118,8 @@ class PlanRequest:
     gradient_checkpointing: bool | None = None
     optimizer: str | None = None
     packed: bool | None = None
+    loss_chunk_tokens: int | None = None
+    offload_activations: bool | None = None
     steps: int | None = None
 
 
@@ -213,6 +217,8 @@ def resolve_request(req: PlanRequest, cache_dir: Path | None = None) -> Resolved
         ("grad_accum", req.grad_accum),
         ("gradient_checkpointing", req.gradient_checkpointing),
         ("optimizer", req.optimizer),
+        ("loss_chunk_tokens", req.loss_chunk_tokens),
+        ("offload_activations", req.offload_activations),
     )
     for key, v in asked:
         if v is not None:

@@ -93,14 +93,10 @@ class Ledger:
         )
 
 
-def compute(tl: Timeline, price: Price | None = None) -> Ledger:
-    """The ledger of a run directory's timeline."""
-    rs = tl.run_start
-    devices = tl.world_size
-    if price is None:
-        device = str(rs.get("device") or "unknown") if rs else "unknown"
-        market = str(rs.get("market") or "spot") if rs else "spot"
-        price = price_for(device, market, float(rs.get("usd_per_hour") or 0) if rs else 0.0)
+def _spans_and_restarts(tl: Timeline) -> tuple[dict[int, tuple[float, float]], float]:
+    """Each attempt's (start, end), and the seconds of restart overhead: a later attempt's
+    process start -> its first step; one that never stepped (killed while loading) was
+    restart overhead for its whole span."""
     by_attempt: dict[int, list[float]] = {}
     first_step: dict[int, float] = {}
     for e in tl.events:
@@ -111,14 +107,24 @@ def compute(tl: Timeline, price: Price | None = None) -> Ledger:
     for att in tl.attempts:  # the supervisor's records bound an attempt exactly
         lo, hi = spans.get(att.index, (att.start, att.end or att.start))
         spans[att.index] = (min(lo, att.start), max(hi, att.end or hi))
-    wall = sum(hi - lo for lo, hi in spans.values())
-    # A later attempt's process start -> its first step; one that never stepped (killed
-    # while loading) was restart overhead for its whole span.
     restart = sum(
         (first_step[a] if a in first_step else spans[a][1]) - spans[a][0]
         for a in spans
         if a > min(spans)
     )
+    return spans, restart
+
+
+def compute(tl: Timeline, price: Price | None = None) -> Ledger:
+    """The ledger of a run directory's timeline."""
+    rs = tl.run_start
+    devices = tl.world_size
+    if price is None:
+        device = str(rs.get("device") or "unknown") if rs else "unknown"
+        market = str(rs.get("market") or "spot") if rs else "spot"
+        price = price_for(device, market, float(rs.get("usd_per_hour") or 0) if rs else 0.0)
+    spans, restart = _spans_and_restarts(tl)
+    wall = sum(hi - lo for lo, hi in spans.values())
     step_ms = [s.step_ms for s in tl.steps().get(0, []) if s.step_ms]
     med_step_s = statistics.median(step_ms) / 1e3 if step_ms else 0.0
     recomputed = sum(int(e.get("steps_lost") or 0) for e in tl.of("resume") if e.rank == 0)

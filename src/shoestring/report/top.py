@@ -155,21 +155,24 @@ class Top:
         elif kind == "gave_up":
             job.status = "gave up"
         elif kind == "metrics":
-            for rk, vals in (r.get("ranks") or {}).items():
-                if isinstance(vals, dict):
-                    self._rank(int(rk)).metrics = {
-                        k: float(v) for k, v in vals.items() if isinstance(v, (int, float))
-                    }
-            for g in r.get("gpus") or []:
-                if isinstance(g, dict):
-                    job.gpus[str(g.get("gpu", "?"))] = {
-                        k: float(v) for k, v in g.items() if isinstance(v, (int, float))
-                    }
+            self._metrics(r)
         if kind in ALARM_EVENTS:
             alarm = to_alarm(Event(ts=ts, kind=kind, rank=rank, attempt=job.attempt, data=r))
             job.alarms.append(alarm)
             for ar in alarm.ranks:
                 self._rank(ar).alarms.append(alarm.kind)
+
+    def _metrics(self, r: dict[str, Any]) -> None:
+        for rk, vals in (r.get("ranks") or {}).items():
+            if isinstance(vals, dict):
+                self._rank(int(rk)).metrics = {
+                    k: float(v) for k, v in vals.items() if isinstance(v, (int, float))
+                }
+        for g in r.get("gpus") or []:
+            if isinstance(g, dict):
+                self.job.gpus[str(g.get("gpu", "?"))] = {
+                    k: float(v) for k, v in g.items() if isinstance(v, (int, float))
+                }
 
     # ------------------------------------------------------------------ drawing
     def frame(self, now: float, width: int = 120, color: bool = False) -> str:
@@ -202,9 +205,7 @@ class Top:
             f"{job.preemptions} | step {max(steps) if steps else '-'}"
             f"/{job.max_steps or '?'} | last checkpoint {ck} | {status}"
         )
-        if job.started is not None:
-            phases = " | ".join(job.loads) if job.loads else "..."
-            lines.append(f"load  process started {_ago(now - job.started)} ago | {phases}")
+        lines += self._load_line(now)
         show_metrics = any(s.metrics for s in self.ranks.values())
         hdr = (
             f"{'RANK':>4}  {'STATUS':<9} {'PHASE':<22} {'STEP':>6} {'LAST ms':>8} "
@@ -234,6 +235,13 @@ class Top:
         if self.skipped:
             lines.append(c(DIM, f"({self.skipped} unreadable event line(s) skipped)"))
         return "\n".join(_clip(line.rstrip(), width) for line in lines) + "\n"
+
+    def _load_line(self, now: float) -> list[str]:
+        """The current attempt's process start and its load phases so far."""
+        if self.job.started is None:
+            return []
+        phases = " | ".join(self.job.loads) if self.job.loads else "..."
+        return [f"load  process started {_ago(now - self.job.started)} ago | {phases}"]
 
     def _rank_line(
         self,

@@ -189,6 +189,26 @@ class TrainConfig:
         "(moments in uint8 blocks, 4x smaller). paged_adamw8bit: the same in CUDA unified "
         "memory, paged to host RAM under pressure (absorbs spikes; on CPU it equals adamw8bit).",
     )
+    loss_chunk_tokens: int = knob(
+        0,
+        "Chunked cross-entropy: compute the LM head and the loss over this many token "
+        "positions of a micro-batch at a time, each chunk checkpointed, so the "
+        "vocabulary-sized logits and their gradient are never whole (Llama-3-8B QLoRA at "
+        "2048 tokens: 10.5 -> 7.7 GiB planned peak at 512). The loss is transformers' "
+        "(same reduction; the chunks only reorder a float sum); backward recomputes the "
+        "head's forward, one chunk at a time. 0: off (the model's own loss). Try 256-1024; "
+        "shoestring plan counts it. Training steps only: eval still computes whole logits "
+        "per eval batch (keep eval.batch_size small on a small GPU).",
+        check=non_negative,
+    )
+    offload_activations: bool = knob(
+        False,
+        "Keep what autograd saves for backward in host RAM (pinned) between each "
+        "micro-batch's forward and backward, instead of GPU memory: torch's save_on_cpu "
+        "hooks, weights excluded, each storage copied once. Trades PCIe traffic for GPU "
+        "memory; shoestring plan moves the activation term to host RAM. On a CPU run "
+        "activations already live in host RAM: nothing changes.",
+    )
 
 
 @dataclass
@@ -426,6 +446,7 @@ RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "train.num_threads",
     "train.device",
     "train.deterministic",
+    "train.offload_activations",
     "lora.cache_quantized",
     "eval.",
     "checkpoint.",

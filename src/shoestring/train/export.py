@@ -10,10 +10,13 @@ import logging
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoestring.checkpoint.local import replace_dir
 from shoestring.fsio import fsync_tree
+
+if TYPE_CHECKING:
+    from shoestring.train.merge import MergePlan
 
 log = logging.getLogger("shoestring.export")
 
@@ -56,6 +59,8 @@ DRIFT_PROBE = (
     "Fine-tuning on a shoestring: 4-bit base, 16-bit export."
 )
 MERGE_REPORT = "merge_report.json"
+#: Shard size of the merged export (the Hub's usual; a 7B in bf16 is 7 shards).
+MERGED_SHARD_BYTES = 2 << 30
 
 
 def _logits(model: Any, ids: Any) -> Any:
@@ -80,74 +85,95 @@ def logit_drift(ref: Any, new: Any) -> dict[str, float]:
     }
 
 
-def _dequantized_merge(model: Any) -> Any:
-    """Merge the adapter onto dequant(W4) in the compute dtype, not onto the original
-    16-bit weights: the adapter was trained against the quantized weights, and
-    merging it onto W16 silently adds the quantization error back (unsloth-zoo #810).
-    Reloads the base quantized (deterministic: the same bytes as in training),
-    dequantizes it, and merges a copy of the trained adapter."""
-    import tempfile
+def merged_config(base: Any, dtype: Any) -> Any:
+    """The base's config for the merged model: no quantization_config, the export dtype,
+    the KV cache back on (training turned it off)."""
+    import copy
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = model.get_base_model()
-    qcfg = base.config.quantization_config
-    dtype = base.dtype if base.dtype.is_floating_point else None
-    with tempfile.TemporaryDirectory() as adapter_dir:
-        model.save_pretrained(adapter_dir, safe_serialization=True)
-        fresh = AutoModelForCausalLM.from_pretrained(
-            base.config._name_or_path,
-            quantization_config=qcfg,
-            dtype=dtype,
-            device_map={"": str(base.device)},
-        )
-        dq = fresh.dequantize()
-        merged = PeftModel.from_pretrained(dq, adapter_dir).merge_and_unload()
-    merged.config.use_cache = True
-    return merged
+    config = copy.deepcopy(base.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.use_cache = True
+    config.architectures = [type(base).__name__]
+    return config
 
 
-def export_merged(model: Any, tok: Any, out_dir: Path) -> Path:
-    """``OUTPUT/merged``: a 16-bit model with the adapter folded in, plus
+def _merge_report(model: Any, plan: MergePlan, ids: Any) -> dict[str, Any]:
+    """Logit drift of the merged weights (formed layer by layer in the in-memory model,
+    by the same functions that write them) against the adapter on its base."""
+    from shoestring.train.merge import formed_forwards
+
+    ref = _logits(model, ids)
+    with formed_forwards(plan):
+        merged = _logits(model, ids)
+    quantized = getattr(model.get_base_model().config, "quantization_config", None) is not None
+    return {
+        "base": "dequantized 4/8-bit" if quantized else "16/32-bit",
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "probe_tokens": ids.shape[1],
+        **logit_drift(ref, merged),
+    }
+
+
+def export_merged(
+    model: Any, tok: Any, out_dir: Path, max_shard_bytes: int = MERGED_SHARD_BYTES
+) -> Path:
+    """``OUTPUT/merged``: a 16/32-bit model with the adapter folded in (loads with
+    ``AutoModelForCausalLM.from_pretrained``, no peft, no bitsandbytes), plus
     ``merge_report.json`` with the measured logit drift against the adapter on its
-    (possibly quantized) base. Consumes ``model`` when the base is not quantized."""
+    (possibly quantized) base. Streamed from ``model`` itself, a tensor at a time
+    (:mod:`shoestring.train.merge`): the model is left as it was, and the extra memory
+    is about one layer's weight, never the whole model."""
     import json
+
+    from shoestring.stwriter import write_sharded
+    from shoestring.train.merge import plan_merge
 
     final = out_dir / "merged"
     tmp = out_dir / f".tmp-merged-{uuid.uuid4().hex[:6]}"
+    base = model.get_base_model()
+    plan = plan_merge(model)
     ids = tok(DRIFT_PROBE, return_tensors="pt")["input_ids"].to(model.device)
-    ref = _logits(model, ids)
-    quantized = getattr(model.get_base_model().config, "quantization_config", None) is not None
-    merged = _dequantized_merge(model) if quantized else model.merge_and_unload()
-    report = {
-        "base": "dequantized 4/8-bit" if quantized else "16/32-bit",
-        "dtype": str(merged.dtype).replace("torch.", ""),
-        "probe_tokens": ids.shape[1],
-        **logit_drift(ref, _logits(merged, ids)),
-    }
-    merged.save_pretrained(str(tmp), safe_serialization=True)
+    report = _merge_report(model, plan, ids)
+    shards = write_sharded(tmp, plan.specs, plan.source, max_shard_bytes)
+    merged_config(base, plan.dtype).save_pretrained(str(tmp))
+    if base.can_generate() and base.generation_config is not None:
+        base.generation_config.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
+    report |= {
+        "shards": len(shards),
+        "merged_bytes": plan.merged_bytes,
+        "largest_tensor_bytes": plan.largest.nbytes,
+    }
     (tmp / MERGE_REPORT).write_text(json.dumps(report, indent=2, sort_keys=True))
     fsync_tree(tmp)
+    _log_report(report)
+    replace_dir(tmp, final)
+    return final
+
+
+def _log_report(report: dict[str, Any]) -> None:
     log.info(
         "merged onto the %s base: logit drift max %.3g, mean %.3g (logit std %.3g), "
-        "top-1 agreement %.1f%%",
+        "top-1 agreement %.1f%%; largest tensor formed %.1f MB of %.1f MB written",
         report["base"],
         report["max_abs"],
         report["mean_abs"],
         report["ref_std"],
         100 * report["top1_agreement"],
+        report["largest_tensor_bytes"] / 1e6,
+        report["merged_bytes"] / 1e6,
     )
-    replace_dir(tmp, final)
-    return final
 
 
 def export_merged_from(
     model_dir: Path, adapter_dir: Path, model_cfg: Any, tok: Any, out_dir: Path
 ) -> Path:
     """Merge an exported adapter onto a freshly loaded base (for sharded runs, whose
-    in-memory model holds only shards)."""
+    in-memory model holds only shards; their base is never quantized), streamed like
+    :func:`export_merged`: the loaded base is the only whole model in memory."""
     from peft import PeftModel
 
     from shoestring.train.model import load_base_model

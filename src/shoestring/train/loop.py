@@ -21,6 +21,7 @@ from shoestring.checkpoint.interval import history_from_events
 from shoestring.events import read_tail
 from shoestring.rundir import hold, require_writable
 from shoestring.train import state as S
+from shoestring.train.chunkedloss import causal_lm
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import Accelerator, resolve
 from shoestring.train.evaluate import eval_loss, exact_match
@@ -74,6 +75,8 @@ def _finetune(cfg: FinetuneConfig, opts: RunOptions) -> int:
         try:
             with run.rec.phase("setup"):
                 t = build_trainer(cfg, run, inputs)
+                if cfg.train.loss_chunk_tokens:  # a model it cannot chunk: refused before step 1
+                    causal_lm(t.learner.model)
                 progress = resume(t, opts.resume)
             saves = _save_policy(t, progress.step)
             with tracking(t, progress.step if t.saved_step >= 0 else None) as tracked:

@@ -49,7 +49,7 @@ class ProgressDisplay:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
             self._bar.set_postfix(
-                loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}", refresh=False
+                loss=f"{loss:.4f}", tok_s=rate_text(tokens_per_s), lr=f"{lr:.2e}", refresh=False
             )
             return
         if not self.enabled:
@@ -60,7 +60,7 @@ class ProgressDisplay:
             eta = (self.total - step) / rate if rate > 0 else 0.0
             print(
                 f"step {step}/{self.total} loss {loss:.4f} lr {lr:.2e} "
-                f"tok/s {tokens_per_s:,.0f} eta {_fmt_eta(eta)}",
+                f"tok/s {rate_text(tokens_per_s)} eta {_fmt_eta(eta)}",
                 file=self.stream,
                 flush=True,
             )
@@ -75,3 +75,9 @@ class ProgressDisplay:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def rate_text(per_s: float) -> str:
+    """``12,345`` — or, below 10 (a 7B on a CPU: a few tokens a second), 3 significant
+    digits, so a slow run does not read ``0``."""
+    return f"{per_s:,.0f}" if per_s >= 10 else f"{per_s:.3g}"

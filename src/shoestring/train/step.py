@@ -9,16 +9,20 @@ Losses accumulate on the device; the one host sync per step is the agreement
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 import zlib
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from shoestring.train import state as S
+from shoestring.train.chunkedloss import causal_lm_loss
 from shoestring.train.device import peak_memory, to_device
 from shoestring.train.model import check_lora_gradients
+from shoestring.train.offload import HostOffload
 from shoestring.train.parallel import grad_norm_value
 from shoestring.train.placement import misplaced
 from shoestring.train.trainer import Trainer
@@ -33,14 +37,31 @@ def _micro_batch(t: Trainer, idx: list[int], start: int, size: int) -> dict[str,
     return batch
 
 
+def _loss(t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss (sum over label tokens / ``n_items``), whole or chunked."""
+    learner, chunk = t.learner, t.cfg.train.loss_chunk_tokens
+    if chunk:
+        return causal_lm_loss(learner.wrapped, learner.model, batch, n_items, chunk)
+    loss: torch.Tensor = learner.wrapped(**batch, num_items_in_batch=n_items).loss
+    return loss
+
+
+def _saved_tensors(t: Trainer) -> AbstractContextManager[Any]:
+    """Where autograd keeps this micro-batch's saved tensors: host RAM with
+    ``train.offload_activations``, else where they are made."""
+    if t.cfg.train.offload_activations:
+        return HostOffload(t.learner.model, t.device)
+    return contextlib.nullcontext()
+
+
 def _forward_backward(
     t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor, last: bool
 ) -> torch.Tensor:
     strategy, learner = t.run.strategy, t.learner
     t_fwd = time.perf_counter()
-    with strategy.grad_sync(learner.wrapped, last):
+    with strategy.grad_sync(learner.wrapped, last), _saved_tensors(t):
         with t.precision.autocast():
-            loss = learner.wrapped(**batch, num_items_in_batch=n_items).loss
+            loss = _loss(t, batch, n_items)
         slow = t.run.faults.hit("step.forward")
         if slow:  # injected straggler: this forward takes NN % longer
             time.sleep((time.perf_counter() - t_fwd) * int(slow[4:]) / 100)
