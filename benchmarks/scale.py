@@ -316,6 +316,34 @@ def check_restart(r: Runner, model: Path, a: argparse.Namespace, name: str,
     return res
 
 
+def check_merge(r: Runner, model: Path, a: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The finished uninterrupted run, one more step, then ``--export.merged true``: the
+    16-bit merge streamed from the trained model; peak anonymous RSS of the export phase
+    (final checkpoint -> run_end) against that of the steps."""
+    out = r.work / f"{name}-merge"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(r.work / f"{name}-ref", out, symlinks=True)
+    args = finetune_args(model, out, a)
+    args[args.index("--train.max_steps") + 1] = str(a.steps + 1)
+    run = r.finetune([*args, "--export.merged", "true"], f"{name}-merge")
+    if run["rc"] != 0:
+        raise RuntimeError(f"{name}-merge exited {run['rc']} (see {r.work}/{name}-merge.log)")
+    events = read_events(out)
+    final_ck = max(e["ts"] for e in events if e["event"] == "checkpoint")
+    end = max(e["ts"] for e in events if e["event"] == "run_end")
+    merged = out / "merged"
+    report = json.loads((merged / "merge_report.json").read_text())
+    fig = attempt_figures(events, run["rss"])
+    return {
+        "export_s": round(end - final_ck, 1),
+        "peak_rss_anon_export_bytes": run["rss"].peak(final_ck, end),
+        "peak_rss_anon_steps_bytes": fig.get("peak_rss_anon_steps_bytes"),
+        "merged_bytes": sum(f.stat().st_size for f in merged.glob("*.safetensors")),
+        "merge_report": report,
+        "load_model": fig["load_model"],
+    }
+
+
 def header(a: argparse.Namespace) -> dict[str, Any]:
     import platform
 
@@ -345,14 +373,17 @@ def run_shape(name: str, a: argparse.Namespace, work: Path, report: dict[str, An
     model, shape["build"] = check_build(name, cache, a.small)
     save()
     qcache = work / f"cache-{name}"  # an empty model cache: the first run quantizes
-    shutil.rmtree(qcache, ignore_errors=True)
-    qcache.mkdir(parents=True)
+    if "qlora" in a.checks:
+        shutil.rmtree(qcache, ignore_errors=True)
+    qcache.mkdir(parents=True, exist_ok=True)
     r = Runner(work, qcache)
     for check in a.checks:
         t0 = time.time()
         try:
             if check == "qlora":
                 shape["qlora"] = check_qlora(r, model, a, name)
+            elif check == "merge":
+                shape["merge"] = check_merge(r, model, a, name)
             elif check == "restart":
                 ref = shape.get("qlora", {}).get("final_sha256", "")
                 shape["restart"] = check_restart(r, model, a, name, ref)
@@ -365,7 +396,12 @@ def run_shape(name: str, a: argparse.Namespace, work: Path, report: dict[str, An
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="llama2-7b,llama3-8b")
-    p.add_argument("--checks", default="qlora,restart", help="build always runs")
+    p.add_argument(
+        "--checks",
+        default="qlora,restart",
+        help="build always runs; merge (after qlora, same --work): one more step and the "
+        "streamed 16-bit export",
+    )
     p.add_argument("--small", action="store_true", help="small-width shapes (CI smoke)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq", type=int, default=64, help="data.max_length")
@@ -387,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     report = header(a)
+    if out.is_file():  # another invocation the same day (e.g. --checks merge): add to it
+        earlier = json.loads(out.read_text())
+        report["shapes"] = earlier.pop("shapes", {})
+        report["earlier_invocations"] = [*earlier.pop("earlier_invocations", []), earlier]
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)

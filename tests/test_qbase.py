@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_events, state_digest
+from conftest import read_events, sha256, state_digest
 
 pytest.importorskip("bitsandbytes")
 
@@ -74,9 +74,11 @@ def _entry(cache: Path) -> Path:
 def test_cached_base_is_reused_and_trains_byte_identically(
     fresh_cache: Path, tmp_path: Path
 ) -> None:
-    first = _finetune(tmp_path / "a", fresh_cache)
+    merged = ["--export.merged", "true"]
+    first = _finetune(tmp_path / "a", fresh_cache, *merged)
     load = _model_load(first)
     assert load["source"] == "model_dir" and float(load["quantize_s"]) > 0  # type: ignore[arg-type]
+    assert isinstance(load["disk_read_bytes"], int) and load["disk_read_bytes"] >= 0
     entry = _entry(fresh_cache)
     assert load["qbase_saved"] == entry.name
     meta = json.loads((entry / "manifest.json").read_text())["meta"]
@@ -85,7 +87,7 @@ def test_cached_base_is_reused_and_trains_byte_identically(
         e["base_fingerprint"] for e in first if e["event"] == "run_start"
     )
 
-    second = _finetune(tmp_path / "b", fresh_cache)
+    second = _finetune(tmp_path / "b", fresh_cache, *merged)
     assert _model_load(second)["source"] == "qbase-local"
     assert _model_load(second)["quantize_s"] == 0.0
     assert state_digest(tmp_path / "b", STEPS) == state_digest(tmp_path / "a", STEPS)
@@ -93,6 +95,9 @@ def test_cached_base_is_reused_and_trains_byte_identically(
     cfg_b = json.loads((tmp_path / "b" / "final" / "adapter_config.json").read_text())
     cfg_a = json.loads((tmp_path / "a" / "final" / "adapter_config.json").read_text())
     assert cfg_b == cfg_a and "qbase" not in cfg_b["base_model_name_or_path"]
+    # The 16-bit merge streamed from a base read pre-quantized is the same model.
+    for f in (tmp_path / "a" / "merged").glob("*.safetensors"):
+        assert sha256(f) == sha256(tmp_path / "b" / "merged" / f.name), f.name
 
     off = _finetune(tmp_path / "c", fresh_cache, "--lora.cache_quantized", "false")
     assert _model_load(off)["source"] == "model_dir" and "qbase_saved" not in _model_load(off)

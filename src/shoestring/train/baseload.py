@@ -36,6 +36,25 @@ def qbase_cache(cfg: FinetuneConfig, run: Run) -> QuantizedBaseCache | None:
 
 
 def load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> LoadedBase:
+    read_before = _disk_read_bytes()
+    loaded = _load_base(cfg, run, model_dir, base_fp)
+    # Memory-mapped safetensors are read on first touch, inside whatever touches them
+    # first (bitsandbytes' quantizer, for a quantized load): the bytes say how much came
+    # from the disk rather than the page cache.
+    loaded.fields["disk_read_bytes"] = _disk_read_bytes() - read_before
+    return loaded
+
+
+def _disk_read_bytes() -> int:
+    import psutil
+
+    try:
+        return int(psutil.Process().io_counters().read_bytes)
+    except (psutil.Error, AttributeError, OSError):
+        return 0
+
+
+def _load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> LoadedBase:
     device = run.strategy.load_device()
     cache = qbase_cache(cfg, run)
     key = QuantKey.of(base_fp, cfg.lora.quantize, cfg.model.dtype, device) if cache else None

@@ -258,10 +258,27 @@ def export_dtype(base: Any) -> torch.dtype:
     return dtype
 
 
+def _renames(base: Any) -> list[Any]:
+    """The load-time weight conversions other than bitsandbytes' own: a base loaded
+    pre-quantized (the quantized-base cache) gathers each ``weight.absmax``,
+    ``weight.quant_map``, ... back into its ``weight`` — no name of the model changes."""
+    return [
+        c
+        for c in getattr(base, "_weight_conversions", None) or []
+        if not (
+            list(getattr(c, "target_patterns", None) or []) == ["weight"]
+            and all(
+                p == "weight" or p.startswith("weight.")
+                for p in getattr(c, "source_patterns", None) or ["?"]
+            )
+        )
+    ]
+
+
 def plan_merge(model: Any) -> MergePlan:
     """The merged export of a peft model (the base's names, the adapters folded in)."""
     base = model.get_base_model()
-    if getattr(base, "_weight_conversions", None):  # save_pretrained would undo them
+    if _renames(base):  # save_pretrained would undo them
         raise NotImplementedError(
             f"streamed merge: {type(base).__name__} renames or fuses weights at load"
         )
