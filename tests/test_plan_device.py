@@ -239,3 +239,25 @@ def test_cpu_activations_are_exact_for_a_real_shape(
     assert act.saved == saved_activation_bytes(model, forward)
     if not gc:
         assert act.per_layer == saved_by_layer(model, forward)[1]
+
+
+def test_16_bit_on_a_cpu_without_bf16_kernels_is_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from shoestring.train.device import cpu_computes_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
+    assert cpu_computes_bf16(str(info)) is False
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
+    assert cpu_computes_bf16(str(info)) is True
+    assert cpu_computes_bf16(str(tmp_path / "absent")) is True  # unknown: no warning
+
+    slow = Accelerator(cpu_bf16=False)
+    with caplog.at_level("WARNING", logger="shoestring.finetune"):
+        resolve(FinetuneConfig(), slow, 0)  # auto on a CPU: float32, fp32
+        assert not caplog.records
+        bf16 = load(FinetuneConfig, None, ["--model.dtype", "bfloat16"])
+        assert resolve(bf16, slow, 0).model.dtype == "bfloat16"  # a warning, not a refusal
+        resolve(bf16, Accelerator(cpu_bf16=True), 0)
+    assert len(caplog.records) == 1 and "80x slower" in caplog.records[0].getMessage()
