@@ -23,6 +23,11 @@ CUDA_CONTEXT_BYTES = 500 * MiB
 #: default on sm90 (H100/H200); older GPUs get 8 MiB + 128 KiB, so this is an upper
 #: bound there. The 2026-12-04 H200 check left ~37 MiB unexplained on a 100 MB run.
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
+#: A CPU run's own code and data beyond its tensors (python, torch, transformers, peft,
+#: bitsandbytes, tokenizer, data cache, threads): measured 2026-12-06 as a Llama-2-7B
+#: QLoRA's peak anonymous RSS less the plan's tensors (6.57 - 6.12 GB); the imports alone
+#: are 0.32 GB. ``benchmarks/scale.py`` checks it on other shapes.
+CPU_RUNTIME_BYTES = 448 * MiB
 #: Allocator fragmentation allowance on the dynamic (activation) part.
 FRAGMENTATION = 0.05
 #: Model FLOPs utilization assumed per method (uncalibrated). QLoRA's 1.6x
@@ -103,7 +108,7 @@ def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
         "activations": act.device_saved + act.held,
         "logits_and_backward_transient": max(act.logits, act.recompute),
         "workspace": CUBLAS_WORKSPACE_BYTES if w.device == "cuda" else 0,
-        "overhead": (CUDA_CONTEXT_BYTES if w.device == "cuda" else 0)
+        "overhead": (CUDA_CONTEXT_BYTES if w.device == "cuda" else CPU_RUNTIME_BYTES)
         + int(FRAGMENTATION * dynamic),
     }
     return parts, act.parts
@@ -289,8 +294,9 @@ def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
     notes = []
     if w.device == "cpu":
         notes.append(
-            "a CPU run: the peak is host RAM for the tensors (the process's own code and "
-            "libraries are not counted); time and cost are not estimated for CPUs"
+            "a CPU run: the peak is host RAM, the tensors plus "
+            f"{CPU_RUNTIME_BYTES / GiB:.2f} GiB for the process's own code and libraries "
+            "(measured, in 'overhead'); time and cost are not estimated for CPUs"
         )
     elif w.dtype == "bfloat16" and not gpu.bf16_flops:
         notes.append(
