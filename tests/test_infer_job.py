@@ -75,7 +75,10 @@ def test_bad_input_fails_before_loading_anything(
     assert "did you mean 'memory.budget'" in capsys.readouterr().err
     inp.write_text('{"prompt": "a"}\n')
     assert main(_args(tiny, inp, out, "--memory-budget", "300MB")) == 2
-    assert "memory.budget: 0.30 GB is too small for this model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "memory.budget: 0.30 GB is too small for this model" in err
+    # prefetch_depth is 1 (its least): the error names the budget that would do, not it
+    assert "(memory.prefetch_depth is already 1)" in err and "raise the budget to " in err
     assert main(["infer", "--input", str(inp), "--output", str(out)]) == 2
     assert "--model (model.path) is required" in capsys.readouterr().err
     # past the model's context (1024 positions): refused, not generated as garbage

@@ -179,7 +179,7 @@ def make_plan(
     fixed = _Fixed(budget, reserve, max(unit_prepare or [0], default=0))
     room = fixed.room - ring
     if room < per_seq + act.bytes(longest, 1):
-        raise _too_small(fixed, ring, act.bytes(longest, 1), per_seq)
+        raise _too_small(fixed, ring, act.bytes(longest, 1), per_seq, depth)
     if pinned_batch is None:
         fits = _most_that_fit(act, per_seq, longest, room, want_batch)
     else:  # a rerun may use the slack too: its measured runtime can differ a little
@@ -236,14 +236,21 @@ def _most_that_fit(act: _Activations, per_seq: int, longest: int, room: int, mos
     return lo
 
 
-def _too_small(fixed: _Fixed, ring: int, act: int, per_seq: int) -> ConfigError:
+def _too_small(fixed: _Fixed, ring: int, act: int, per_seq: int, depth: int) -> ConfigError:
     need = fixed.runtime + ring + fixed.prepare + act + per_seq + fixed.slack
+    # At depth 1 the ring is the unit being computed and the one being read: the least
+    # that streams at all (the largest unit twice: the embedding or head of a big vocab).
+    fix = (
+        "lower memory.prefetch_depth or raise the budget"
+        if depth > 1
+        else f"raise the budget to {need / 1e9:.2f} GB (memory.prefetch_depth is already 1)"
+    )
     return ConfigError(
         f"memory.budget: {fixed.budget / 1e9:.2f} GB is too small for this model "
         f"and input: one sequence needs {need / 1e9:.2f} GB ({_mb(fixed.runtime)} MB "
         f"runtime + {_mb(ring)} MB read-ahead + {_mb(fixed.prepare)} MB preparing a unit "
         f"+ {_mb(act)} MB activations + {_mb(per_seq)} MB KV cache and hidden states + "
-        f"{_mb(fixed.slack)} MB slack); lower memory.prefetch_depth or raise the budget"
+        f"{_mb(fixed.slack)} MB slack); {fix}"
     )
 
 
