@@ -40,6 +40,7 @@ class Arch:
     tie_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     mlp_bias: bool = False
+    checkpoint_itemsize: int = 2  # bytes per weight as stored (bf16/fp16; fp32: 4)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` for one decoder layer."""
@@ -95,6 +96,9 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            checkpoint_itemsize=4
+            if str(cfg.get("torch_dtype") or cfg.get("dtype") or "") == "float32"
+            else 2,
         )
     except KeyError as e:
         raise ValueError(

@@ -11,6 +11,7 @@ from shoestring.plan.memory import (
     activation_bytes,
     adapter_bytes,
     grad_bytes,
+    load_transient_bytes,
     optimizer_bytes,
     weight_bytes,
 )
@@ -111,6 +112,10 @@ def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
         "overhead": (CUDA_CONTEXT_BYTES if w.device == "cuda" else CPU_RUNTIME_BYTES)
         + int(FRAGMENTATION * dynamic),
     }
+    # The load's moment (weights, the runtime and one tensor stored + converted), where it
+    # is higher than the steps' (a 128k vocabulary converted to float32 on a CPU).
+    at_load = weights + wb["quant_state"] + CPU_RUNTIME_BYTES + load_transient_bytes(w)
+    parts["loading_transient"] = max(0, at_load - sum(parts.values())) if w.device == "cpu" else 0
     return parts, act.parts
 
 

@@ -19,6 +19,7 @@ _LABELS = {
     "logits_and_backward_transient": "logits / backward transient",
     "workspace": "cuBLAS workspace",
     "overhead": "CUDA context + fragmentation",
+    "loading_transient": "loading: beyond the steps' peak",
 }
 
 
@@ -113,7 +114,7 @@ def _time_lines(plan: Plan) -> list[str]:
 def to_text(plan: Plan) -> str:
     w, g = plan.workload, plan.gpu
     lines = _header(plan)
-    labels = {**_LABELS, "overhead": "allocator fragmentation"} if plan.on_cpu else _LABELS
+    labels = {**_LABELS, "overhead": "runtime + fragmentation"} if plan.on_cpu else _LABELS
     for k, v in plan.breakdown.items():
         if v:
             lines.append(f"  {labels.get(k, k):34s}{_gib(v)}")
