@@ -46,12 +46,14 @@ def finetune(
 ) -> Any:
     """``finetune(out, *args) -> (exit code, stderr)`` in this process, with loading the
     base model's weights an error."""
-    import shoestring.train.trainer as trainer
+    import shoestring.train.baseload as baseload
 
     def no_weights(*_a: Any, **_k: Any) -> Any:
         raise WeightsLoaded("the base model's weights were loaded before the check")
 
-    monkeypatch.setattr(trainer, "load_base_model", no_weights)
+    # Every way the trainer loads a base: read (and quantized), or the cached 4-bit copy.
+    monkeypatch.setattr(baseload, "load_base_model", no_weights)
+    monkeypatch.setattr(baseload, "load_prequantized", no_weights)
     monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
     monkeypatch.delenv("SHOESTRING_FAULTS", raising=False)
 
