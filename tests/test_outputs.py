@@ -54,7 +54,14 @@ def test_event_log_schema(cli: CLI, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     ev = read_events(out)
     kinds = [e["event"] for e in ev]
-    assert kinds[:2] == ["run_start", "data"] and kinds[-2:] == ["run_end", "cost"]
+    # The process start (from the CLI, so a number), its load phases, then the run.
+    assert kinds[:5] == ["start", "load", "load", "run_start", "data"]
+    assert kinds[-2:] == ["run_end", "cost"]
+    start, data_load, model_load = ev[:3]
+    assert isinstance(start["process_start"], float) and start["process_start"] <= start["ts"]
+    assert (data_load["phase"], model_load["phase"]) == ("data", "model")
+    assert model_load["source"] == "model_dir" and model_load["seconds"] >= model_load["read_s"]
+    ev = ev[3:]  # from run_start on, as below
     data = ev[1]
     assert data["cache"] in ("built", "hit") and data["samples"] == ev[0]["train_samples"] > 0
     assert data["tokens"] > 0 and data["truncated"] >= 0 and data["eval_samples"] > 0
