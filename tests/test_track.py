@@ -420,6 +420,9 @@ class RaisingSink:
     def __init__(self) -> None:
         self.calls = 0
 
+    def planned(self, ids: TrackerIds) -> dict[str, str]:
+        return {}
+
     def open(self, ids: TrackerIds, resume_step: int | None) -> dict[str, str]:
         return {}
 
@@ -501,6 +504,9 @@ class BlockingSink:
         self.release = threading.Event()
         self.rows = 0
 
+    def planned(self, ids: TrackerIds) -> dict[str, str]:
+        return {}
+
     def open(self, ids: TrackerIds, resume_step: int | None) -> dict[str, str]:
         return {}
 
@@ -542,6 +548,9 @@ class RecordingSink:
         self.events: list[str] = []
         self.flushes = 0
         self.flushed = threading.Event()
+
+    def planned(self, ids: TrackerIds) -> dict[str, str]:
+        return {}
 
     def open(self, ids: TrackerIds, resume_step: int | None) -> dict[str, str]:
         return {}
@@ -673,6 +682,24 @@ def test_config_names_the_key_of_an_unknown_tracker() -> None:
     assert cfg.to == ["wandb", "mlflow"]
     with pytest.raises(ValueError, match="track.queue"):
         TrackConfig(queue=0)
+
+
+def test_every_tracker_name_has_one_registry_entry_and_no_name_falls_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoestring.track import TRACKER_KINDS, TRACKERS, build_sinks
+    from shoestring.track.registry import tracker_kind
+
+    assert set(TRACKER_KINDS) == set(TRACKERS)
+    cfg = TrackConfig(to=["tensorboard", "mlflow"])
+    sinks = build_sinks(cfg, tmp_path, TrackerIds())
+    assert [s.name for s in sinks] == ["tensorboard", "mlflow"]
+    # A name that passed an older check but has no entry is an error, not another tracker.
+    cfg.to = ["tensorboard", "neptune"]  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"track.to: no tracker is registered as 'neptune'"):
+        build_sinks(cfg, tmp_path, TrackerIds())
+    with pytest.raises(ValueError, match="neptune"):
+        tracker_kind("neptune")
 
 
 def test_ids_round_trip_through_json() -> None:

@@ -11,6 +11,7 @@ imports only the spine. See ``docs/tracking.md``.
 from shoestring.track.config import TRACKERS, TrackConfig, TrackerName
 from shoestring.track.ids import TrackerIds, new_wandb_id
 from shoestring.track.metrics import EVENTS, TrackerRow, to_row
+from shoestring.track.registry import TRACKER_KINDS, build_sinks
 from shoestring.track.sinks import (
     MlflowSink,
     Sink,
@@ -19,11 +20,12 @@ from shoestring.track.sinks import (
     TrackerNotInstalled,
     WandbSink,
 )
-from shoestring.track.tracker import Tracker, build_sinks
+from shoestring.track.tracker import Tracker
 
 __all__ = [
     "EVENTS",
     "TRACKERS",
+    "TRACKER_KINDS",
     "MlflowSink",
     "Sink",
     "Status",

@@ -42,7 +42,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -85,6 +85,10 @@ class Sink(Protocol):
         """Start or continue the tracker run; return this sink's id entry."""
         ...
 
+    def planned(self, ids: TrackerIds) -> dict[str, str]:
+        """This sink's id entry when it is known before ``open`` (else empty)."""
+        ...
+
     def write(self, row: TrackerRow) -> None: ...
 
     def flush(self) -> None:
@@ -111,21 +115,6 @@ def require(module: str, package: str, tracker: str) -> None:
         )
 
 
-#: Each tracker's module and the package that brings it.
-PACKAGES: Mapping[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow-skinny"),
-}
-
-
-def require_all(names: Iterable[str]) -> None:
-    """:func:`require` for each tracker named (before any expensive work)."""
-    for name in names:
-        module, package = PACKAGES[name]
-        require(module, package, name)
-
-
 # --------------------------------------------------------------------------- TensorBoard
 
 
@@ -141,6 +130,9 @@ class TensorBoardSink:
         self._writer: Any = None
         self._purged: int | None = None
         self._config_logged = False
+
+    def planned(self, ids: TrackerIds) -> dict[str, str]:
+        return {"tensorboard": ids.tensorboard or self.logdir}
 
     def open(self, ids: TrackerIds, resume_step: int | None) -> dict[str, str]:
         from torch.utils.tensorboard import SummaryWriter
@@ -204,6 +196,9 @@ class WandbSink:
         self._floor = 0  # W&B refuses steps below this (a resumed online run's next step)
         self._step = 0  # the step of W&B's open row
         self.skipped = 0  # re-logged rows below the floor
+
+    def planned(self, ids: TrackerIds) -> dict[str, str]:
+        return {"wandb": ids.wandb or self.run_id}
 
     def open(self, ids: TrackerIds, resume_step: int | None) -> dict[str, str]:
         import wandb
@@ -296,6 +291,9 @@ class MlflowSink:
         self.run_id = ""
         self._params: dict[str, str] = {}
         self._pending: list[Any] = []  # metrics batched until flush (or a tag/param row)
+
+    def planned(self, ids: TrackerIds) -> dict[str, str]:
+        return {}  # the store chooses the id when the run opens
 
     def open(self, ids: TrackerIds, resume_step: int | None) -> dict[str, str]:
         from mlflow.tracking import MlflowClient

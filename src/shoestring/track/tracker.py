@@ -32,9 +32,10 @@ import yaml
 from shoestring.exitcodes import RESUMABLE
 from shoestring.rundir import RunDir
 from shoestring.track.config import TrackConfig
-from shoestring.track.ids import TENSORBOARD_DIR, TrackerIds, new_wandb_id
+from shoestring.track.ids import TrackerIds
 from shoestring.track.metrics import EVENTS, TrackerRow, flatten, to_row
-from shoestring.track.sinks import MlflowSink, Sink, Status, TensorBoardSink, WandbSink
+from shoestring.track.registry import build_sinks
+from shoestring.track.sinks import Sink, Status
 
 log = logging.getLogger("shoestring.track")
 
@@ -65,28 +66,10 @@ class _Stop:
     status: Status
 
 
-def build_sinks(cfg: TrackConfig, run_dir: Path, ids: TrackerIds) -> list[Sink]:
-    """The sinks ``cfg.to`` names (raises :class:`TrackerNotInstalled` at once)."""
-    sinks: list[Sink] = []
-    for name in cfg.to:
-        if name == "tensorboard":
-            sinks.append(TensorBoardSink(run_dir, ids.tensorboard or TENSORBOARD_DIR))
-        elif name == "wandb":
-            run_id = ids.wandb or new_wandb_id(RunDir(run_dir).run_id())
-            sinks.append(WandbSink(cfg.project, cfg.name, cfg.wandb_mode, run_dir, run_id))
-        else:
-            uri = cfg.mlflow_uri or (run_dir / "mlruns").resolve().as_uri()
-            sinks.append(MlflowSink(uri, cfg.project, cfg.name, RunDir(run_dir).run_id()))
-    return sinks
-
-
 def planned_ids(sinks: Sequence[Sink], ids: TrackerIds) -> TrackerIds:
     """The ids known before any sink opens (W&B's is chosen by us; TensorBoard's is a dir)."""
     for s in sinks:
-        if isinstance(s, WandbSink):
-            ids = ids.merged({"wandb": ids.wandb or s.run_id})
-        elif isinstance(s, TensorBoardSink):
-            ids = ids.merged({"tensorboard": ids.tensorboard or s.logdir})
+        ids = ids.merged(s.planned(ids))
     return ids
 
 

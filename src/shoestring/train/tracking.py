@@ -26,7 +26,8 @@ from shoestring.fsio import atomic_write
 from shoestring.rundir import RunDir
 from shoestring.track import Tracker, TrackerIds
 from shoestring.track.config import TrackConfig
-from shoestring.track.sinks import Status, TrackerNotInstalled, require_all
+from shoestring.track.registry import require_all
+from shoestring.track.sinks import Status, TrackerNotInstalled
 from shoestring.train.trainer import Trainer
 
 log = logging.getLogger("shoestring.finetune")
