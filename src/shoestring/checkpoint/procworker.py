@@ -86,13 +86,24 @@ def worker_main(
             res = run_commit(snap, Path(root), keep, remote, faults)
             results.put(("ok", asdict(res)))
         except BaseException as e:  # noqa: BLE001 - sent back to the training process
-            results.put(
-                (
-                    "error",
-                    (type(e).__name__, str(e), getattr(e, "errno", None), traceback.format_exc()),
-                )
-            )
+            results.put(("error", _error_payload(e)))
         del buf
+
+
+def _error_payload(e: BaseException) -> tuple[str, str, int | None, str | None, str]:
+    """What the training process needs to raise ``e`` again: an OSError keeps its errno,
+    its bare message (``strerror``, without the "[Errno N]" prefix ``str(e)`` adds) and
+    its path."""
+    err = e.errno if isinstance(e, OSError) else None
+    msg = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+    filename = e.filename if isinstance(e, OSError) and e.filename is not None else None
+    return (
+        type(e).__name__,
+        msg,
+        err,
+        None if filename is None else str(filename),
+        traceback.format_exc(),
+    )
 
 
 class ProcessBackend:
@@ -141,9 +152,9 @@ class ProcessBackend:
                     ) from None
         if kind == "ok":
             return dict(payload)
-        name, msg, err, tb = payload
-        if err is not None:
-            raise OSError(err, f"{msg} [in writer process: {name}]")
+        name, msg, err, filename, tb = payload
+        if err is not None:  # the same OSError (errno, message, path), said once
+            raise OSError(err, f"{msg} [in writer process: {name}]", filename)
         raise RuntimeError(f"{name}: {msg} [in writer process]\n{tb}")
 
     def close(self) -> None:
