@@ -16,17 +16,15 @@ One type names each path, so the layout is written down once::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-import socket
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from shoestring.config import ConfigError
+from shoestring.dircommit import LockHeld, held_lock
 
 EVENTS = "events.jsonl"
 LIVE = "live.json"
@@ -98,28 +96,22 @@ def hold(root: Path, what: str) -> Iterator[None]:
     :class:`RunDirBusy` naming the first one's pid and host. A directory this call
     created and the job left empty (refused bad input, say) is removed again."""
     created = not root.exists()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:  # a file in the way, no permission, a read-only or full disk
-        why = "exists and is not a directory" if root.exists() and not root.is_dir() else None
-        raise ConfigError(
-            f"{root}: cannot be used as the run directory: {why or e.strerror or e}"
-        ) from None
-    try:
+    with contextlib.ExitStack() as lock:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            created = False
-            raise RunDirBusy(f"{root} is in use: {_holder(fd)}; {what}") from None
-        note = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(note).encode(), 0)
-        yield
-    finally:
-        if created:
-            _remove_if_unused(root)
-        os.close(fd)  # releases the lock
+            root.mkdir(parents=True, exist_ok=True)
+            lock.enter_context(held_lock(root / LOCK, wait=False))
+        except LockHeld as e:
+            raise RunDirBusy(f"{root} is in use: {e.holder}; {what}") from None
+        except OSError as e:  # a file in the way, no permission, a read-only or full disk
+            why = "exists and is not a directory" if root.exists() and not root.is_dir() else None
+            raise ConfigError(
+                f"{root}: cannot be used as the run directory: {why or e.strerror or e}"
+            ) from None
+        try:
+            yield
+        finally:
+            if created:  # removed while still held
+                _remove_if_unused(root)
 
 
 def require_writable(root: Path) -> None:
@@ -161,12 +153,3 @@ def _remove_if_unused(root: Path) -> None:
         if os.listdir(root) == [LOCK]:
             os.unlink(root / LOCK)
             root.rmdir()
-
-
-def _holder(fd: int) -> str:
-    try:
-        note = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note["since"])))
-        return f"pid {note['pid']} on host {note['host']} holds it since {since}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process holds it"

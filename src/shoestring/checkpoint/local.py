@@ -31,6 +31,7 @@ from shoestring.checkpoint.manifest import (
     sha256_bytes,
     sha256_file,
 )
+from shoestring.dircommit import commit_dir, uncommit
 from shoestring.fsio import fsync_dir
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
@@ -56,20 +57,6 @@ def write_file_durably(path: Path, data: bytes | memoryview, faults: FaultPlan =
         faults.hit("ckpt.partial_file")
         f.flush()
         os.fsync(f.fileno())
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Atomically put ``tmp`` at ``final``; an existing ``final`` is moved aside first,
-    so at every moment ``final`` is either the old or the new complete directory."""
-    if final.exists():
-        aside = final.parent / f".replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
 
 
 def commit_local(
@@ -117,14 +104,16 @@ def seal(
             if p.is_file() and p.name != MANIFEST:
                 entries[p.relative_to(tmp).as_posix()] = FileEntry(p.stat().st_size, sha256_file(p))
     manifest = Manifest(step=step, files=entries, meta=dict(meta))
-    faults.hit("ckpt.before_manifest")
-    write_file_durably(tmp / MANIFEST, manifest.to_json().encode())
-    fsync_dir(tmp)
-    faults.hit("ckpt.before_rename")
     final = root / (name or step_dirname(step))
     # The same step may be saved again (a rerun that re-reached it): replace it.
-    replace_dir(tmp, final)
-    faults.hit("ckpt.after_rename")
+    commit_dir(
+        tmp,
+        final,
+        MANIFEST,
+        manifest.to_json().encode(),
+        hook=lambda point: faults.hit(f"ckpt.{point}"),
+        write=write_file_durably,  # the manifest is not a fault point's file
+    )
     return final, manifest
 
 
@@ -144,16 +133,7 @@ def committed_steps(root: Path) -> list[int]:
 def remove_checkpoint(path: Path, faults: FaultPlan = NO_FAULTS) -> None:
     """Uncommit (manifest first), then delete. A symlink is removed itself: nothing is
     ever uncommitted or deleted through it."""
-    if path.is_symlink():
-        os.unlink(path)
-        return
-    try:
-        os.unlink(path / MANIFEST)
-        fsync_dir(path)
-    except FileNotFoundError:
-        pass
-    faults.hit("ckpt.retention")
-    shutil.rmtree(path, ignore_errors=True)
+    uncommit(path, MANIFEST, hook=lambda _: faults.hit("ckpt.retention"))
 
 
 def apply_retention(root: Path, keep: int, faults: FaultPlan = NO_FAULTS) -> list[int]:

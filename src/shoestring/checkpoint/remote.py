@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
-from shoestring.checkpoint.local import parse_step, replace_dir, step_dirname
+from shoestring.checkpoint.local import parse_step, step_dirname
 from shoestring.checkpoint.manifest import (
     MANIFEST,
     CorruptCheckpoint,
@@ -24,6 +24,7 @@ from shoestring.checkpoint.manifest import (
     check_name,
     verify_dir,
 )
+from shoestring.dircommit import publish_dir, replace_dir
 from shoestring.fsio import fsync_dir
 
 
@@ -117,17 +118,14 @@ class RemoteStore:
         if self.is_local:
             self._publish_local(local_dir, name, manifest, faults)
             return
-        dest = self._p(name)
-        # A previous, interrupted upload of the same name may have left a manifest
-        # for other bytes: uncommit it before overwriting any data file.
-        if self.fs.exists(self._p(name, MANIFEST)):
-            self.fs.rm(self._p(name, MANIFEST))
-        for fname in manifest.files:
-            self.fs.put_file(str(local_dir / fname), f"{dest}/{fname}")
-            faults.hit("upload.after_file")
-        faults.hit("upload.before_manifest")
-        self.fs.put_file(str(local_dir / MANIFEST), f"{dest}/{MANIFEST}")
-        self.fs.invalidate_cache()
+        publish_dir(
+            self.fs,
+            local_dir,
+            self._p(name),
+            manifest.files,
+            MANIFEST,
+            hook=lambda point: faults.hit(f"upload.{point}"),
+        )
 
     def _publish_local(
         self, local_dir: Path, name: str, manifest: Manifest, faults: FaultPlan

@@ -21,15 +21,12 @@ downloads it instead of tokenizing again.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import struct
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,7 +37,15 @@ import numpy as np
 import numpy.typing as npt
 
 from shoestring.data.records import IGNORE_INDEX, Example
-from shoestring.fsio import atomic_write, fsync_dir
+from shoestring.dircommit import (
+    commit_dir,
+    held_lock,
+    is_stale_staging,
+    publish_dir,
+    staging_dir,
+    uncommit,
+)
+from shoestring.fsio import fsync_dir
 
 log = logging.getLogger("shoestring.data")
 
@@ -384,29 +389,8 @@ class TokenCache:
 
 
 # --------------------------------------------------------------------------- commit
-def _temp_dir_for(path: Path) -> Path:
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _discard(path: Path) -> None:
-    """Remove a cache dir: renamed aside first, so it vanishes from ``path`` at once."""
-    if not path.exists():
-        return
-    aside = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _commit(tmp: Path, path: Path) -> None:
-    """Rename a complete temp dir (manifest written and synced) into place, durably."""
-    _discard(path)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def _write_cache(tmp: Path, fill: Fill) -> None:
+def _write_cache(tmp: Path, fill: Fill) -> bytes:
+    """Fill ``tmp`` with the data files (durable); return the manifest to commit them."""
     writer = CacheWriter(tmp)
     try:
         meta = fill(writer)
@@ -415,23 +399,18 @@ def _write_cache(tmp: Path, fill: Fill) -> None:
         writer.abandon()
         raise
     files = {name: _FileEntry(size, _sha256_file(tmp / name)) for name, size in sizes.items()}
-    manifest = _Manifest(writer.dtype_name, writer.n_samples, writer.n_tokens, files, meta)
-    atomic_write(tmp / MANIFEST, manifest.to_json())
+    return _Manifest(writer.dtype_name, writer.n_samples, writer.n_tokens, files, meta).to_json()
 
 
 def build(path: Path, fill: Fill) -> TokenCache:
     """Build the cache at ``path``: ``fill`` adds the examples and returns the meta.
 
-    Written into a temp dir beside ``path``, fsynced, manifest last, renamed into place.
+    Written into a temp dir beside ``path``, fsynced, manifest last, renamed into place
+    (:mod:`shoestring.dircommit`).
     """
     path = Path(path)
-    tmp = _temp_dir_for(path)
-    try:
-        _write_cache(tmp, fill)
-        _commit(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with staging_dir(path.parent, path.name) as tmp:
+        commit_dir(tmp, path, MANIFEST, _write_cache(tmp, fill))
     return TokenCache.open(path)
 
 
@@ -475,15 +454,7 @@ class _RemoteDir:
 
     def publish(self, local: Path) -> None:
         """Upload a committed cache: uncommit any old manifest, data files, manifest last."""
-        self.fs.invalidate_cache()
-        if self.fs.exists(self._p(MANIFEST)):
-            self.fs.rm(self._p(MANIFEST))
-        with contextlib.suppress(OSError, NotImplementedError):
-            self.fs.makedirs(self.dir, exist_ok=True)
-        for name in DATA_FILES:
-            self.fs.put_file(str(local / name), self._p(name))
-        self.fs.put_file(str(local / MANIFEST), self._p(MANIFEST))
-        self.fs.invalidate_cache()
+        publish_dir(self.fs, local, self.dir, DATA_FILES, MANIFEST)
 
 
 def _fetch(remote: _RemoteDir, path: Path) -> TokenCache | None:
@@ -492,16 +463,11 @@ def _fetch(remote: _RemoteDir, path: Path) -> TokenCache | None:
     if manifest_bytes is None:
         return None
     manifest = _parse_manifest(manifest_bytes, f"{remote.url}/{MANIFEST}")
-    tmp = _temp_dir_for(path)
-    try:
+    with staging_dir(path.parent, path.name) as tmp:
         for name in DATA_FILES:
             remote.download(name, tmp / name)
-        atomic_write(tmp / MANIFEST, manifest_bytes)
         _check_files(tmp, manifest, verify=True)
-        _commit(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        commit_dir(tmp, path, MANIFEST, manifest_bytes)
     return TokenCache.open(path)
 
 
@@ -532,17 +498,6 @@ def _publish_if_missing(remote: _RemoteDir, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- open_or_build
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    """An exclusive fcntl lock on ``lock_path`` (released when the holder exits or dies)."""
-    with open(lock_path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def _try_open(path: Path, verify: bool) -> TokenCache | None:
     try:
         return TokenCache.open(path, verify=verify)
@@ -553,8 +508,9 @@ def _try_open(path: Path, verify: bool) -> TokenCache | None:
 
 def _remove_stale_temps(root: Path, key: str) -> None:
     """Temp dirs of builds or fetches that died (only call with the key's lock held)."""
-    for stale in root.glob(f".{key}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.iterdir():
+        if is_stale_staging(stale.name, key):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def open_or_build(
@@ -581,7 +537,7 @@ def open_or_build(
                 _publish_if_missing(_RemoteDir(remote, key, storage_options), path)
             return cache, "hit"
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f"{key}.lock"):
+    with held_lock(root / f"{key}.lock"):
         return _open_or_build_locked(root, key, fill, remote, storage_options, verify)
 
 
@@ -599,7 +555,7 @@ def _open_or_build_locked(
         cache = _try_open(path, verify)
         if cache is not None:
             return cache, "hit"  # another process finished it while we waited
-        _discard(path)
+        uncommit(path, MANIFEST)
     _remove_stale_temps(root, key)
     remote = _RemoteDir(remote_url, key, storage_options) if remote_url else None
     if remote is not None:

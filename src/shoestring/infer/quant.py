@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from shoestring.checkpoint.local import replace_dir
+from shoestring.dircommit import replace_dir
 from shoestring.fsio import fsync_dir
 from shoestring.infer.codecs import (
     GROUP,

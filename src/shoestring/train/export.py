@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoestring.checkpoint.local import replace_dir
+from shoestring.dircommit import replace_dir
 from shoestring.fsio import fsync_tree
 
 if TYPE_CHECKING:
