@@ -30,7 +30,24 @@ def test_unconfigured_user_signal_is_not_ours() -> None:
     with SignalSource(flag, "SIGUSR2", hard_exit=lambda code: None):
         assert signal.getsignal(signal.SIGUSR1) is not signal.getsignal(signal.SIGUSR2)
     with SignalSource(flag, "none", hard_exit=lambda code: None) as src:
-        assert src.signals == [signal.SIGTERM, signal.SIGINT]
+        assert src.signals == [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+
+
+def test_a_hangup_twice_is_one_notice_and_a_nohup_job_keeps_ignoring_it() -> None:
+    # A dead supervisor's job gets SIGHUP once per thread the supervisor had.
+    flag = PreemptionFlag()
+    exits: list[int] = []
+    with SignalSource(flag, "none", hard_exit=exits.append):
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert flag.is_set() and flag.reason == "SIGHUP" and exits == []
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts a job
+    try:
+        with SignalSource(PreemptionFlag(), "none", hard_exit=exits.append) as src:
+            assert signal.SIGHUP not in src.signals
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_the_same_warning_delivered_twice_is_one_notice() -> None:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from shoestring.fsio import atomic_write, fsync_dir
 
 
@@ -152,7 +154,12 @@ def held_lock(path: Path, *, wait: bool = True) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             raise LockHeld(path, _holder(fd)) from None
-        note = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        note = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.time(),
+            "parents": _parents(),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(note).encode(), 0)
         yield
@@ -160,10 +167,49 @@ def held_lock(path: Path, *, wait: bool = True) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+#: How many of the holder's ancestors are looked at (rank → torchrun → shoestring run).
+_PARENTS_LOOKED_AT = 3
+#: An ancestor that launched the holder as part of its job (a supervisor, torchrun).
+_LAUNCHERS = ("shoestring", "torchrun", "torch.distributed.run")
+
+
+def _parents() -> list[list[float]]:
+    """``[pid, start time]`` of the nearest ancestors that launched this process as part
+    of its job (``shoestring run``, torchrun); never a shell or terminal, whose exit
+    leaves a ``nohup`` job running on purpose."""
+    noted: list[list[float]] = []
+    try:
+        for p in psutil.Process().parents()[:_PARENTS_LOOKED_AT]:
+            argv = " ".join(p.cmdline()[:4])
+            if any(name in argv for name in _LAUNCHERS):
+                noted.append([p.pid, p.create_time()])
+    except psutil.Error:
+        pass
+    return noted
+
+
+def _gone(pid: int, started: float) -> bool:
+    try:
+        return psutil.Process(pid).create_time() != started  # a reused pid is not it
+    except psutil.Error:
+        return True
+
+
 def _holder(fd: int) -> str:
+    """Who holds the lock, from its note; on this host, whether it is an orphan: a
+    process whose job (an ancestor recorded when it took the lock) is gone is exiting."""
     try:
         note = json.loads(os.pread(fd, 4096, 0) or b"{}")
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note["since"])))
-        return f"pid {note['pid']} on host {note['host']} holds it since {since}"
+        who = f"pid {note['pid']} on host {note['host']} holds it since {since}"
+        if note["host"] != socket.gethostname():
+            return who
+        gone = [int(pid) for pid, started in note.get("parents", []) if _gone(int(pid), started)]
     except (OSError, ValueError, KeyError, TypeError):
         return "another process holds it"
+    if gone:
+        return (
+            f"{who}; it is an orphan of a killed job (its launcher pid {gone[0]} is gone) "
+            "and is exiting after its emergency save: retry in a few seconds"
+        )
+    return who

@@ -43,6 +43,8 @@ class SignalSource:
     write an emergency checkpoint. A second signal means "now": the process
     exits at once with :data:`exitcodes.PREEMPTED_HARD` without touching any
     committed checkpoint (an in-flight one stays uncommitted and is ignored).
+    SIGHUP (a hung-up terminal, a dead supervisor) counts as a notice too, unless
+    the job was started ignoring it (``nohup``).
     """
 
     def __init__(
@@ -55,6 +57,10 @@ class SignalSource:
         self.signals = [signal.SIGTERM, signal.SIGINT]
         if extra_signal and extra_signal != "none":
             self.signals.append(getattr(signal, extra_signal))
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # nohup'd jobs ignore it
+            # A closed terminal, or `shoestring run` killed: the kernel sends its job
+            # SIGHUP (once per thread the dead parent had, hence the echo rule below).
+            self.signals.append(signal.SIGHUP)
         self._hard_exit = hard_exit
         self._previous: dict[int, object] = {}
         self.count = 0

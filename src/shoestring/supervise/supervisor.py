@@ -10,6 +10,7 @@ the job, and the supervisor then exits with the job's code without restarting.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -26,6 +27,7 @@ from typing import Any
 from shoestring import exitcodes
 from shoestring.config import ConfigError, Invocation
 from shoestring.events import EventLog
+from shoestring.proc import parent_death_signal
 from shoestring.rundir import RunDir
 from shoestring.supervise.config import RunConfig, SlurmRequeue
 from shoestring.supervise.jobdir import job_run_dir
@@ -376,7 +378,9 @@ class Supervisor:
             self.argv,
             env=self.child_env,
             start_new_session=True,
-            preexec_fn=_ignore_warning_signals,
+            preexec_fn=functools.partial(
+                _child_setup, parent_death_signal(os.getpid(), signal.SIGHUP)
+            ),
         )
         if self.cfg.watch and self.cfg.run_dir is not None:
             with self._watchdog():
@@ -480,16 +484,23 @@ def _reason(rc: int) -> str:
     return "failed"
 
 
-def _ignore_warning_signals() -> None:
-    """In the child before exec: SIGUSR1/SIGUSR2 ignored (inherited through exec).
+def _child_setup(arm_death_signal: Callable[[], None]) -> None:
+    """In the child before exec (both survive it):
 
-    torchrun has no handler for them and would die of a forwarded warning,
-    orphaning its ranks; a shoestring rank installs its own handler, which
-    replaces the inherited disposition. The supervisor forwards the warning to
-    the ranks itself.
+    * SIGUSR1/SIGUSR2 ignored. torchrun has no handler for them and would die of a
+      forwarded warning, orphaning its ranks; a shoestring rank installs its own
+      handler, which replaces the inherited disposition. The supervisor forwards the
+      warning to the ranks itself.
+    * SIGHUP when the supervisor dies (a SIGKILL, the OOM killer): the job is
+      preempted as by a cloud notice instead of training on, unwatched, holding the
+      run directory. A shoestring rank saves and exits 75; torchrun stops its ranks
+      with SIGTERM, and they do the same. (Not SIGTERM: the kernel sends the signal
+      once per thread the dead supervisor had, and a second SIGTERM means "exit now,
+      without saving".)
     """
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    arm_death_signal()
 
 
 def supervise(cfg: RunConfig, call: Invocation) -> int:
