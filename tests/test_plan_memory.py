@@ -65,6 +65,12 @@ def _lora_model(
         )
 
 
+#: README's claim, with headroom: static components matched the tensors' bytes within
+#: 0.001 % and saved activations within 0.006 % (the largest gaps over these cases).
+STATIC_TOL = 1e-4
+ACTIVATION_TOL = 2e-4
+
+
 def _within(pred: int, meas: int, tol: float) -> None:
     assert meas > 0
     print(f"  predicted {pred}, measured {meas}: {100 * (pred - meas) / meas:+.3f}%")
@@ -108,12 +114,14 @@ def test_static_components_match_tensor_bytes(
     )
     meas = model_bytes(model)
     wb = M.weight_bytes(w)
-    _within(wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"], meas["frozen"], 0.01)
+    _within(
+        wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"], meas["frozen"], STATIC_TOL
+    )
     if quantize != "none":
-        _within(wb["quant_state"], meas["quant_state"], 0.01)
-    _within(M.adapter_bytes(w), meas["trainable"], 0.01)
-    _within(M.grad_bytes(w), grad_bytes(model), 0.01)
-    _within(M.optimizer_bytes(w), optimizer_bytes(opt), 0.01)
+        _within(wb["quant_state"], meas["quant_state"], STATIC_TOL)
+    _within(M.adapter_bytes(w), meas["trainable"], STATIC_TOL)
+    _within(M.grad_bytes(w), grad_bytes(model), STATIC_TOL)
+    _within(M.optimizer_bytes(w), optimizer_bytes(opt), STATIC_TOL)
 
 
 ACTIVATION_CASES = [
@@ -271,7 +279,7 @@ def test_activation_bytes_match_saved_tensors(tmp_path: Path, case: tuple[Any, .
         f"{_case_id(case)}: predicted {predicted}, measured {measured}, "
         f"{100 * (predicted - measured) / measured:+.3f}%"
     )
-    _within(predicted, measured, 0.05)
+    _within(predicted, measured, ACTIVATION_TOL)
 
 
 def test_activations_scale_linearly_in_batch_and_layers() -> None:
@@ -341,7 +349,7 @@ def test_activation_bytes_under_autocast(tmp_path: Path, case: tuple[Any, ...]) 
     )
     without = M.activation_bytes(M.Workload(**{**w.__dict__, "autocast": False})).saved
     assert without > measured * 1.05  # the autocast term matters at these shapes
-    _within(M.activation_bytes(w).saved, measured, 0.05)
+    _within(M.activation_bytes(w).saved, measured, ACTIVATION_TOL)
 
 
 CHUNKED_CASES = [
