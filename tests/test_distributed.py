@@ -215,6 +215,8 @@ def test_resume_one_rank_to_two(cli: CLI, tmp_path: Path, ddp_ref: Path, single_
     assert_losses_close(steps(out), steps(ddp_ref), range(9, 13))
 
 
+@pytest.mark.slow  # CI: tests/test_fsdp_qlora.py runs the same FSDP2 strategy (4-bit base),
+# its eval, hang naming and exact resume
 def test_fsdp2_trains_and_resumes_exactly(cli: CLI, tmp_path: Path, ddp_ref: Path) -> None:
     fsdp = [*DIST, "--distributed.strategy", "fsdp"]
     ref = tmp_path / "ref"

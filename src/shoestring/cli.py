@@ -35,12 +35,14 @@ from shoestring.config import (
     parse_command_line,
     read_yaml,
 )
+from shoestring.hub import HubAccess
 from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
 from shoestring.report.cli import ReportConfig, TopConfig
 from shoestring.rundir import RunDir
 from shoestring.secrets import RedactingFilter, redact_text
 from shoestring.supervise.config import SLURM_EPILOG, RunConfig, SlurmConfig
 from shoestring.train.config import FinetuneConfig, FinetuneOptions
+from shoestring.train.exportcli import ExportVerbConfig
 
 Runner = Callable[[Any, Invocation], int]
 
@@ -82,8 +84,11 @@ exit codes:
   76 second signal during the emergency save: previous checkpoint intact, rerun.
 
 environment (read here only):
-  SHOESTRING_CACHE   where the built-in tiny model is materialized
-                     (default ~/.cache/shoestring)
+  SHOESTRING_CACHE   where the built-in tiny model is materialized and bucket model
+                     folders are copied (default ~/.cache/shoestring)
+  HF_TOKEN HF_ENDPOINT HF_HUB_OFFLINE HF_HOME HF_HUB_CACHE   model.path as a Hub id
+                     (org/name[@revision]): token, mirror, cache only, the HF cache
+                     (docs/models.md)
   SHOESTRING_FAULTS  fault injection for tests, e.g. ckpt.before_rename@2:kill or
                      step.end@6:kill:rank1:once (only rank 1; once per output_dir)
   SHOESTRING_ALERT_WEBHOOK  run: the alert webhook when --alert-webhook is not given
@@ -147,8 +152,19 @@ def _finetune(cfg: FinetuneConfig, call: Invocation) -> int:
             preflight=preflight_event,
             ledger=run_ledger,
             process_start=process_start_time(),
+            hub=hub_access(env, cache, progress=dist.rank == 0),
         ),
     )
+
+
+def hub_access(env: Mapping[str, str], cache: Path, *, progress: bool = True) -> HubAccess:
+    """How model ids and bucket URLs are fetched (``shoestring.hub``): HF_ENDPOINT,
+    HF_TOKEN, HF_HUB_OFFLINE, HF_HOME/HF_HUB_CACHE read here; download bars on a
+    terminal; bucket folders copied with the checkpoint store's code."""
+    from shoestring.checkpoint.mirror import fetch_model_folder
+
+    tty = progress and sys.stderr.isatty()
+    return HubAccess.from_env(env, cache, buckets=fetch_model_folder, progress=tty)
 
 
 def process_start_time() -> float | None:
@@ -172,7 +188,8 @@ VERBS: dict[str, Verb | ArgparseVerb] = {
         _finetune,
         options=FinetuneOptions,
         help="LoRA fine-tuning that survives preemption and resumes exactly",
-        description="LoRA fine-tuning of a local Hugging Face causal LM. With no arguments, "
+        description="LoRA fine-tuning of a Hugging Face causal LM (a local folder, a Hub id "
+        "org/name[@revision] or a bucket URL: --model.path). With no arguments, "
         "trains the built-in tiny model on the bundled task and prints "
         "before/after.",
         epilog=FINETUNE_EPILOG,
@@ -205,6 +222,17 @@ VERBS: dict[str, Verb | ArgparseVerb] = {
         "add_parser",
         "run",
         help="batch inference of models larger than memory, streamed layer by layer",
+    ),
+    "export": Verb(
+        ExportVerbConfig,
+        "shoestring.train.exportcli:run_export",
+        help="write a GGUF (llama.cpp, Ollama) of a run's fine-tuned model, with a Modelfile",
+        description="Merge the adapter of RUN_DIR (its final/, or the newest committed "
+        "checkpoint of a preempted run) onto its base model and write one GGUF file with "
+        "the tokenizer and chat template, plus an Ollama Modelfile beside it (RUN_DIR/gguf/, "
+        "or --out). Llama- and Qwen2-family models with byte-level BPE tokenizers; needs "
+        "pip install 'shoestring[gguf]'.",
+        args=ArgSpec(positional="run_dir"),
     ),
     "report": Verb(
         ReportConfig,

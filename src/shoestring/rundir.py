@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shoestring.config import ConfigError
 from shoestring.dircommit import LockHeld, held_lock
@@ -86,6 +87,17 @@ class RunDir:
             return str(json.loads(self.run_json.read_text())["run_id"])
         except (OSError, ValueError, KeyError):
             return None
+
+    def record(self, **fields: Any) -> None:
+        """Add (replace) top-level ``fields`` in ``run.json``, atomically (e.g. ``model``:
+        where the base model came from and which commit or digest it resolved to)."""
+        from shoestring.fsio import atomic_write
+
+        try:
+            doc = json.loads(self.run_json.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        atomic_write(self.run_json, json.dumps({**doc, **fields}).encode())
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from shoestring.config import ConfigError, build, help_table, parse_overrides, read_yaml
+from shoestring.hub import HubAccess
 from shoestring.infer.config import ALIASES, InferConfig
 
 EPILOG = """\
@@ -44,6 +45,10 @@ exit codes:
 environment (read here only):
   SOURCE_DATE_EPOCH  the "created" time of OpenAI batch output lines (default: the
                      run's first start), for outputs comparable across runs
+  SHOESTRING_CACHE   where bucket model folders are copied (default ~/.cache/shoestring)
+  HF_TOKEN HF_ENDPOINT HF_HUB_OFFLINE HF_HOME HF_HUB_CACHE   --model/--adapter as a Hub
+                     id (org/name[@revision]): token, mirror, cache only, the HF cache
+                     (docs/models.md)
   SHOESTRING_FAULTS  fault injection for tests, e.g. step.end@3:kill (the 3rd pass),
                      ckpt.before_rename@2:kill (inside the 2nd commit) or
                      pass.unit@7:term (SIGTERM between two layers of the 2nd pass)
@@ -57,9 +62,10 @@ def add_parser(
     p: argparse.ArgumentParser = sub.add_parser(
         "infer",
         help="batch inference of models larger than memory, streamed layer by layer",
-        description="Greedy generation or likelihood scoring of a JSONL file with a local "
-        "Hugging Face decoder model, streaming its layers from the safetensors "
-        "shards within a memory budget. Preemptible: rerun to resume.",
+        description="Greedy generation or likelihood scoring of a JSONL file with a "
+        "Hugging Face decoder model (a local folder, a Hub id or a bucket URL), streaming "
+        "its layers from the safetensors shards within a memory budget. Preemptible: rerun "
+        "to resume.",
         epilog=EPILOG.format(aliases=aliases, table=help_table(InferConfig)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -98,4 +104,13 @@ def run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
     if epoch and not epoch.isdigit():
         raise ConfigError(f"SOURCE_DATE_EPOCH: expected unix seconds, got {epoch!r}")
     created = int(epoch) if epoch else None
-    return run_infer(cfg, faults=faults, stream=sys.stderr, created=created)
+    return run_infer(cfg, faults=faults, stream=sys.stderr, created=created, hub=hub_access(env))
+
+
+def hub_access(env: dict[str, str]) -> HubAccess:
+    """How a model id or bucket URL in --model/--adapter is fetched (docs/models.md)."""
+    from shoestring.checkpoint.mirror import fetch_model_folder
+
+    cache = Path(env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
+    tty = sys.stderr.isatty()
+    return HubAccess.from_env(env, cache, buckets=fetch_model_folder, progress=tty)

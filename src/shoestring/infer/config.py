@@ -43,12 +43,16 @@ def _size_check(v: Any) -> str | None:
 @dataclass
 class InferModelConfig:
     path: str = knob(
-        "", "Local Hugging Face causal LM directory (config.json, safetensors shards, tokenizer)."
+        "",
+        "The Hugging Face causal LM: a local directory (config.json, safetensors shards, "
+        "tokenizer), a Hub id org/name[@revision] (downloaded into the HF cache, safetensors "
+        "only) or a folder URL (s3://, gs://, file://; copied to SHOESTRING_CACHE/models). "
+        "See docs/models.md.",
     )
     adapter: str = knob(
         "",
-        "LoRA adapter to apply: a shoestring finetune OUTPUT/final/ dir "
-        "(peft format). Empty: none.",
+        "LoRA adapter to apply: a shoestring finetune OUTPUT/final/ dir (peft format), a "
+        "Hub id or a folder URL of one. Empty: none.",
     )
     device: str = knob(
         "auto",

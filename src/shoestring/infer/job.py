@@ -38,6 +38,7 @@ import torch
 from shoestring import exitcodes
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.config import ConfigError, to_flat
+from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.clock import PassClock
 from shoestring.infer.codecs import Scheme
@@ -80,20 +81,25 @@ def run_infer(
     faults: FaultPlan = NO_FAULTS,
     stream: TextIO = sys.stderr,
     created: int | None = None,
+    hub: HubAccess | None = None,
 ) -> int:
     """Run (or resume) the job described by ``cfg``; returns an exit code. One job at a
     time per run directory (its ``.lock``; a second is refused with exit 2).
     ``created``: the time OpenAI batch outputs carry (``SOURCE_DATE_EPOCH``), else the
-    first attempt's start."""
+    first attempt's start. ``hub``: how a model id or bucket URL in ``--model`` or
+    ``--adapter`` is fetched (default: the Hub's defaults, no buckets)."""
+    hub = hub or HubAccess(Path.home() / ".cache" / "shoestring")
     if not cfg.io.output:
-        return _run_infer(cfg, faults, stream, created)  # prepare names the missing key
+        return _run_infer(cfg, faults, stream, created, hub)  # prepare names the missing key
     run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else default_run_dir(Path(cfg.io.output))
     with hold(run_dir, "wait for it to end, or write to another --output"):
-        return _run_infer(cfg, faults, stream, created)
+        return _run_infer(cfg, faults, stream, created, hub)
 
 
-def _run_infer(cfg: InferConfig, faults: FaultPlan, stream: TextIO, created: int | None) -> int:
-    job = InferJob.prepare(cfg, faults, stream)
+def _run_infer(
+    cfg: InferConfig, faults: FaultPlan, stream: TextIO, created: int | None, hub: HubAccess
+) -> int:
+    job = InferJob.prepare(cfg, faults, stream, hub)
     job.created = created
     ledger = job.open_ledger()
     stats = Stats()
@@ -127,17 +133,22 @@ class InferJob:
     answering: Answering | None = None  # OpenAI batch jobs: what every line shares
 
     @classmethod
-    def prepare(cls, cfg: InferConfig, faults: FaultPlan, stream: TextIO) -> InferJob:
+    def prepare(
+        cls, cfg: InferConfig, faults: FaultPlan, stream: TextIO, hub: HubAccess | None = None
+    ) -> InferJob:
         """Everything before the first chunk, cheapest checks first: bad input fails
-        before anything is loaded, and another job's run directory is refused before
-        anything is written into it."""
+        before anything is loaded (or downloaded), and another job's run directory is
+        refused before anything is written into it."""
         started = time.perf_counter()
-        model_dir = _model_dir(cfg)
+        hub = hub or HubAccess(Path.home() / ".cache" / "shoestring")
+        _required_keys(cfg)
         given = read_input(Path(cfg.io.input), cfg.generate.mode, cfg.generate.max_new_tokens)
+        ref = resolve(cfg.model.path, hub, key="--model (model.path)")
+        model_dir = _model_dir(ref)
         output = Path(cfg.io.output)
         run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else default_run_dir(output)
         steady_memory()  # before anything is computed: oneDNN reads its cache size once
-        adapter = LoraDelta(Path(cfg.model.adapter)) if cfg.model.adapter else None
+        adapter = _adapter(cfg, hub)
         if cfg.job.num_threads:
             torch.set_num_threads(cfg.job.num_threads)
         device = _device(cfg)
@@ -149,6 +160,8 @@ class InferJob:
         if adapter is not None:
             adapter.check(set(engine.refs))
         identity = _identity(cfg, given.sha256, model_dir, adapter)
+        if ref.kind != "local":  # unset for local dirs keeps older run dirs valid
+            identity["model_source"] = ref.record()
         if template is not None:  # outputs depend on it; unset keeps older run dirs valid
             identity["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
         if prior is not None:
@@ -260,8 +273,7 @@ class InferJob:
         return exitcodes.OK
 
 
-def _model_dir(cfg: InferConfig) -> Path:
-    """The model directory, after checking that the required keys are set."""
+def _required_keys(cfg: InferConfig) -> None:
     for key, flag in (
         ("model.path", "--model"),
         ("io.input", "--input"),
@@ -269,13 +281,28 @@ def _model_dir(cfg: InferConfig) -> Path:
     ):
         if not to_flat(cfg)[key]:
             raise ConfigError(f"{flag} ({key}) is required")
-    model_dir = Path(cfg.model.path).expanduser()
-    if not (model_dir / "config.json").is_file():
+
+
+def _model_dir(ref: ModelRef) -> Path:
+    """The resolved model's folder; a pre-quantized (bitsandbytes) base is refused: its
+    packed 4/8-bit tensors cannot be streamed (``--compress`` quantizes a 16-bit base
+    on the fly instead)."""
+    doc = json.loads((ref.path / "config.json").read_text())
+    quant = doc.get("quantization_config") if isinstance(doc, dict) else None
+    if isinstance(quant, dict) and quant.get("quant_method") == "bitsandbytes":
         raise ConfigError(
-            f"--model (model.path): {model_dir} is not a Hugging Face model "
-            "directory (no config.json)"
+            f"--model (model.path): {ref.spec} is pre-quantized with bitsandbytes; infer "
+            "streams 16/32-bit safetensors only: use the unquantized base (and --compress "
+            "nf4 or int8 to stream it quantized)"
         )
-    return model_dir
+    return ref.path
+
+
+def _adapter(cfg: InferConfig, hub: HubAccess) -> LoraDelta | None:
+    if not cfg.model.adapter:
+        return None
+    ref = resolve(cfg.model.adapter, hub, key="--adapter (model.adapter)", want="adapter")
+    return LoraDelta(ref.path)
 
 
 def _device(cfg: InferConfig) -> torch.device:

@@ -41,6 +41,7 @@ class Arch:
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     mlp_bias: bool = False
     checkpoint_itemsize: int = 2  # bytes per weight as stored (bf16/fp16; fp32: 4)
+    prequantized: str = "none"  # a bitsandbytes checkpoint (*-bnb-4bit): nf4 | int8
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` for one decoder layer."""
@@ -99,6 +100,7 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             checkpoint_itemsize=4
             if str(cfg.get("torch_dtype") or cfg.get("dtype") or "") == "float32"
             else 2,
+            prequantized=prequantized(cfg),
         )
     except KeyError as e:
         raise ValueError(
@@ -106,6 +108,17 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             "decoder config (hidden_size, intermediate_size, num_hidden_layers, "
             "num_attention_heads, vocab_size)"
         ) from None
+
+
+def prequantized(cfg: Mapping[str, Any]) -> str:
+    """``nf4``/``int8`` for a config.json whose ``quantization_config`` is bitsandbytes'
+    (the ``*-bnb-4bit`` repos: the linears are stored 4-bit), else ``none``."""
+    q = cfg.get("quantization_config")
+    if not isinstance(q, Mapping) or q.get("quant_method") != "bitsandbytes":
+        return "none"
+    if q.get("load_in_4bit") or q.get("_load_in_4bit"):
+        return "nf4"
+    return "int8" if q.get("load_in_8bit") or q.get("_load_in_8bit") else "none"
 
 
 def _preset(name: str, **kw: Any) -> Arch:

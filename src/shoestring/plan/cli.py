@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -23,12 +24,15 @@ from shoestring.plan.workload import DEFAULT_GPU
 from shoestring.train.config import ComputeDtype, Optimizer, Quantize
 
 if TYPE_CHECKING:
+    from shoestring.hub import HubAccess
     from shoestring.plan.workload import PlanRequest
 
 PlanDevice = Literal["auto", "cpu", "cuda"]
 
 PLAN_EPILOG = """\
---model takes a preset ({presets}), a local model directory or a config.json.
+--model takes a preset ({presets}), a local model directory, a config.json, a Hub id
+org/name[@revision] (only its config.json is downloaded) or a folder URL (s3://, gs://).
+A pre-quantized bitsandbytes base (*-bnb-4bit) is planned as QLoRA with its own quantization.
 With --config, the finetune YAML supplies the defaults (model.path, lora.*, data.max_length,
 train.micro_batch_size / batch_size, train.max_steps, train.optimizer,
 train.loss_chunk_tokens, train.offload_activations, model.gradient_checkpointing); flags
@@ -63,7 +67,9 @@ class PlanConfig:
     config: str = knob(
         "", "A shoestring finetune config (YAML) that supplies the defaults of the keys below."
     )
-    model: str = knob("", "Preset name, model directory or config.json.")
+    model: str = knob(
+        "", "Preset name, model directory, config.json, Hub id (org/name[@rev]) or folder URL."
+    )
     device: PlanDevice = knob(
         "auto",
         "Plan a run on 'cuda' (a GPU of the catalog, --gpu) or on 'cpu' (host RAM, --ram). "
@@ -166,6 +172,15 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _hub_access(env: Mapping[str, str], cache: Path) -> HubAccess:
+    """A Hub id's config.json comes through huggingface_hub (HF_TOKEN, HF_ENDPOINT,
+    HF_HUB_OFFLINE); a bucket URL's folder through the checkpoint store."""
+    from shoestring.checkpoint.mirror import fetch_model_folder
+    from shoestring.hub import HubAccess
+
+    return HubAccess.from_env(env, cache, buckets=fetch_model_folder)
+
+
 def run_plan(cfg: PlanConfig, call: Invocation) -> int:
     from shoestring.plan.estimate import Schedule, host_target, make_plan
     from shoestring.plan.report import to_json, to_text
@@ -175,7 +190,7 @@ def run_plan(cfg: PlanConfig, call: Invocation) -> int:
         print(_list_gpus())
         return exitcodes.OK
     cache = Path(call.env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
-    r = resolve_request(cfg.request(), cache_dir=cache)
+    r = resolve_request(cfg.request(), cache_dir=cache, hub=_hub_access(call.env, cache))
     if r.gpu is not None and cfg.ram is not None:
         raise ConfigError("--ram: this plans a CUDA run (GPU memory); --device cpu plans host RAM")
     if r.gpu is not None:

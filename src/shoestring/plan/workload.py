@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from shoestring.config import ConfigError, load
 from shoestring.gpus import GPU, find_gpu
-from shoestring.plan.arch import LINEARS, Arch, from_hf_config, load_arch
+from shoestring.hub import HubAccess, looks_remote, resolve
+from shoestring.plan.arch import LINEARS, PRESETS, Arch, from_hf_config, load_arch
 from shoestring.plan.memory import Method, Workload
 from shoestring.train.config import (
     ComputeDtype,
     DeviceKind,
     FinetuneConfig,
     Numerics,
+    Quantize,
     device_kind,
     resolve_numerics,
 )
@@ -28,12 +30,15 @@ def builtin_arch() -> Arch:
     return from_hf_config(cfg, "builtin:tiny")
 
 
-def arch_for(path: str, where: str) -> Arch:
-    """The architecture of ``model.path`` (or a ``--model`` value), naming ``where`` on error."""
+def arch_for(path: str, where: str, hub: HubAccess | None = None) -> Arch:
+    """The architecture of ``model.path`` (or a ``--model`` value), naming ``where`` on
+    error. A Hub id or a bucket URL is read through ``hub``: its config.json only."""
     from shoestring.train.builtin import BUILTIN_MODEL
 
     if path == BUILTIN_MODEL:
         return builtin_arch()
+    if hub is not None and path not in PRESETS and looks_remote(path):
+        path = str(resolve(path, hub, key=where, want="config").path)
     try:
         return load_arch(path)
     except (FileNotFoundError, ValueError) as e:
@@ -75,11 +80,15 @@ def workload_from_config(
     n = resolve_numerics(cfg.model, t, device, _gpu_bf16(gpu))
     mb = t.micro_batch_size or max(t.batch_size // world_size, 1)
     accum = max(t.batch_size // (mb * world_size), 1)
-    method: Method = "qlora" if cfg.lora.quantize != "none" else "lora"
+    # A pre-quantized base stays as its checkpoint stored it, whatever lora.quantize says.
+    quantize = (
+        cast(Quantize, arch.prequantized) if arch.prequantized != "none" else cfg.lora.quantize
+    )
+    method: Method = "qlora" if quantize != "none" else "lora"
     w = Workload(
         arch=arch,
         method=method,
-        quantize=cfg.lora.quantize,
+        quantize=quantize,
         lora_r=cfg.lora.r,
         lora_targets=_targets(cfg.lora.target_modules, "lora.target_modules"),
         lora_dropout=cfg.lora.dropout,
@@ -152,6 +161,18 @@ def plan_device(req: PlanRequest, train_device: str | None) -> DeviceKind:
     return device_kind(train_device, cuda_available=True)
 
 
+def _prequantized(arch: Arch, method: str, quantize: str) -> tuple[str, str]:
+    """A pre-quantized base (``*-bnb-4bit``) is QLoRA with its own quantization."""
+    if arch.prequantized == "none":
+        return method, quantize
+    if method == "full":
+        raise ConfigError(
+            f"--method full: {arch.name} is pre-quantized ({arch.prequantized}); its base "
+            "weights cannot be trained (use --method qlora)"
+        )
+    return "qlora", arch.prequantized
+
+
 def _check_positive(flag: str, v: Any) -> None:
     if v is not None and v <= 0:
         raise ConfigError(f"{flag}: must be > 0, got {v}")
@@ -170,7 +191,7 @@ def _check_flags(req: PlanRequest) -> None:
         raise ConfigError(f"--lora-dropout: must be in [0, 1), got {req.lora_dropout}")
 
 
-def _base_workload(req: PlanRequest) -> Resolved:
+def _base_workload(req: PlanRequest, hub: HubAccess | None) -> Resolved:
     """The workload before the flags that override it: from --config, else the defaults.
     ``--dtype`` goes through finetune's dtype rule as ``model.dtype`` would."""
     cfg = load(FinetuneConfig, str(req.config), []) if req.config else FinetuneConfig()
@@ -180,22 +201,25 @@ def _base_workload(req: PlanRequest) -> Resolved:
     gpu = find_gpu(req.gpu or DEFAULT_GPU) if device == "cuda" else None
     if req.config is not None:
         model = req.model or cfg.model.path
-        arch = arch_for(model, "--model" if req.model else f"{req.config}: model.path")
+        arch = arch_for(model, "--model" if req.model else f"{req.config}: model.path", hub)
         w, steps = workload_from_config(cfg, arch, device=device, gpu=gpu)
         return Resolved(w, steps, gpu)
     if not req.model:
         raise ConfigError("plan: give --model (a preset, model dir or config.json) or --config")
     n = resolve_numerics(cfg.model, cfg.train, device, _gpu_bf16(gpu))
     w = Workload(
-        arch=arch_for(req.model, "--model"), gradient_checkpointing=True, **numerics_fields(n)
+        arch=arch_for(req.model, "--model", hub), gradient_checkpointing=True, **numerics_fields(n)
     )
     return Resolved(w, 1000, gpu)
 
 
-def resolve_request(req: PlanRequest, cache_dir: Path | None = None) -> Resolved:
-    """The workload a ``shoestring plan`` invocation describes, its steps and its GPU."""
+def resolve_request(
+    req: PlanRequest, cache_dir: Path | None = None, hub: HubAccess | None = None
+) -> Resolved:
+    """The workload a ``shoestring plan`` invocation describes, its steps and its GPU.
+    ``hub``: how a Hub id or bucket URL in --model/model.path is read (config.json only)."""
     _check_flags(req)
-    base = _base_workload(req)
+    base = _base_workload(req, hub)
     w = base.workload
     method = req.method or w.method
     quantize = req.quantize or (w.quantize if req.method in (None, "qlora") else "none")
@@ -208,6 +232,7 @@ def resolve_request(req: PlanRequest, cache_dir: Path | None = None) -> Resolved
         )
     if method == "lora" and quantize != "none":
         method = "qlora"
+    method, quantize = _prequantized(w.arch, method, quantize)
     changes: dict[str, Any] = {"method": method, "quantize": quantize}
     asked: tuple[tuple[str, Any], ...] = (
         ("lora_r", req.r),

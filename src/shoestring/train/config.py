@@ -17,6 +17,7 @@ from typing import Any, Literal
 from shoestring.config import ConfigError, knob, non_negative, positive, to_flat, unit_interval
 from shoestring.data.records import Format as DataFormat
 from shoestring.data.records import LossOn, Truncate
+from shoestring.hub import hub_repo
 from shoestring.track.config import TrackConfig
 
 # --------------------------------------------------------------------------- choices
@@ -36,6 +37,9 @@ Cloud = Literal["auto", "none", "aws", "gcp", "azure"]
 Market = Literal["spot", "on_demand"]
 DistStrategy = Literal["ddp", "fsdp"]
 Backend = Literal["auto", "gloo", "nccl"]
+#: GGUF tensor types of ``export.gguf`` (``none``: no GGUF) and ``shoestring export --gguf``.
+GgufType = Literal["f16", "bf16", "q8_0"]
+GgufExport = Literal["none", "f16", "bf16", "q8_0"]
 
 # --------------------------------------------------------------------------- the tree
 
@@ -44,8 +48,12 @@ Backend = Literal["auto", "gloo", "nccl"]
 class ModelConfig:
     path: str = knob(
         "builtin:tiny",
-        "Local directory of a Hugging Face causal LM (config.json, "
-        "weights, tokenizer). 'builtin:tiny' builds the embedded tiny model.",
+        "The Hugging Face causal LM: a local directory (config.json, weights, tokenizer), "
+        "a Hub id org/name[@revision] (branch, tag or commit; downloaded into the HF cache, "
+        "safetensors only; HF_TOKEN, HF_HUB_OFFLINE) or a folder URL (s3://, gs://, "
+        "file://; copied to SHOESTRING_CACHE/models). A resume refuses a Hub ref that now "
+        "resolves to another commit (docs/models.md). 'builtin:tiny' builds the embedded "
+        "tiny model.",
     )
     dtype: ModelDtype = knob(
         "auto",
@@ -350,6 +358,13 @@ class ExportConfig:
     merged: bool = knob(
         False, "Also write OUTPUT/merged/: the base model with the adapter merged in."
     )
+    gguf: GgufExport = knob(
+        "none",
+        "Also write OUTPUT/gguf/<name>-<type>.gguf (llama.cpp, Ollama; with the tokenizer, "
+        "chat template and an Ollama Modelfile): the merged model in f16, bf16 or q8_0. "
+        "Llama- and Qwen2-family bases with a byte-level BPE tokenizer; checked before "
+        "training. Needs pip install 'shoestring[gguf]'.",
+    )
 
 
 @dataclass
@@ -368,6 +383,13 @@ class DistributedConfig:
         1800.0,
         "Collective timeout in seconds (the last resort; shoestring run detects hangs sooner).",
         check=positive,
+    )
+    cpu_offload: bool = knob(
+        False,
+        "With strategy fsdp on GPUs: keep the sharded weights, gradients and optimizer "
+        "state in (pinned) host memory and step the optimizer on the CPU (FSDP2 "
+        "CPUOffloadPolicy); each layer's shards are copied to the GPU for its all-gather. "
+        "Saves GPU memory, costs host-to-device traffic every step.",
     )
 
 
@@ -519,6 +541,11 @@ def eval_fraction(spec: str) -> float | None:
 
 def resume_relevant(flat: Mapping[str, Any]) -> dict[str, Any]:
     kept = {k: v for k, v in flat.items() if not k.startswith(RESUME_SAFE_PREFIXES)}
+    # A Hub ref's @revision may change (pinning the commit a run was trained on): the
+    # resume compares the commit itself (train/resume.py check_base).
+    repo = hub_repo(str(kept.get("model.path", "")))
+    if repo is not None:
+        kept["model.path"] = repo
     fraction = eval_fraction(str(flat.get("data.eval", "")))
     if fraction is not None:  # a held-out fraction changes which samples are trained on
         kept["data.eval"] = fraction

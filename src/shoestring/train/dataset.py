@@ -88,13 +88,16 @@ def token_spec(cfg: FinetuneConfig, template: str | None) -> TokenizeSpec:
     return TokenizeSpec(d.max_length, d.loss_on, d.truncate, template)
 
 
-def train_cache_key(cfg: FinetuneConfig, train: Origin, template: str | None) -> str:
+def train_cache_key(
+    cfg: FinetuneConfig, train: Origin, template: str | None, tokenizer_dir: str | None = None
+) -> str:
+    """``tokenizer_dir``: the resolved model folder when ``model.path`` is a Hub id or URL."""
     d = cfg.data
     return cache_key(
         {
             "data": train.digest,
             "format": d.format,
-            "tokenizer": tokenizer_fingerprint(cfg.model.path),
+            "tokenizer": tokenizer_fingerprint(tokenizer_dir or cfg.model.path),
             "template": hashlib.sha256((template or "").encode()).hexdigest(),
             "max_length": d.max_length,
             "loss_on": d.loss_on,
@@ -123,10 +126,12 @@ class DataInputs:
     formats: Mapping[str, str]
 
     @classmethod
-    def prepare(cls, cfg: FinetuneConfig, cache_dir: Path) -> DataInputs:
+    def prepare(
+        cls, cfg: FinetuneConfig, cache_dir: Path, tokenizer_dir: str | None = None
+    ) -> DataInputs:
         template = load_template(cfg.data.chat_template) if cfg.data.chat_template else None
         train = origin(cfg.data.train, "train", cfg, cache_dir)
-        key = train_cache_key(cfg, train, template)
+        key = train_cache_key(cfg, train, template, tokenizer_dir)
         records: list[Record] | None = None
         formats: Mapping[str, str] = {}
         cached = cfg.data.cache and (cache_root(cache_dir) / key / "manifest.json").is_file()

@@ -169,14 +169,21 @@ def _log_report(report: dict[str, Any]) -> None:
 
 
 def export_merged_from(
-    model_dir: Path, adapter_dir: Path, model_cfg: Any, tok: Any, out_dir: Path
+    model_dir: Path,
+    adapter_dir: Path,
+    model_cfg: Any,
+    tok: Any,
+    out_dir: Path,
+    quantize: str = "none",
 ) -> Path:
     """Merge an exported adapter onto a freshly loaded base (for sharded runs, whose
-    in-memory model holds only shards; their base is never quantized), streamed like
-    :func:`export_merged`: the loaded base is the only whole model in memory."""
+    in-memory model holds only shards), streamed like :func:`export_merged`: the loaded
+    base is the only whole model in memory. ``quantize``: the base trained on (nf4 under
+    FSDP-QLoRA), loaded quantized on the CPU so the merge uses its dequantized weights."""
     from peft import PeftModel
 
     from shoestring.train.model import load_base_model
 
-    model = PeftModel.from_pretrained(load_base_model(model_dir, model_cfg), str(adapter_dir))
+    base = load_base_model(model_dir, model_cfg, quantize)
+    model = PeftModel.from_pretrained(base, str(adapter_dir))
     return export_merged(model, tok, out_dir)

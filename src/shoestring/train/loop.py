@@ -66,12 +66,12 @@ def _one_job(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[None]:
 
 
 def _finetune(cfg: FinetuneConfig, opts: RunOptions) -> int:
-    inputs = Inputs.prepare(cfg, opts.dist, opts.cache_dir)
+    inputs = Inputs.prepare(cfg, opts.dist, opts.cache_dir, opts.hub_access())
     # Refuses before the run directory is touched or any weights load (rank 0 also
     # checks a named checkpoint's hashes, as the load does).
     deep = cfg.checkpoint.verify and opts.dist.rank == 0
-    check_resume(cfg, opts.resume, inputs.remote, opts.cache_dir, deep=deep)
-    with open_run(cfg, opts, inputs.remote) as run:
+    check_resume(cfg, opts.resume, inputs.remote, opts.cache_dir, deep=deep, model=inputs.model)
+    with open_run(cfg, opts, inputs.remote, inputs.model) as run:
         try:
             with run.rec.phase("setup"):
                 t = build_trainer(cfg, run, inputs)
@@ -153,6 +153,7 @@ def begin(t: Trainer, progress: S.Progress) -> ProgressDisplay:
         max_steps=cfg.train.max_steps,
         model=str(t.model_dir),
         base_fingerprint=t.base_fp,
+        **({"base_source": t.base_source} if t.base_source else {}),
         config_hash=t.config_hash,
         train_samples=t.data.samples_count,
         train_rows=len(t.data.samples),
@@ -248,10 +249,22 @@ def finish(t: Trainer, progress: S.Progress, display: ProgressDisplay) -> int:
             if t.cfg.export.merged and run.strategy.rank == 0
             else None
         )
+        gguf = _export_gguf(t, final) if t.cfg.export.gguf != "none" else None
     if run.strategy.rank == 0:
-        _report_end(t, progress, final, merged, after, display)
+        _report_end(t, progress, final, merged, after, display, gguf=gguf)
     run.strategy.barrier()
     return exitcodes.OK
+
+
+def _export_gguf(t: Trainer, final: Path) -> Path | None:
+    """``export.gguf``: rank 0 writes OUTPUT/gguf/ (FSDP2: from final/ onto a fresh base)."""
+    from shoestring.train.ggufexport import gguf_at_end
+
+    run = t.run
+    if run.strategy.rank != 0:
+        return None
+    sharded = not run.strategy.whole_model
+    return gguf_at_end(t.learner.model, sharded, final, t.model_dir, t.cfg, t.tok, run.out)
 
 
 def _report_end(
@@ -261,6 +274,7 @@ def _report_end(
     merged: Any,
     after: dict[str, Any] | None,
     display: ProgressDisplay,
+    gguf: Path | None = None,
 ) -> None:
     summary: dict[str, Any] = {"step": progress.step, "final": str(final)}
     if after:
@@ -268,6 +282,9 @@ def _report_end(
         display.write("after: " + _fmt_eval(after))
     if merged is not None:
         summary["merged"] = str(merged)
+    if gguf is not None:
+        summary["gguf"] = str(gguf)
+        display.write(f"GGUF in {gguf} (Ollama: Modelfile beside it)")
     t.run.events.emit("run_end", status="completed", **summary)
     display.write(f"done: step {progress.step}, adapter in {final}")
     ledger = _ledger(t)

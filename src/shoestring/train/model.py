@@ -9,26 +9,29 @@ import torch
 
 from shoestring.config import ConfigError
 from shoestring.hf import quiet_hf
+from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.train.config import LoraSection, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
-    """The local model directory, building the embedded tiny model if asked."""
-    from shoestring.train.builtin import BUILTIN_MODEL, materialize_tiny_model
+def resolve_base(cfg: ModelConfig, hub: HubAccess) -> ModelRef | None:
+    """``model.path`` resolved (a local dir, a Hub id, a bucket URL: downloaded now, so
+    a bad reference fails before the run directory is written); None for the built-in
+    model, which rank 0 materializes later."""
+    from shoestring.train.builtin import BUILTIN_MODEL
 
     if cfg.path == BUILTIN_MODEL:
-        return materialize_tiny_model(cache_dir)
-    p = Path(cfg.path).expanduser()
-    if not p.is_dir():
-        raise ConfigError(
-            f"model.path: {p} is not a directory (expected a local Hugging Face "
-            "model dir; downloads are not done at run time)"
-        )
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"model.path: {p} has no config.json")
-    return p
+        return None
+    return resolve(cfg.path, hub, key="model.path")
+
+
+def resolve_model_dir(cfg: ModelConfig, cache_dir: Path, hub: HubAccess | None = None) -> Path:
+    """The local model directory, building the embedded tiny model if asked."""
+    from shoestring.train.builtin import materialize_tiny_model
+
+    ref = resolve_base(cfg, hub or HubAccess(cache_dir))
+    return materialize_tiny_model(cache_dir) if ref is None else ref.path
 
 
 BNB_HINT = "needs bitsandbytes >= 0.50 (x86/aarch64 CPU and CUDA): pip install 'shoestring[qlora]'"

@@ -33,8 +33,10 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torc
 
 
 def _quant_states(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """bitsandbytes' 4-bit absmax/code tensors, which are neither parameters nor buffers."""
-    for name, p in model.named_parameters():
+    """bitsandbytes' 4-bit absmax/code tensors, which are neither parameters nor buffers:
+    on each weight, and on its module (where FSDP2-sharded 4-bit layers keep them)."""
+    owners: list[tuple[str, Any]] = [*model.named_parameters(), *model.named_modules()]
+    for name, p in owners:
         qs = getattr(p, "quant_state", None)
         if qs is None:
             continue
@@ -49,13 +51,16 @@ def misplaced(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: Mapping[str, Any] | None = None,
+    host_state: bool = False,
 ) -> list[str]:
-    """Names (with their device) of tensors not on ``device``; empty when all are."""
+    """Names (with their device) of tensors not on ``device``; empty when all are.
+    ``host_state``: parameters and optimizer state live on the host by design (FSDP2
+    CPU offload); only buffers, quant states and the batch are checked."""
     named: list[tuple[str, torch.Tensor]] = [
-        *model.named_parameters(),
+        *([] if host_state else model.named_parameters()),
         *model.named_buffers(),
         *_quant_states(model),
-        *_state_tensors(optimizer),
+        *([] if host_state else _state_tensors(optimizer)),
     ]
     named += [(f"batch.{k}", v) for k, v in (batch or {}).items() if torch.is_tensor(v)]
     return [f"{n} on {t.device}" for n, t in named if not _same(device, t)]

@@ -141,6 +141,36 @@ def _resume(t: Trainer, mode: str) -> S.Progress:
         rejected.add(choice[0])
 
 
+def check_base(
+    meta: Mapping[str, Any], fp: str, source: Mapping[str, str], where: str, model_dir: Path
+) -> None:
+    """Refuse a checkpoint trained on another base: the adapter belongs to the weights it
+    was trained on. When ``model.path`` is a Hub ref (or a bucket URL) that now resolves
+    to another commit (digest) than the checkpoint's, the message names both."""
+    saved = meta.get("base_source") or {}
+    old = saved.get("commit") or saved.get("digest")
+    new = source.get("commit") or source.get("digest")
+    if old and new and old != new:
+        what = "commit" if source.get("commit") else "content digest"
+        ref = source.get("ref", str(model_dir))
+        fix = (
+            f"pin it (--model.path {ref.partition('@')[0]}@{old})"
+            if source.get("source") == "hub"
+            else "restore that folder"
+        )
+        raise ConfigError(
+            f"cannot resume from {where}: model.path {ref} now resolves to {what} {new}, "
+            f"but this checkpoint was trained on {what} {old} (the adapter belongs to the "
+            f"weights it was trained on); {fix}, or start a new output_dir"
+        )
+    if meta.get("base_fingerprint") != fp:
+        raise ConfigError(
+            f"cannot resume from {where}: model.path {model_dir} is "
+            "not the base model this checkpoint was trained on "
+            "(fingerprint differs)"
+        )
+
+
 def _reject(
     t: Trainer, choice: tuple[int, str, str], failure: CorruptCheckpoint | None, mode: str
 ) -> None:
@@ -164,12 +194,7 @@ def _load(t: Trainer, choice: tuple[int, str, str]) -> tuple[S.Progress, Manifes
     path_s = choice[1]
     path = Path(path_s)
     manifest = verify_dir(path, deep=False)  # rank 0 verified the hashes
-    if manifest.meta.get("base_fingerprint") != t.base_fp:
-        raise ConfigError(
-            f"cannot resume from {path}: model.path {t.model_dir} is "
-            "not the base model this checkpoint was trained on "
-            "(fingerprint differs)"
-        )
+    check_base(manifest.meta, t.base_fp, t.base_source, str(path), t.model_dir)
     strategy = t.run.strategy
     progress, own_rng = strategy.restore(
         path, manifest, t.learner, lambda saved: check_compatible(saved, t.cfg, str(path))

@@ -23,11 +23,12 @@ from shoestring.checkpoint import CorruptCheckpoint, Manifest, RemoteStore, veri
 from shoestring.checkpoint.local import committed_steps, step_dirname
 from shoestring.config import ConfigError
 from shoestring.hf import fingerprint
+from shoestring.hub import ModelRef
 from shoestring.rundir import RunDir
 from shoestring.train import state as S
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.model import resolve_model_dir
-from shoestring.train.resume import check_compatible
+from shoestring.train.resume import check_base, check_compatible
 
 
 @dataclass(frozen=True)
@@ -120,22 +121,20 @@ def check_resume(
     cache_dir: Path,
     *,
     deep: bool = False,
+    model: ModelRef | None = None,
 ) -> None:
     """Refuse, before any weights load, a resume that the load would refuse: the
     checkpoint is not a fine-tune's, its base model is not ``model.path``, or the
     config changed in a way that breaks an exact continuation (the messages are the
-    load's). ``cfg`` is resolved, as the load compares it."""
+    load's). ``cfg`` is resolved, as the load compares it; ``model`` is ``model.path``
+    resolved (None: the built-in model)."""
     found = resume_candidate(mode, cfg, remote, deep=deep)
     if found is None:
         return
     kind = found.manifest.meta.get("kind", "finetune")
     if kind != "finetune":
         raise ConfigError(f"cannot resume from {found.where}: a {kind} checkpoint, not a finetune")
-    model_dir = resolve_model_dir(cfg.model, cache_dir)
-    if found.manifest.meta.get("base_fingerprint") != fingerprint(model_dir):
-        raise ConfigError(
-            f"cannot resume from {found.where}: model.path {model_dir} is "
-            "not the base model this checkpoint was trained on "
-            "(fingerprint differs)"
-        )
+    model_dir = model.path if model is not None else resolve_model_dir(cfg.model, cache_dir)
+    source = model.record() if model is not None else {}
+    check_base(found.manifest.meta, fingerprint(model_dir), source, found.where, model_dir)
     check_compatible(found.config, cfg, found.where)

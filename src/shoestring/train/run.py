@@ -25,12 +25,13 @@ from shoestring.config import ConfigError, to_yaml
 from shoestring.distributed import DistEnv, ProcessGroups
 from shoestring.events import EventLog, rotate
 from shoestring.fsio import atomic_write
+from shoestring.hub import HubAccess, ModelRef
 from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
 from shoestring.rundir import RunDir
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.dataset import DataInputs
 from shoestring.train.device import Accelerator
-from shoestring.train.model import require_bitsandbytes
+from shoestring.train.model import require_bitsandbytes, resolve_base
 from shoestring.train.parallel import BatchPlan
 from shoestring.train.strategy import Strategy, make_strategy
 from shoestring.watch.recorder import NullRecorder, Recorder, StartupBeacon
@@ -53,27 +54,42 @@ class RunOptions:
     preflight: Callable[[FinetuneConfig, Path, int], dict[str, Any] | None] | None = None
     ledger: Callable[[Path], tuple[dict[str, Any], str]] | None = None
     process_start: float | None = None  # epoch seconds, read by the CLI (``start`` event)
+    hub: HubAccess | None = None  # how model ids and bucket URLs are fetched (the CLI's)
+
+    def hub_access(self) -> HubAccess:
+        return self.hub or HubAccess(self.cache_dir)
 
 
 @dataclass(frozen=True)
 class Inputs:
-    """The data (sources, template, parsed records), the batch split and the checkpoint
-    store, checked before anything is written or loaded."""
+    """The base model (resolved: downloaded if it is a Hub id or a bucket URL; None for
+    the built-in one), the data (sources, template, parsed records), the batch split
+    and the checkpoint store, checked before anything is written or loaded."""
 
     data: DataInputs
     batch: BatchPlan
     remote: RemoteStore | None
+    model: ModelRef | None = None
 
     @classmethod
-    def prepare(cls, cfg: FinetuneConfig, dist: DistEnv, cache_dir: Path) -> Inputs:
+    def prepare(
+        cls, cfg: FinetuneConfig, dist: DistEnv, cache_dir: Path, hub: HubAccess | None = None
+    ) -> Inputs:
         if cfg.lora.quantize != "none":
             require_bitsandbytes("lora.quantize")
         if cfg.train.optimizer != "adamw":
             require_bitsandbytes("train.optimizer")
+        if cfg.export.gguf != "none":
+            from shoestring.train.ggufexport import check_exportable
+
+            check_exportable(cfg)  # model_type and tokenizer, before any training
         batch = BatchPlan.make(
             cfg.train.batch_size, cfg.train.micro_batch_size, dist.world_size, dist.rank
         )
-        return cls(DataInputs.prepare(cfg, cache_dir), batch, _remote_store(cfg, dist.rank))
+        model = resolve_base(cfg.model, hub or HubAccess(cache_dir))
+        tokenizer_dir = str(model.path) if model is not None else cfg.model.path
+        data = DataInputs.prepare(cfg, cache_dir, tokenizer_dir)
+        return cls(data, batch, _remote_store(cfg, dist.rank), model)
 
 
 def data_cache_storage(cfg: FinetuneConfig) -> str | None:
@@ -132,13 +148,16 @@ def _run_id(rd: RunDir) -> str:
     return rid
 
 
-def _prepare_dir(cfg: FinetuneConfig, out: Path, strategy: Strategy) -> str:
-    """Rank 0 creates the run directory; every rank gets the run id."""
+def _prepare_dir(cfg: FinetuneConfig, out: Path, strategy: Strategy, model: ModelRef | None) -> str:
+    """Rank 0 creates the run directory (run.json also says where the base model came
+    from); every rank gets the run id."""
     run_id = ""
     if strategy.rank == 0:
         rd = RunDir(out)
         out.mkdir(parents=True, exist_ok=True)
         run_id = _run_id(rd)
+        if model is not None:
+            rd.record(model=model.record())
         clean_stale(rd.checkpoints)
         for log_file in rd.event_files():  # no one writes them yet: start new segments
             rotate(log_file, int(cfg.events_rotate_mb * 2**20))
@@ -163,14 +182,20 @@ def _process_group(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[ProcessGro
 
 
 @contextlib.contextmanager
-def open_run(cfg: FinetuneConfig, opts: RunOptions, remote: RemoteStore | None) -> Iterator[Run]:
-    """``cfg`` is resolved (no 'auto' device, precision or dtype left)."""
+def open_run(
+    cfg: FinetuneConfig,
+    opts: RunOptions,
+    remote: RemoteStore | None,
+    model: ModelRef | None = None,
+) -> Iterator[Run]:
+    """``cfg`` is resolved (no 'auto' device, precision or dtype left); ``model``: the
+    resolved base (recorded in run.json)."""
     out, dist = Path(cfg.output_dir), opts.dist
     flag = opts.flag or PreemptionFlag()
     with contextlib.ExitStack() as stack:
         groups = stack.enter_context(_process_group(cfg, opts))
         strategy = make_strategy(cfg, groups)
-        run_id = _prepare_dir(cfg, out, strategy)
+        run_id = _prepare_dir(cfg, out, strategy, model)
         # Rank 0 owns events.jsonl; other ranks log beside it (the watchdog reads those).
         events = EventLog(RunDir(out).rank_events(dist.rank), run_id=run_id, rank=dist.rank)
         stack.callback(events.close)

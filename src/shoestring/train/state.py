@@ -201,9 +201,22 @@ def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     )
 
     return {
-        "model": get_model_state_dict(model, options=_dcp_options()),
+        "model": _trainable_only(model, get_model_state_dict(model, options=_dcp_options())),
         "optim": get_optimizer_state_dict(model, optimizer, options=_dcp_options()),
     }
+
+
+def _trainable_only(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The trainable parameters of a model state dict. ``ignore_frozen_params`` drops
+    frozen parameters but not the extra tensors a frozen module adds (bitsandbytes'
+    4-bit quant states: ``weight.absmax``, ...), which a layer sharded by FSDP2 does not
+    add: a checkpoint carrying them or not would then depend on the strategy, and one
+    process could not load an FSDP2 checkpoint. DDP's ``module.`` is not in DCP names."""
+    names = {n.removeprefix("module.") for n, p in model.named_parameters() if p.requires_grad}
+    missing = names - state.keys()
+    if missing:
+        raise RuntimeError(f"trainable parameters not in the state dict: {sorted(missing)[:3]}")
+    return {k: v for k, v in state.items() if k in names}
 
 
 def rank_files(

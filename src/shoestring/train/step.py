@@ -78,7 +78,8 @@ class MisplacedTensorError(RuntimeError):
 
 def check_placement(t: Trainer, batch: dict[str, torch.Tensor]) -> None:
     """After the first step: everything on the strategy's device, or stop with the list."""
-    wrong = misplaced(t.device, t.learner.model, t.learner.optimizer, batch)
+    offload = t.cfg.distributed.cpu_offload and t.run.strategy.name == "fsdp"
+    wrong = misplaced(t.device, t.learner.model, t.learner.optimizer, batch, host_state=offload)
     if wrong:
         raise MisplacedTensorError(
             f"{len(wrong)} tensor(s) are not on {t.device}, the "

@@ -50,6 +50,9 @@ def _ms_since(t0: float) -> float:
 
 class Strategy(Protocol):
     name: StrategyName
+    #: Whether this process's model holds every weight (False: FSDP2 shards; an export
+    #: of the whole model then starts from ``final/`` and a freshly loaded base).
+    whole_model: bool
     device: torch.device
     rank: int
     world_size: int
@@ -103,6 +106,7 @@ class SingleDevice:
     sharded (DCP) checkpoint that several ranks wrote."""
 
     name: StrategyName = "single"
+    whole_model = True
     rank = 0
     world_size = 1
     checkpoint_group: Any = None
@@ -362,21 +366,41 @@ class DDPStrategy(_Distributed):
 
 class FSDPStrategy(_Distributed):
     """Weights, gradients and optimizer state sharded per decoder layer (FSDP2). The
-    base loads on the CPU; sharding moves each rank's shards to its device."""
+    base loads on the CPU; sharding moves each rank's shards to its device. An nf4
+    base (``quantize``) is sharded as its packed bytes viewed in ``dtype``, its quant
+    states kept on the modules (:mod:`shoestring.train.shard4bit`)."""
 
     name: StrategyName = "fsdp"
+    whole_model = False
+
+    def __init__(
+        self,
+        device: torch.device,
+        groups: ProcessGroups,
+        *,
+        dtype: torch.dtype = torch.float32,
+        quantize: str = "none",
+        cpu_offload: bool = False,
+    ) -> None:
+        super().__init__(device, groups)
+        self.dtype, self.quantize, self.cpu_offload = dtype, quantize, cpu_offload
 
     def load_device(self) -> str:
         return "cpu"
 
     def wrap(self, model: Any, comm_hook: Any) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        if self.quantize == "nf4":
+            from shoestring.train.shard4bit import make_shardable
+
+            make_shardable(model, self.dtype, self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         for layer in parallel.decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, offload_policy=offload)
+        fully_shard(model, mesh=mesh, offload_policy=offload)
         return model  # type: ignore[no-any-return]  # fully_shard swapped its class in place
 
     @contextlib.contextmanager
@@ -413,8 +437,9 @@ class FSDPStrategy(_Distributed):
         tok: Any,
         out: Path,
     ) -> Path:
-        # The in-memory model holds only shards: merge onto a freshly loaded base.
-        return export_merged_from(model_dir, final, cfg.model, tok, out)
+        # The in-memory model holds only shards: merge onto a freshly loaded base
+        # (quantized again, as trained: bnb's quantizer is deterministic on one device kind).
+        return export_merged_from(model_dir, final, cfg.model, tok, out, cfg.lora.quantize)
 
 
 @contextlib.contextmanager
@@ -444,14 +469,39 @@ def make_strategy(cfg: FinetuneConfig, groups: ProcessGroups | None) -> Strategy
             f"distributed.backend nccl needs train.device cuda, got {cfg.train.device}"
         )
     kind = cfg.distributed.strategy
-    if kind == "fsdp" and cfg.lora.quantize != "none":
-        raise ConfigError(
-            "lora.quantize: bitsandbytes-quantized weights cannot be sharded "
-            "by distributed.strategy fsdp; use ddp (each rank holds the "
-            "small quantized base) or lora.quantize none"
-        )
+    check_fsdp_options(cfg, device)
     if kind == "ddp":
         return DDPStrategy(device, groups)
     if kind == "fsdp":
-        return FSDPStrategy(device, groups)
+        return FSDPStrategy(
+            device,
+            groups,
+            dtype=getattr(torch, cfg.model.dtype),  # resolved: float32 | bfloat16 | float16
+            quantize=cfg.lora.quantize,
+            cpu_offload=cfg.distributed.cpu_offload,
+        )
     raise ConfigError(f"distributed.strategy: unknown strategy {kind!r} (ddp|fsdp)")
+
+
+def check_fsdp_options(cfg: FinetuneConfig, device: torch.device) -> None:
+    """What FSDP2 cannot do, refused before any weights load."""
+    fsdp = cfg.distributed.strategy == "fsdp"
+    if fsdp and cfg.lora.quantize == "int8":
+        raise ConfigError(
+            "lora.quantize: int8 (LLM.int8) weights keep their row scales on the "
+            "parameter, which FSDP2 replaces when it shards; use lora.quantize nf4 with "
+            "distributed.strategy fsdp, or ddp (each rank holds the int8 base)"
+        )
+    if fsdp and cfg.train.optimizer != "adamw":
+        raise ConfigError(
+            f"train.optimizer: {cfg.train.optimizer} (bitsandbytes) cannot step FSDP2's "
+            "sharded (DTensor) parameters; use adamw with distributed.strategy fsdp (its "
+            "state is sharded over the ranks already)"
+        )
+    if cfg.distributed.cpu_offload and not fsdp:
+        raise ConfigError("distributed.cpu_offload: needs distributed.strategy fsdp")
+    if cfg.distributed.cpu_offload and device.type != "cuda":
+        raise ConfigError(
+            "distributed.cpu_offload: needs train.device cuda (on "
+            f"{device.type} the shards already live in host memory)"
+        )

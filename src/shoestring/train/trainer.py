@@ -50,6 +50,7 @@ class Trainer:
     grads_checked: bool = False
     resumed_meta: dict[str, Any] = field(default_factory=dict)  # the resumed manifest's
     tracker_ids: Callable[[], dict[str, str]] = dict  # tracker runs to continue on resume
+    base_source: dict[str, str] = field(default_factory=dict)  # a Hub id's commit, a URL's digest
 
     @property
     def device(self) -> torch.device:
@@ -60,6 +61,7 @@ class Trainer:
         return {
             "config_hash": self.config_hash,
             "base_fingerprint": self.base_fp,
+            **({"base_source": self.base_source} if self.base_source else {}),
             "world_size": self.run.strategy.world_size,
             "strategy": self.run.strategy.name,
             "torch": torch.__version__,
@@ -68,7 +70,9 @@ class Trainer:
         }
 
 
-def _model_dir(cfg: FinetuneConfig, run: Run) -> Path:
+def _model_dir(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Path:
+    if inputs.model is not None:  # resolved (and downloaded) with the inputs
+        return inputs.model.path
     strategy = run.strategy
     if strategy.rank != 0:
         strategy.barrier()  # rank 0 materializes the built-in model first
@@ -119,7 +123,7 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
         torch.cuda.set_device(device)
     if cfg.train.deterministic:
         set_deterministic(device)
-    model_dir = _model_dir(cfg, run)
+    model_dir = _model_dir(cfg, run, inputs)
     _plan_check(cfg, run, model_dir)
     base_fp = fingerprint(model_dir)
     t0 = time.perf_counter()
@@ -139,4 +143,5 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
         precision,
         redact(to_flat(cfg)),  # written into every checkpoint: no credentials
         config_hash(cfg),
+        base_source=inputs.model.record() if inputs.model is not None else {},
     )

@@ -1,0 +1,204 @@
+"""What llama.cpp expects of a Llama- or Qwen2-family GGUF, as its ``convert_hf_to_gguf.py``
+writes one: the architecture's hyperparameter keys, each tensor's GGUF name (gguf's own
+``TensorNameMap``), the q/k row permutation of LLAMA (llama.cpp computes rotary
+embeddings on interleaved pairs, Hugging Face's Llama on halves; Qwen2 is NEOX-style in
+llama.cpp and is not permuted), and the type each tensor is stored in (1-D tensors, norms
+and biases stay F32; the rest f16/bf16/q8_0; q8_0 falls back to f16 for rows that are not
+a multiple of its 32-value block).
+
+Everything here is decided from ``config.json`` and tensor names and shapes alone, so a
+model llama.cpp would not run as we write it is refused before training starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shoestring.config import ConfigError
+from shoestring.train.config import GgufType
+
+if TYPE_CHECKING:
+    import gguf
+
+GGUF_HINT = "needs the gguf package: pip install 'shoestring[gguf]'"
+
+#: config.json ``model_type`` -> gguf's ``MODEL_ARCH`` member name, and whether q/k are
+#: permuted (``LlamaModel.modify_tensors`` in convert_hf_to_gguf.py).
+ARCHS: dict[str, tuple[str, bool]] = {"llama": ("LLAMA", True), "qwen2": ("QWEN2", False)}
+#: RoPE variants written as llama.cpp's convert does (default: no scaling keys).
+ROPE_TYPES = ("default", "linear")
+
+
+def require_gguf(key: str) -> Any:
+    """Import gguf lazily; missing is a config error naming ``key``."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ConfigError(f"{key}: {GGUF_HINT}") from e
+    return gguf
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        cfg: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read the model's config: {e}") from e
+    return cfg
+
+
+def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes ``rope_parameters``; older files ``rope_theta``/``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    if "rope_theta" not in params and "rope_theta" in cfg:
+        params["rope_theta"] = cfg["rope_theta"]
+    return params
+
+
+def check_arch(cfg: Mapping[str, Any], key: str) -> str:
+    """The model's ``model_type`` if llama.cpp's LLAMA/QWEN2 export of it is ours to write."""
+    model_type = str(cfg.get("model_type"))
+    if model_type not in ARCHS:
+        raise ConfigError(
+            f"{key}: model_type {model_type!r} has no GGUF export here "
+            f"(supported: {', '.join(sorted(ARCHS))})"
+        )
+    rope = rope_parameters(cfg)["rope_type"]
+    if rope not in ROPE_TYPES:
+        raise ConfigError(
+            f"{key}: {model_type} with RoPE type {rope!r} is not exported to GGUF yet "
+            f"(supported: {', '.join(ROPE_TYPES)})"
+        )
+    return model_type
+
+
+def head_dim(cfg: Mapping[str, Any]) -> int:
+    hd = cfg.get("head_dim")
+    return int(hd) if hd else int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+
+
+def add_hparams(writer: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
+    """``TextModel.set_gguf_parameters`` (+ ``LlamaModel``'s vocab and rope keys)."""
+    import gguf
+
+    writer.add_block_count(int(cfg["num_hidden_layers"]))
+    writer.add_context_length(int(cfg["max_position_embeddings"]))
+    writer.add_embedding_length(int(cfg["hidden_size"]))
+    writer.add_feed_forward_length(int(cfg["intermediate_size"]))
+    writer.add_head_count(int(cfg["num_attention_heads"]))
+    writer.add_head_count_kv(int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]))
+    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    rope = rope_parameters(cfg)
+    if "rope_theta" in rope:
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    if cfg.get("head_dim"):
+        writer.add_key_length(int(cfg["head_dim"]))
+        writer.add_value_length(int(cfg["head_dim"]))
+    if cfg["model_type"] == "llama":
+        writer.add_vocab_size(int(cfg["vocab_size"]))
+        writer.add_rope_dimension_count(head_dim(cfg))
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """``LlamaModel.permute``: each head's rows from halves to interleaved pairs."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def row_permutation(
+    name: str, cfg: Mapping[str, Any]
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The permutation a LLAMA q/k projection gets (None for every other tensor)."""
+    if not ARCHS[cfg["model_type"]][1]:
+        return None
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return lambda w: permute_qk(w, n_head)
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return lambda w: permute_qk(w, n_kv)
+    return None
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor as it goes into the file."""
+
+    hf_name: str
+    name: str
+    shape: tuple[int, ...]
+    qtype: gguf.GGMLQuantizationType
+    permute: Callable[[torch.Tensor], torch.Tensor] | None
+
+    @property
+    def nbytes(self) -> int:
+        import gguf
+
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n // block * size
+
+
+#: ``export.gguf`` -> (the ggml type of the big tensors, llama.cpp's file type).
+FILE_TYPES: dict[GgufType, tuple[str, str]] = {
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+}
+
+
+def tensor_type(
+    gguf_name: str, shape: tuple[int, ...], kind: GgufType
+) -> gguf.GGMLQuantizationType:
+    """convert_hf_to_gguf's ``prepare_tensors`` rule for these three file types."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
+        return q.F32
+    qtype = q[FILE_TYPES[kind][0]]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if shape[-1] % block == 0 else q.F16
+
+
+def plan_tensor(
+    names: gguf.TensorNameMap,
+    cfg: Mapping[str, Any],
+    hf_name: str,
+    shape: tuple[int, ...],
+    kind: GgufType,
+) -> TensorPlan:
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise NotImplementedError(f"GGUF export: no llama.cpp name for tensor {hf_name!r}")
+    return TensorPlan(
+        hf_name, name, shape, tensor_type(name, shape, kind), row_permutation(hf_name, cfg)
+    )
+
+
+def name_map(cfg: Mapping[str, Any]) -> gguf.TensorNameMap:
+    import gguf
+
+    arch = gguf.MODEL_ARCH[ARCHS[cfg["model_type"]][0]]
+    return gguf.get_tensor_name_map(arch, int(cfg["num_hidden_layers"]))
+
+
+def arch_name(cfg: Mapping[str, Any]) -> str:
+    import gguf
+
+    return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[ARCHS[cfg["model_type"]][0]]]

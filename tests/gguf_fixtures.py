@@ -1,0 +1,130 @@
+"""Tiny random Llama and Qwen2 model dirs with byte-level BPE tokenizers trained on the
+spot (Llama 3 and Qwen2 split regexes, special tokens, chat templates), for the GGUF
+export tests and benchmark. Nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. reverse: abcde = edcba",
+    "Fine-tuning on a shoestring: 4-bit base, 16-bit export, 1234 5678.",
+    "Hello world! How are you today? I'm fine, thanks; and you?",
+] * 20
+
+
+def bpe_tokenizer(split: str, specials: list[str], bos: str | None, eos: str, template: str) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tk.train_from_iterator(CORPUS, trainer)
+    tk.add_special_tokens(specials)
+    if bos is not None:
+        bos_id = tk.token_to_id(bos)
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token=bos, eos_token=eos, chat_template=template
+    )
+
+
+def tiny_model_dir(path: Path, arch: str, tied: bool = False, seed: int = 0) -> Path:
+    """A random ``llama`` (GQA, Llama 3 tokenizer and template) or ``qwen2`` (q/k/v
+    biases, ChatML) model dir; widths multiples of 64 (the 4-bit CPU kernels' rule)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if arch == "llama":
+        tok = bpe_tokenizer(
+            LLAMA3_SPLIT,
+            [
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+            ],
+            "<|begin_of_text|>",
+            "<|eot_id|>",
+            LLAMA3_TEMPLATE,
+        )
+        cls, ccls = LlamaForCausalLM, LlamaConfig
+        extra: dict[str, Any] = {"num_key_value_heads": 2}
+    else:
+        tok = bpe_tokenizer(
+            QWEN2_SPLIT,
+            ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            None,
+            "<|im_end|>",
+            CHATML_TEMPLATE,
+        )
+        cls, ccls = Qwen2ForCausalLM, Qwen2Config
+        extra = {"num_key_value_heads": 2}
+    n = len(tok)
+    cfg = ccls(
+        vocab_size=(n + 63) // 64 * 64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # a peaked head: greedy decoding is not decided by ties
+        model.get_output_embeddings().weight.normal_(0.0, 0.15)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def adapted_model(model_dir: Path) -> Any:
+    """The base with LoRA on every linear, B drawn non-zero (a trained-looking adapter)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    return model.eval()

@@ -1,0 +1,276 @@
+"""GGUF export (export.gguf, shoestring export): files that transformers' own GGUF loader
+reads back into the merged model (weights, q/k permutation, tokenizer, chat template),
+refusals before training, durability against a kill, and the CLI paths."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import CLI, read_events
+from gguf_fixtures import adapted_model as _adapted
+from gguf_fixtures import tiny_model_dir
+from shoestring.config import ConfigError
+
+gguf = pytest.importorskip("gguf")
+
+PROMPTS = ["The quick brown fox", "Hello world! How are you?", "reverse: abcde ="]
+#: max |logit - merged logit| / max |merged logit| (measured: f16 6e-4, bf16 4e-3,
+#: q8_0 1.7e-2 on these models), and the least top-1 agreement.
+TOLERANCE = {"f16": (2e-3, 1.0), "bf16": (1e-2, 1.0), "q8_0": (3e-2, 0.9)}
+
+
+def _load_gguf(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def _greedy(model: Any, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any, Any]:
+    from transformers import AutoTokenizer
+
+    d = tiny_model_dir(tmp_path_factory.mktemp("llama") / "tiny-llama", "llama")
+    model = _adapted(d)
+    merged = copy.deepcopy(model).merge_and_unload().eval()
+    return d, AutoTokenizer.from_pretrained(d), model, merged
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16", "q8_0"])
+def test_llama_gguf_reads_back_as_the_merged_model(
+    kind: str, llama: tuple[Path, Any, Any, Any], tmp_path: Path
+) -> None:
+    from shoestring.train.ggufexport import export_gguf
+
+    d, tok, model, merged = llama
+    path = export_gguf(model, tok, tmp_path / "gguf", kind, d.name)  # type: ignore[arg-type]
+    assert path == tmp_path / "gguf" / f"tiny-llama-{kind}.gguf"
+    loaded, gtok = _load_gguf(path)
+    rel_tol, top1_min = TOLERANCE[kind]
+    for text in PROMPTS:
+        ids = tok(text)["input_ids"]
+        assert gtok(text)["input_ids"] == ids  # BOS, merges and split regex all read back
+        ref, got = _logits(merged, ids), _logits(loaded, ids)
+        assert (got - ref).abs().max() <= rel_tol * ref.abs().max(), text
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= top1_min
+        if kind != "q8_0":
+            assert _greedy(loaded, ids) == _greedy(merged, ids)
+    assert gtok.chat_template == tok.chat_template
+    reader = gguf.GGUFReader(path)
+    template = reader.fields["tokenizer.chat_template"]
+    assert bytes(template.parts[template.data[0]]).decode() == tok.chat_template
+    modelfile = (path.parent / "Modelfile").read_text()
+    assert f"FROM ./{path.name}\n" in modelfile and 'PARAMETER stop "<|eot_id|>"' in modelfile
+
+
+def test_the_llama_q_and_k_rows_are_permuted_as_llama_cpp_expects(
+    llama: tuple[Path, Any, Any, Any], tmp_path: Path
+) -> None:
+    from shoestring.train.ggufarch import permute_qk
+    from shoestring.train.ggufexport import export_gguf
+
+    d, tok, model, merged = llama
+    path = export_gguf(model, tok, tmp_path, "f16", d.name)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    attn = merged.model.layers[0].self_attn
+    for gguf_name, weight, heads in (
+        ("blk.0.attn_q.weight", attn.q_proj.weight, 4),
+        ("blk.0.attn_k.weight", attn.k_proj.weight, 2),
+    ):
+        stored = torch.from_numpy(tensors[gguf_name].data.astype("float32"))
+        assert torch.allclose(stored, permute_qk(weight.detach(), heads).half().float())
+        assert not torch.allclose(stored, weight.detach().half().float())
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_a_tied_qwen2_with_biases_exports_and_loads(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from shoestring.train.ggufexport import export_gguf
+
+    d = tiny_model_dir(tmp_path / "tiny-qwen2", "qwen2", tied=True)
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d)
+    path = export_gguf(model, tok, tmp_path / "gguf", "q8_0", d.name)
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert "output.weight" not in names and "blk.0.attn_q.bias" in names  # tied; biases kept
+    loaded, gtok = _load_gguf(path)
+    for text in PROMPTS:
+        ids = tok(text)["input_ids"]
+        assert gtok(text)["input_ids"] == ids
+        ref, got = _logits(model, ids), _logits(loaded, ids)
+        assert (got - ref).abs().max() <= TOLERANCE["q8_0"][0] * ref.abs().max()
+    assert gtok.chat_template == tok.chat_template
+    assert 'PARAMETER stop "<|im_end|>"' in (path.parent / "Modelfile").read_text()
+
+
+def _finetune_cfg(model_path: str, kind: str = "q8_0") -> Any:
+    from shoestring.config import load
+    from shoestring.train.config import FinetuneConfig
+
+    return load(FinetuneConfig, None, ["--model.path", model_path, "--export.gguf", kind])
+
+
+def test_unsupported_architectures_and_tokenizers_are_refused_by_name(tmp_path: Path) -> None:
+    from shoestring.train.builtin import materialize_tiny_model
+    from shoestring.train.ggufexport import check_exportable, check_model_dir
+
+    phi = tmp_path / "phi"
+    phi.mkdir()
+    (phi / "config.json").write_text(json.dumps({"model_type": "phi3"}))
+    with pytest.raises(ConfigError, match="export.gguf: model_type 'phi3' has no GGUF export"):
+        check_exportable(_finetune_cfg(str(phi)))
+    with pytest.raises(ConfigError, match="built-in tiny model's byte tokenizer"):
+        check_exportable(_finetune_cfg("builtin:tiny"))
+    builtin = materialize_tiny_model(tmp_path / "cache")  # its tokenizer.json: no merges
+    with pytest.raises(ConfigError, match="without merges"):
+        check_model_dir(builtin, "export.gguf")
+    check_exportable(_finetune_cfg("builtin:tiny", "none"))  # not asked: nothing checked
+
+
+#: A child that exports and SIGKILLs itself halfway through the tensors.
+KILLED_EXPORT = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import shoestring.train.ggufexport as ge
+from gguf_fixtures import adapted_model
+from transformers import AutoTokenizer
+
+real, calls = ge._write_data, [0]
+def dying(writer, plan, t):
+    calls[0] += 1
+    if calls[0] == 8:
+        os.kill(os.getpid(), 9)
+    real(writer, plan, t)
+ge._write_data = dying
+d = Path(sys.argv[2])
+ge.export_gguf(adapted_model(d), AutoTokenizer.from_pretrained(d), Path(sys.argv[3]), "f16", d.name)
+"""
+
+
+@pytest.mark.e2e
+def test_a_killed_export_leaves_no_file_that_looks_like_the_output(
+    llama: tuple[Path, Any, Any, Any], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from shoestring.train.ggufexport import export_gguf
+
+    d, tok, model, merged = llama
+    out = tmp_path / "gguf"
+    args = [sys.executable, "-c", KILLED_EXPORT, str(Path(__file__).parent), str(d), str(out)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr
+    leftovers = [p for p in out.rglob("*") if p.is_file()]
+    assert leftovers and all(
+        p.relative_to(out).parts[0].startswith(".tmp-gguf-") for p in leftovers
+    )
+    assert not list(out.glob("*.gguf")) and not (out / "Modelfile").exists()
+    path = export_gguf(model, tok, out, "f16", d.name)
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", path.name]  # temp pruned
+    loaded, _ = _load_gguf(path)
+    ids = tok(PROMPTS[0])["input_ids"]
+    assert torch.allclose(_logits(loaded, ids), _logits(merged, ids), atol=1e-2)
+
+
+# --------------------------------------------------------------------------- the CLI
+
+SHORT = [
+    "--train.max_steps",
+    "2",
+    "--train.batch_size",
+    "2",
+    "--train.num_threads",
+    "1",
+    "--train.warmup_steps",
+    "0",
+    "--data.max_length",
+    "32",
+    "--data.eval",
+    "",
+    "--plan.gpu",
+    "none",
+]
+
+
+@pytest.mark.e2e
+def test_finetune_exports_gguf_and_the_export_verb_exports_a_preempted_run(
+    cli: CLI, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    d = tiny_model_dir(tmp_path / "tiny-llama", "llama")
+    out = tmp_path / "run"
+    r = cli.run(out, "--model.path", str(d), *SHORT, "--export.gguf", "q8_0")
+    assert r.returncode == 0, r.stderr
+    path = out / "gguf" / "tiny-llama-q8_0.gguf"
+    end = [e for e in read_events(out) if e.get("event") == "run_end"][-1]
+    assert end["gguf"] == str(path)
+    loaded, gtok = _load_gguf(path)
+    assert gtok.chat_template is not None and gtok.eos_token == "<|eot_id|>"
+
+    # A run killed at step 3 (checkpoint at step 2, no final/): export its checkpoint.
+    killed = tmp_path / "killed"
+    r = cli.run(
+        killed,
+        "--model.path",
+        str(d),
+        *SHORT,
+        "--train.max_steps",
+        "6",
+        "--checkpoint.every_steps",
+        "2",
+        "--checkpoint.async_mode",
+        "off",
+        env={"SHOESTRING_FAULTS": "step.end@3:kill"},
+    )
+    assert r.returncode != 0 and not (killed / "final").exists()
+    r = subprocess.run(
+        [sys.executable, "-m", "shoestring", "export", str(killed), "--gguf", "f16"],
+        env=cli.env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint step-00000002" in r.stderr
+    exported, _ = _load_gguf(killed / "gguf" / "tiny-llama-f16.gguf")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = gtok(PROMPTS[0])["input_ids"]
+    assert not torch.allclose(_logits(exported, ids), _logits(base, ids), atol=1e-4)  # adapted
+
+
+@pytest.mark.e2e
+def test_finetune_refuses_gguf_of_the_builtin_model_before_training(
+    cli: CLI, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    r = cli.run(out, *SHORT, "--export.gguf", "q8_0")
+    assert r.returncode == 2
+    assert "export.gguf: the built-in tiny model's byte tokenizer" in r.stderr
+    assert not (out / "checkpoints").exists()
