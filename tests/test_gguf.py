@@ -138,13 +138,13 @@ def test_unsupported_architectures_and_tokenizers_are_refused_by_name(tmp_path: 
     phi.mkdir()
     (phi / "config.json").write_text(json.dumps({"model_type": "phi3"}))
     with pytest.raises(ConfigError, match="export.gguf: model_type 'phi3' has no GGUF export"):
-        check_exportable(_finetune_cfg(str(phi)))
+        check_exportable(_finetune_cfg(str(phi)), phi)
     with pytest.raises(ConfigError, match="built-in tiny model's byte tokenizer"):
-        check_exportable(_finetune_cfg("builtin:tiny"))
+        check_exportable(_finetune_cfg("builtin:tiny"), None)
     builtin = materialize_tiny_model(tmp_path / "cache")  # its tokenizer.json: no merges
     with pytest.raises(ConfigError, match="without merges"):
         check_model_dir(builtin, "export.gguf")
-    check_exportable(_finetune_cfg("builtin:tiny", "none"))  # not asked: nothing checked
+    check_exportable(_finetune_cfg("builtin:tiny", "none"), None)  # not asked: no check
 
 
 #: A child that exports and SIGKILLs itself halfway through the tensors.

@@ -175,3 +175,35 @@ def test_load_phases_are_events_from_the_process_start(fresh_cache: Path, tmp_pa
     assert float(model["seconds"]) >= float(model["read_s"]) + float(model["quantize_s"])  # type: ignore[arg-type]
     tl = load(out)
     assert len(tl.attempts) == 1 and compute(tl).restart_hours == 0.0
+
+
+def test_a_base_stored_quantized_trains_as_stored_without_requantizing(
+    fresh_cache: Path, tmp_path: Path
+) -> None:
+    # A *-bnb-4bit checkpoint: a bitsandbytes save_pretrained of the quantized base (here
+    # the cache's own entry) with the tokenizer beside it.
+    cached = _finetune(tmp_path / "a", fresh_cache)
+    stored = tmp_path / "llama-bnb-4bit"
+    shutil.copytree(_entry(fresh_cache), stored)
+    (stored / "manifest.json").unlink()
+    builtin = Path(str(next(e["model"] for e in cached if e["event"] == "run_start")))
+    for f in builtin.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, stored / f.name)
+    assert json.loads((stored / "config.json").read_text())["quantization_config"]
+
+    events = _finetune(tmp_path / "b", fresh_cache, "--model.path", str(stored))
+    load = _model_load(events)
+    assert load["source"] == "model_dir" and load["stored"] == "nf4"
+    assert load["quantize_s"] == 0.0 and "qbase_saved" not in load
+    assert len(list((fresh_cache / "qbase").iterdir())) == 1  # nothing cached again
+    # The same 4-bit weights as the run that quantized them: the same training.
+    assert state_digest(tmp_path / "b", STEPS) == state_digest(tmp_path / "a", STEPS)
+
+    from shoestring.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lora.quantize: .* is stored nf4 by bitsandbytes"):
+        _finetune(
+            tmp_path / "c", fresh_cache, "--model.path", str(stored), "--lora.quantize", "none"
+        )
+    assert not (tmp_path / "c").exists()  # refused before the run directory was written

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -37,6 +38,21 @@ def fingerprint(model_dir: Path, sample: int = 1 << 20) -> str:
                 f.seek(max(size - sample, 0))
                 h.update(f.read(sample))
     return h.hexdigest()[:32]
+
+
+StoredQuantization = Literal["none", "nf4", "int8"]
+
+
+def bnb_stored(config: Mapping[str, Any]) -> StoredQuantization:
+    """How a model's linears are stored, from its config.json: ``nf4``/``int8`` when a
+    bitsandbytes ``quantization_config`` is there (the ``*-bnb-4bit`` repos, or a
+    ``save_pretrained`` of a quantized model), else ``none``."""
+    q = config.get("quantization_config")
+    if not isinstance(q, Mapping) or q.get("quant_method") != "bitsandbytes":
+        return "none"
+    if q.get("load_in_4bit") or q.get("_load_in_4bit"):
+        return "nf4"  # (an fp4 checkpoint too: 4 bits a weight, loaded as stored)
+    return "int8" if q.get("load_in_8bit") or q.get("_load_in_8bit") else "none"
 
 
 def load_tokenizer(model_dir: Path) -> Any:

@@ -38,6 +38,7 @@ import torch
 from shoestring import exitcodes
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.config import ConfigError, to_flat
+from shoestring.hf import bnb_stored
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.clock import PassClock
@@ -288,8 +289,7 @@ def _model_dir(ref: ModelRef) -> Path:
     packed 4/8-bit tensors cannot be streamed (``--compress`` quantizes a 16-bit base
     on the fly instead)."""
     doc = json.loads((ref.path / "config.json").read_text())
-    quant = doc.get("quantization_config") if isinstance(doc, dict) else None
-    if isinstance(quant, dict) and quant.get("quant_method") == "bitsandbytes":
+    if isinstance(doc, dict) and bnb_stored(doc) != "none":
         raise ConfigError(
             f"--model (model.path): {ref.spec} is pre-quantized with bitsandbytes; infer "
             "streams 16/32-bit safetensors only: use the unquantized base (and --compress "

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from shoestring.hf import bnb_stored
+
 #: The Linear layers of a Llama-style decoder layer, in forward order.
 LINEARS: tuple[str, ...] = (
     "q_proj",
@@ -100,7 +102,7 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             checkpoint_itemsize=4
             if str(cfg.get("torch_dtype") or cfg.get("dtype") or "") == "float32"
             else 2,
-            prequantized=prequantized(cfg),
+            prequantized=bnb_stored(cfg),
         )
     except KeyError as e:
         raise ValueError(
@@ -108,17 +110,6 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             "decoder config (hidden_size, intermediate_size, num_hidden_layers, "
             "num_attention_heads, vocab_size)"
         ) from None
-
-
-def prequantized(cfg: Mapping[str, Any]) -> str:
-    """``nf4``/``int8`` for a config.json whose ``quantization_config`` is bitsandbytes'
-    (the ``*-bnb-4bit`` repos: the linears are stored 4-bit), else ``none``."""
-    q = cfg.get("quantization_config")
-    if not isinstance(q, Mapping) or q.get("quant_method") != "bitsandbytes":
-        return "none"
-    if q.get("load_in_4bit") or q.get("_load_in_4bit"):
-        return "nf4"
-    return "int8" if q.get("load_in_8bit") or q.get("_load_in_8bit") else "none"
 
 
 def _preset(name: str, **kw: Any) -> Arch:

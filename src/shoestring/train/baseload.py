@@ -10,7 +10,12 @@ from typing import Any
 
 from shoestring.checkpoint import RemoteStore
 from shoestring.train.config import FinetuneConfig
-from shoestring.train.model import load_base_model, load_prequantized, require_bitsandbytes
+from shoestring.train.model import (
+    load_base_model,
+    load_prequantized,
+    require_bitsandbytes,
+    stored_quantization,
+)
 from shoestring.train.qbase import QBASE_DIR, QuantizedBaseCache, QuantKey, timing
 from shoestring.train.run import Run
 
@@ -56,6 +61,11 @@ def _disk_read_bytes() -> int:
 
 def _load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> LoadedBase:
     device = run.strategy.load_device()
+    if stored_quantization(model_dir) != "none":  # a *-bnb-4bit base: loaded as stored
+        t0 = time.perf_counter()
+        model = load_prequantized(model_dir, model_dir, cfg.model, device)
+        fields = {"source": "model_dir", "stored": cfg.lora.quantize, "quantize_s": 0.0}
+        return LoadedBase(model, fields | {"read_s": round(time.perf_counter() - t0, 3)})
     cache = qbase_cache(cfg, run)
     key = QuantKey.of(base_fp, cfg.lora.quantize, cfg.model.dtype, device) if cache else None
     found = cache.find(key) if cache and key else None

@@ -56,22 +56,20 @@ TMP_PREFIX = ".tmp-gguf-"
 BLOCK_BYTES = 64 << 20
 
 
-def check_exportable(cfg: FinetuneConfig) -> None:
-    """Refuse, before training, a ``export.gguf`` the export would refuse at the end."""
-    from shoestring.train.builtin import BUILTIN_MODEL
-
+def check_exportable(cfg: FinetuneConfig, model_dir: Path | None) -> None:
+    """Refuse, before training, a ``export.gguf`` the export would refuse at the end.
+    ``model_dir``: the resolved base (a Hub id downloaded already); None for the
+    built-in model."""
     if cfg.export.gguf == "none":
         return
     require_gguf(KEY)
-    if cfg.model.path == BUILTIN_MODEL:
+    if model_dir is None:
         raise ConfigError(
             f"{KEY}: the built-in tiny model's byte tokenizer is a BPE without merges, which "
             "llama.cpp cannot load (it needs tokenizer.ggml.merges); export a Llama or Qwen2 "
             "model given with --model.path"
         )
-    model_dir = Path(cfg.model.path).expanduser()
-    if (model_dir / "config.json").is_file():  # else model.path's own check reports it
-        check_model_dir(model_dir, KEY)
+    check_model_dir(model_dir, KEY)
 
 
 def check_model_dir(model_dir: Path, key: str) -> None:

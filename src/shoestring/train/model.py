@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shoestring.config import ConfigError
-from shoestring.hf import quiet_hf
+from shoestring.hf import StoredQuantization, bnb_stored, quiet_hf
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.train.config import LoraSection, ModelConfig
 
@@ -24,6 +25,27 @@ def resolve_base(cfg: ModelConfig, hub: HubAccess) -> ModelRef | None:
     if cfg.path == BUILTIN_MODEL:
         return None
     return resolve(cfg.path, hub, key="model.path")
+
+
+def stored_quantization(model_dir: Path) -> StoredQuantization:
+    """How the base's linears are stored (a ``*-bnb-4bit`` checkpoint: ``nf4``)."""
+    try:
+        doc = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "none"  # model.path's own checks report a missing or broken config.json
+    return bnb_stored(doc) if isinstance(doc, dict) else "none"
+
+
+def check_stored_quantization(model_dir: Path, quantize: str) -> None:
+    """A base stored quantized by bitsandbytes trains as stored, never re-quantized:
+    ``lora.quantize`` must name that format (checked before any work)."""
+    stored = stored_quantization(model_dir)
+    if stored != "none" and quantize != stored:
+        raise ConfigError(
+            f"lora.quantize: {model_dir} is stored {stored} by bitsandbytes (the "
+            f"quantization_config of its config.json); set --lora.quantize {stored} to "
+            "train LoRA on it as stored (QLoRA), or use its 16-bit original"
+        )
 
 
 def resolve_model_dir(cfg: ModelConfig, cache_dir: Path, hub: HubAccess | None = None) -> Path:

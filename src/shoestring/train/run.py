@@ -31,7 +31,7 @@ from shoestring.rundir import RunDir
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.dataset import DataInputs
 from shoestring.train.device import Accelerator
-from shoestring.train.model import require_bitsandbytes, resolve_base
+from shoestring.train.model import check_stored_quantization, require_bitsandbytes, resolve_base
 from shoestring.train.parallel import BatchPlan
 from shoestring.train.strategy import Strategy, make_strategy
 from shoestring.watch.recorder import NullRecorder, Recorder, StartupBeacon
@@ -79,14 +79,17 @@ class Inputs:
             require_bitsandbytes("lora.quantize")
         if cfg.train.optimizer != "adamw":
             require_bitsandbytes("train.optimizer")
-        if cfg.export.gguf != "none":
-            from shoestring.train.ggufexport import check_exportable
-
-            check_exportable(cfg)  # model_type and tokenizer, before any training
         batch = BatchPlan.make(
             cfg.train.batch_size, cfg.train.micro_batch_size, dist.world_size, dist.rank
         )
         model = resolve_base(cfg.model, hub or HubAccess(cache_dir))
+        if model is not None:
+            check_stored_quantization(model.path, cfg.lora.quantize)
+        if cfg.export.gguf != "none":
+            from shoestring.train.ggufexport import check_exportable
+
+            # model_type and tokenizer, before any training
+            check_exportable(cfg, model.path if model is not None else None)
         tokenizer_dir = str(model.path) if model is not None else cfg.model.path
         data = DataInputs.prepare(cfg, cache_dir, tokenizer_dir)
         return cls(data, batch, _remote_store(cfg, dist.rank), model)
