@@ -56,6 +56,9 @@ def test_cli_malformed_data_exit_2_before_model_load(
 ) -> None:
     p = tmp_path / "train.jsonl"
     p.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a" "completion": "b"}\n')
+    model = tmp_path / "never-loaded"  # a folder no load could read: the data fails first
+    model.mkdir()
+    (model / "config.json").write_text("{}")
     rc = main(
         [
             "finetune",
@@ -64,7 +67,7 @@ def test_cli_malformed_data_exit_2_before_model_load(
             "--output_dir",
             str(tmp_path / "o"),
             "--model.path",
-            str(tmp_path / "does-not-matter-yet"),
+            str(model),
         ]
     )
     assert rc == 2
