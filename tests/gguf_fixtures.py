@@ -54,9 +54,12 @@ def bpe_tokenizer(split: str, specials: list[str], bos: str | None, eos: str, te
     )
 
 
-def tiny_model_dir(path: Path, arch: str, tied: bool = False, seed: int = 0) -> Path:
+def tiny_model_dir(
+    path: Path, arch: str, tied: bool = False, seed: int = 0, rope: dict[str, Any] | None = None
+) -> Path:
     """A random ``llama`` (GQA, Llama 3 tokenizer and template) or ``qwen2`` (q/k/v
-    biases, ChatML) model dir; widths multiples of 64 (the 4-bit CPU kernels' rule)."""
+    biases, ChatML) model dir; widths multiples of 64 (the 4-bit CPU kernels' rule).
+    ``rope``: its ``rope_parameters`` (transformers 5's ``rope_scaling``), e.g. llama3."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if arch == "llama":
@@ -98,6 +101,7 @@ def tiny_model_dir(path: Path, arch: str, tied: bool = False, seed: int = 0) -> 
         tie_word_embeddings=tied,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
+        rope_parameters=rope,
         **extra,
     )
     torch.manual_seed(seed)

@@ -123,6 +123,66 @@ def test_a_tied_qwen2_with_biases_exports_and_loads(tmp_path: Path) -> None:
     assert 'PARAMETER stop "<|im_end|>"' in (path.parent / "Modelfile").read_text()
 
 
+#: Llama 3.1's RoPE scaling with a context small enough for the tiny head_dim (32) to
+#: have frequencies in all three bands (wavelength < 16, 16..64, > 64).
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_llama3_rope_is_written_as_rope_freqs_and_reads_back(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from shoestring.train.ggufexport import check_model_dir, export_gguf
+
+    d = tiny_model_dir(tmp_path / "tiny-llama31", "llama", rope=LLAMA3_ROPE)
+    check_model_dir(d, "export.gguf")  # no longer refused
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d)
+    merged = copy.deepcopy(model).merge_and_unload().eval()
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name)
+
+    reader = gguf.GGUFReader(path)
+    freqs = reader.tensors[0]  # convert's extra tensors come first
+    assert freqs.name == "rope_freqs.weight"
+    assert freqs.tensor_type == gguf.GGMLQuantizationType.F32
+    written = torch.from_numpy(freqs.data.astype("float32"))
+    assert not [k for k in reader.fields if ".rope.scaling." in k]  # as convert: none
+    config = merged.config
+    default, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    wavelen = 2 * torch.pi / default
+    assert (wavelen < 16).any() and (wavelen > 64).any()
+    assert ((wavelen > 16) & (wavelen < 64)).any()  # high, low and smoothed bands all hit
+    assert written.shape == (16,)
+    assert torch.allclose(written, default / llama3, rtol=1e-6, atol=0)
+
+    # transformers' GGUF loader reads no llama3 scaling for llama (llama.cpp takes it from
+    # rope_freqs): give the loaded config the original RoPE parameters back (transformers
+    # 5's name for rope_scaling) before comparing with the merged model.
+    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    cfg.rope_parameters = dict(LLAMA3_ROPE)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=cfg, dtype=torch.float32
+    ).eval()
+    gtok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in PROMPTS:
+        ids = tok(text)["input_ids"]
+        assert gtok(text)["input_ids"] == ids
+        ref, got = _logits(merged, ids), _logits(loaded, ids)
+        assert (got - ref).abs().max() <= TOLERANCE["f16"][0] * ref.abs().max(), text
+    assert gtok.chat_template == tok.chat_template
+    unscaled, _ = _load_gguf(path)  # as the loader reads it: measurably off (0.6-1.2%)
+    ref, got = _logits(merged, ids), _logits(unscaled, ids)
+    assert (got - ref).abs().max() > 2 * TOLERANCE["f16"][0] * ref.abs().max()
+
+
 def _finetune_cfg(model_path: str, kind: str = "q8_0") -> Any:
     from shoestring.config import load
     from shoestring.train.config import FinetuneConfig
@@ -145,6 +205,19 @@ def test_unsupported_architectures_and_tokenizers_are_refused_by_name(tmp_path: 
     with pytest.raises(ConfigError, match="without merges"):
         check_model_dir(builtin, "export.gguf")
     check_exportable(_finetune_cfg("builtin:tiny", "none"), None)  # not asked: no check
+
+
+@pytest.mark.parametrize(
+    ("model_type", "rope_type"), [("llama", "yarn"), ("llama", "dynamic"), ("qwen2", "llama3")]
+)
+def test_rope_types_without_an_export_are_refused_by_name(model_type: str, rope_type: str) -> None:
+    from shoestring.train.ggufarch import check_arch
+
+    cfg = {"model_type": model_type, "rope_theta": 5e5, "rope_scaling": {"rope_type": rope_type}}
+    with pytest.raises(ConfigError, match=f"{model_type} with RoPE type '{rope_type}' is not"):
+        check_arch(cfg, "export.gguf")
+    llama31 = {"rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 8192}}
+    assert check_arch({"model_type": "llama", **llama31}, "export.gguf") == "llama"
 
 
 #: A child that exports and SIGKILLs itself halfway through the tensors.

@@ -4,7 +4,10 @@ writes one: the architecture's hyperparameter keys, each tensor's GGUF name (ggu
 embeddings on interleaved pairs, Hugging Face's Llama on halves; Qwen2 is NEOX-style in
 llama.cpp and is not permuted), and the type each tensor is stored in (1-D tensors, norms
 and biases stay F32; the rest f16/bf16/q8_0; q8_0 falls back to f16 for rows that are not
-a multiple of its 32-value block).
+a multiple of its 32-value block). Llama 3.1/3.2's ``llama3`` RoPE goes in as
+llama.cpp's converter writes it (``LlamaModel.generate_extra_tensors``): no
+``rope.scaling`` keys, and an F32 ``rope_freqs.weight`` of ``head_dim / 2`` factors by
+which llama.cpp divides each default rotary frequency.
 
 Everything here is decided from ``config.json`` and tensor names and shapes alone, so a
 model llama.cpp would not run as we write it is refused before training starts.
@@ -13,6 +16,7 @@ model llama.cpp would not run as we write it is refused before training starts.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +35,12 @@ GGUF_HINT = "needs the gguf package: pip install 'shoestring[gguf]'"
 #: config.json ``model_type`` -> gguf's ``MODEL_ARCH`` member name, and whether q/k are
 #: permuted (``LlamaModel.modify_tensors`` in convert_hf_to_gguf.py).
 ARCHS: dict[str, tuple[str, bool]] = {"llama": ("LLAMA", True), "qwen2": ("QWEN2", False)}
-#: RoPE variants written as llama.cpp's convert does (default: no scaling keys).
-ROPE_TYPES = ("default", "linear")
+#: RoPE variants written as llama.cpp's convert does, per model_type (default: no scaling
+#: keys; linear: ``rope.scaling.type``/``factor``; llama3: the ``rope_freqs`` tensor).
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "llama": ("default", "linear", "llama3"),
+    "qwen2": ("default", "linear"),
+}
 
 
 def require_gguf(key: str) -> Any:
@@ -71,10 +79,10 @@ def check_arch(cfg: Mapping[str, Any], key: str) -> str:
             f"(supported: {', '.join(sorted(ARCHS))})"
         )
     rope = rope_parameters(cfg)["rope_type"]
-    if rope not in ROPE_TYPES:
+    if rope not in ROPE_TYPES[model_type]:
         raise ConfigError(
             f"{key}: {model_type} with RoPE type {rope!r} is not exported to GGUF yet "
-            f"(supported: {', '.join(ROPE_TYPES)})"
+            f"(supported: {', '.join(ROPE_TYPES[model_type])})"
         )
     return model_type
 
@@ -101,6 +109,7 @@ def add_hparams(writer: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
+    # llama3: no rope.scaling keys (convert writes none); its factors are rope_freqs.
     if cfg.get("head_dim"):
         writer.add_key_length(int(cfg["head_dim"]))
         writer.add_value_length(int(cfg["head_dim"]))
@@ -135,13 +144,15 @@ def row_permutation(
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One tensor as it goes into the file."""
+    """One tensor as it goes into the file: the merge plan's ``hf_name``, or (a tensor
+    the converter adds, e.g. ``rope_freqs``) its own ``form``."""
 
     hf_name: str
     name: str
     shape: tuple[int, ...]
     qtype: gguf.GGMLQuantizationType
     permute: Callable[[torch.Tensor], torch.Tensor] | None
+    form: Callable[[], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -202,3 +213,55 @@ def arch_name(cfg: Mapping[str, Any]) -> str:
     import gguf
 
     return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[ARCHS[cfg["model_type"]][0]]]
+
+
+def original_context(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> int:
+    """The pretraining context llama3 RoPE scales from, by transformers' rule
+    (``standardize_rope_params``): top-level, else in the RoPE dict, else
+    ``max_position_embeddings``. Llama 3.1/3.2 give 8192 in the RoPE dict, which is also
+    llama.cpp's default."""
+    for found in (
+        cfg.get("original_max_position_embeddings"),
+        rope.get("original_max_position_embeddings"),
+    ):
+        if found:
+            return int(found)
+    return int(cfg["max_position_embeddings"])
+
+
+def llama3_rope_factors(cfg: Mapping[str, Any]) -> torch.Tensor:
+    """``LlamaModel.generate_extra_tensors``: per rotary frequency, the factor llama.cpp
+    divides it by (1 for wavelengths under ``old_context / high_freq_factor``, ``factor``
+    over ``old_context / low_freq_factor``, smoothly in between): transformers'
+    ``default_inv_freq / llama3_inv_freq``."""
+    rope = rope_parameters(cfg)
+    dim = head_dim(cfg)
+    base = float(rope.get("rope_theta", 10000.0))
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old_context = original_context(cfg, rope)
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def extra_tensors(cfg: Mapping[str, Any]) -> list[TensorPlan]:
+    """Tensors llama.cpp's converter adds ahead of the model's own (``rope_freqs`` for
+    llama3 RoPE), F32 as it stores them."""
+    import gguf
+
+    if rope_parameters(cfg)["rope_type"] != "llama3":
+        return []
+    factors = llama3_rope_factors(cfg)
+    name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    f32 = gguf.GGMLQuantizationType.F32
+    return [TensorPlan("", name, tuple(factors.shape), f32, None, lambda: factors)]

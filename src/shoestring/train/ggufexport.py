@@ -33,6 +33,7 @@ from shoestring.train.ggufarch import (
     add_hparams,
     arch_name,
     check_arch,
+    extra_tensors,
     name_map,
     plan_tensor,
     read_config,
@@ -104,7 +105,7 @@ def _blocks(plan: MergePlan, t: TensorPlan) -> Iterator[Any]:
     """The tensor as the file stores it, a row block at a time."""
     import gguf
 
-    formed = plan.forms[t.hf_name]()
+    formed = t.form() if t.form is not None else plan.forms[t.hf_name]()
     if t.permute is not None:
         formed = t.permute(formed)
     rows = formed.reshape(-1, formed.shape[-1]) if formed.dim() > 1 else formed.reshape(1, -1)
@@ -138,7 +139,8 @@ def write_gguf(
     import numpy as np
 
     names = name_map(cfg)
-    tensors = [plan_tensor(names, cfg, s.name, s.shape, kind) for s in plan.specs]
+    tensors = extra_tensors(cfg)
+    tensors += [plan_tensor(names, cfg, s.name, s.shape, kind) for s in plan.specs]
     writer = gguf.GGUFWriter(path, arch_name(cfg))
     _add_metadata(writer, cfg, path.stem, kind)
     vocab.add_to(writer)
