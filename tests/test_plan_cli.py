@@ -107,6 +107,20 @@ def test_advice_for_a_config_that_does_not_fit_helps() -> None:
     assert "DOES NOT FIT" in text and "what to change" in text
 
 
+def test_the_first_line_says_which_config_was_planned() -> None:
+    # plan's defaults (a realistic fine-tune) are not finetune's (a short demo): said.
+    first = plan_cli("--model", "llama-2-7b", "--gpu", "L4").stdout.splitlines()[0]
+    d = FinetuneConfig()
+    assert first.startswith("planned  plan's defaults (micro-batch 1, seq 2048, gradient")
+    assert f"data.max_length {d.data.max_length}" in first and "--config FILE.yaml" in first
+    spot = REPO / "configs" / "llama-7b-lora-spot.yaml"
+    r = plan_cli("--config", str(spot), "--model", "llama-2-7b", "--gpu", "L4")
+    assert (
+        r.stdout.splitlines()[0]
+        == f"planned  {spot} (finetune's config), with the flags given here"
+    )
+
+
 def test_plan_from_a_finetune_config_and_a_model_dir(tmp_path: Path) -> None:
     r = plan_cli(
         "--config",

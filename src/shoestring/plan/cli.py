@@ -21,7 +21,7 @@ from shoestring.gpus import CATALOG, GiB, find_gpu
 from shoestring.plan.arch import LINEARS, PRESETS
 from shoestring.plan.memory import Method
 from shoestring.plan.workload import DEFAULT_GPU
-from shoestring.train.config import ComputeDtype, Optimizer, Quantize
+from shoestring.train.config import ComputeDtype, FinetuneConfig, Optimizer, Quantize
 
 if TYPE_CHECKING:
     from shoestring.hub import HubAccess
@@ -202,5 +202,23 @@ def run_plan(cfg: PlanConfig, call: Invocation) -> int:
     plan = make_plan(
         r.workload, target, Schedule(steps=r.steps, checkpoint_minutes=cfg.checkpoint_minutes)
     )
+    if not cfg.json:
+        print(planned_from(cfg.config))
     print(to_json(plan) if cfg.json else to_text(plan))
     return exitcodes.OK if plan.fits else exitcodes.FAILED
+
+
+def planned_from(config: str) -> str:
+    """The first line: which config was planned. Without --config, plan's own defaults
+    (a realistic fine-tune) are not ``shoestring finetune``'s (a two-minute demo)."""
+    if config:
+        return f"planned  {config} (finetune's config), with the flags given here"
+    d = FinetuneConfig()
+    micro = d.train.micro_batch_size or d.train.batch_size
+    return (
+        "planned  plan's defaults (micro-batch 1, seq 2048, gradient checkpointing on) and "
+        f"the flags given here; finetune with no arguments differs (micro-batch {micro}, "
+        f"data.max_length {d.data.max_length}, gradient checkpointing "
+        f"{'on' if d.model.gradient_checkpointing else 'off'}): --config FILE.yaml plans a "
+        "finetune config"
+    )
