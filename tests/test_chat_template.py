@@ -30,16 +30,18 @@ from shoestring.data.chat import (
 from shoestring.data.records import IGNORE_INDEX, DataError, Example, LossOn, Record
 from shoestring.data.tokenize import TokenizeSpec, check_chat_ready, tokenize_records
 
-# What each template writes for an assistant turn after its role header: an independent
-# oracle, written out by hand rather than derived from the rendering under test.
+# What each template writes for an assistant turn after its role header, up to and
+# including its end-of-turn token: an independent oracle, written out by hand rather than
+# derived from the rendering under test. ChatML's newline after <|im_end|> separates turns
+# and takes no loss (as in a {% generation %} mask).
 CHATML_TURNS = [
-    "Paris.<|im_end|>\n",
-    "Tōkyō — 東京.<|im_end|>\n",
-    "You're welcome.<|im_end|>\n",
+    "Paris.<|im_end|>",
+    "Tōkyō — 東京.<|im_end|>",
+    "You're welcome.<|im_end|>",
 ]
 CHATML_TOOL_TURNS = [
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>\n',
-    "It is -3 °C in Oslo.<|im_end|>\n",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>',
+    "It is -3 °C in Oslo.<|im_end|>",
 ]
 LLAMA3_TURNS = ["Paris.<|eot_id|>", "Tōkyō — 東京.<|eot_id|>", "You're welcome.<|eot_id|>"]
 LLAMA3_TOOL_TURNS = [

@@ -5,7 +5,8 @@ tokenized once, with character offsets. The loss mask is derived from those
 offsets, never by tokenizing pieces of the text again: assistant turn ``i`` spans
 the characters between ``render(messages[:i], add_generation_prompt=True)`` and
 ``render(messages[:i + 1])`` — its content and end-of-turn marker (``<|im_end|>``,
-``<|eot_id|>``), without the role header. That needs a *prefix-stable* template
+``<|eot_id|>``), without the role header, and without whitespace the template writes
+after the marker to separate turns (ChatML's newline). That needs a *prefix-stable* template
 (rendering fewer messages gives a prefix of rendering more); a template that
 rewrites earlier turns is refused with a clear error rather than trained wrongly.
 """
@@ -22,6 +23,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from shoestring.data.records import IGNORE_INDEX, DataError, Example, LossOn, Record
+
+#: How assistant spans are found; part of the tokenized cache's key (2: a turn's span
+#: ends at its end-of-turn token, without the whitespace after it).
+CHAT_SPANS = 2
 
 Messages = Sequence[dict[str, Any]]
 Span = tuple[int, int]
@@ -173,11 +178,36 @@ def _turn_ends(
     return rendered[: len(turns)], rendered[-1]
 
 
+def special_texts(tok: Any) -> tuple[str, ...]:
+    """The text of every special and added token (``<|im_end|>``, ``<|eot_id|>``, ...)."""
+    added = getattr(tok, "added_tokens_decoder", None) or {}
+    texts = {str(t) for t in getattr(tok, "all_special_tokens", ())}
+    texts |= {str(getattr(t, "content", t)) for t in added.values()}
+    return tuple(sorted(t for t in texts if t.strip()))
+
+
+def _end_at_marker(full: str, span: Span, markers: tuple[str, ...]) -> Span:
+    """A turn's span ends at its end-of-turn token: whitespace the template writes after
+    it (ChatML's newline after ``<|im_end|>``) separates turns and takes no loss, as in a
+    ``{% generation %}`` mask. A turn that does not end in a special token is kept whole."""
+    start, end = span
+    kept = full[start:end].rstrip()
+    if len(kept) < end - start and kept.endswith(markers):
+        return start, start + len(kept)
+    return span
+
+
 def _spans(
-    r: Record, turns: Sequence[int], starts: Sequence[str], ends: Sequence[str], full: str
+    r: Record,
+    turns: Sequence[int],
+    starts: Sequence[str],
+    ends: Sequence[str],
+    full: str,
+    markers: tuple[str, ...],
 ) -> RenderedChat:
-    """Assistant turn ``i`` spans ``len(starts[i])`` to ``len(ends[i])``, when the renders
-    are prefixes of each other (else the template is not prefix-stable)."""
+    """Assistant turn ``i`` spans ``len(starts[i])`` to ``len(ends[i])`` (to its end-of-turn
+    token), when the renders are prefixes of each other (else the template is not
+    prefix-stable)."""
     spans: list[Span] = []
     for i, start, end in zip(turns, starts, ends, strict=True):
         if not end.startswith(start):
@@ -193,7 +223,7 @@ def _spans(
                 i + 1,
                 f"messages 1-{i + 1} do not render as a prefix of the whole conversation",
             )
-        spans.append((len(start), len(end)))
+        spans.append(_end_at_marker(full, (len(start), len(end)), markers))
     return RenderedChat(full, tuple(spans))
 
 
@@ -203,7 +233,7 @@ def _assistant_spans(
     tools = _tools_arg(r.tools)
     ends, full = _turn_ends(r, tok, template, turns, tools)
     starts = _turn_starts(r, tok, template, turns, tools)
-    return _spans(r, turns, starts, ends, full)
+    return _spans(r, turns, starts, ends, full, special_texts(tok))
 
 
 def _render_error(r: Record, e: Exception) -> DataError:
@@ -271,7 +301,8 @@ class _Renders:
             next(later) if i > 0 else _opening_turn_start(self.record, tok, template, tools)
             for i in self.turns
         ]
-        return _spans(self.record, self.turns, starts, cut[: len(self.turns)], full)
+        ends = cut[: len(self.turns)]
+        return _spans(self.record, self.turns, starts, ends, full, special_texts(tok))
 
 
 @dataclass(frozen=True)
@@ -284,6 +315,7 @@ class _TurnMarkers:
 
     header: str
     end: str
+    markers: tuple[str, ...]  # the special tokens' texts: a span ends at one of them
 
     @classmethod
     def probe(cls, tok: Any, template: str | None) -> _TurnMarkers | None:
@@ -296,7 +328,7 @@ class _TurnMarkers:
         if not header or not whole.startswith(prompted + _PROBE):
             return None
         end = whole[len(prompted) + len(_PROBE) :]
-        return cls(header, end) if end else None
+        return cls(header, end, special_texts(tok)) if end else None
 
     def spans(self, plan: _Renders, full: str) -> RenderedChat | None:
         if not plan.turns:
@@ -314,7 +346,7 @@ class _TurnMarkers:
             if found < 0:
                 return None
             at = found + len(needle)
-            located[i] = (found + len(self.header), at)
+            located[i] = _end_at_marker(full, (found + len(self.header), at), self.markers)
         return RenderedChat(full, tuple(located[i] for i in plan.turns))
 
 

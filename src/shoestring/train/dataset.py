@@ -21,7 +21,7 @@ from typing import Any
 
 from shoestring.config import ConfigError
 from shoestring.data.cache import CacheWriter, TokenCache, cache_key, open_or_build
-from shoestring.data.chat import load_template
+from shoestring.data.chat import CHAT_SPANS, load_template
 from shoestring.data.records import DataError, Example, Record
 from shoestring.data.sources import read_records, resolve_source, split_eval
 from shoestring.data.specials import SPECIALS_POLICY
@@ -103,6 +103,7 @@ def train_cache_key(
             "loss_on": d.loss_on,
             "truncate": d.truncate,
             "specials": SPECIALS_POLICY,
+            "chat_spans": CHAT_SPANS,
             "eval_fraction": str(eval_fraction(d.eval)),
             "seed": cfg.train.seed if eval_fraction(d.eval) else 0,
         }
