@@ -163,3 +163,21 @@ def test_a_verified_checkpoint_that_does_not_load_falls_back(
     assert Path(bad["quarantined"]).is_dir()  # moved aside, not deleted
     assert max(committed_steps(out / "checkpoints")) == 12  # trained again to the end
     verify_dir(last, deep=True)
+
+
+def test_a_plain_path_store_prunes_staging_a_killed_publish_left(tmp_path: Path) -> None:
+    root, bucket = tmp_path / "run" / "checkpoints", tmp_path / "bucket"
+    remote = RemoteStore(str(bucket))
+    path, manifest = commit_local(root, 2, {"a.json": b"2"}, {})
+    remote.publish(path, manifest)
+    # A publish of step 3 killed part-way, and one of step 9 still in progress.
+    killed = bucket / f".tmp-{step_dirname(3)}-4242-deadbeef"
+    running = bucket / f".tmp-{step_dirname(9)}-4343-cafef00d"
+    for d in (killed, running):
+        d.mkdir()
+        (d / "a.json").write_bytes(b"partial")
+    path, manifest = commit_local(root, 4, {"a.json": b"4"}, {})
+    remote.publish(path, manifest)
+    assert remote.apply_retention(keep=1) == [2]
+    assert not killed.exists() and running.is_dir()
+    assert remote.committed_steps() == [4]

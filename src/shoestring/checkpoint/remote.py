@@ -200,6 +200,19 @@ class RemoteStore:
         doomed = steps[keep:]
         if steps:
             doomed += [s for s in self._all_steps() if s < steps[0] and s not in steps]
+            self._prune_staging(steps[0])
         for step in doomed:
             self.delete(step)
         return sorted(set(doomed), reverse=True)
+
+    def _prune_staging(self, newest: int) -> None:
+        """A plain-path store's staging folders (``.tmp-step-N-…``, left by a publish that
+        was killed) of steps up to the newest committed one: a single writer never
+        finishes those. A newer step's staging may be a publish in progress: kept."""
+        if not self.is_local or not Path(self.root).is_dir():
+            return
+        for child in Path(self.root).iterdir():
+            name = child.name.removeprefix(".tmp-")
+            step = parse_step(name.rsplit("-", 2)[0]) if name != child.name else None
+            if step is not None and step <= newest and child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
