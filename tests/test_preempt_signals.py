@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,7 +26,18 @@ def test_configured_signal_sets_flag_and_second_exits(extra: str) -> None:
     assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.default_int_handler)
 
 
-def test_unconfigured_user_signal_is_not_ours() -> None:
+@pytest.fixture
+def hangup_heard() -> Iterator[None]:
+    """SIGHUP at its default, as in a job not started under nohup (pytest itself may
+    run under nohup, which the SignalSource respects)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_unconfigured_user_signal_is_not_ours(hangup_heard: None) -> None:
     flag = PreemptionFlag()
     with SignalSource(flag, "SIGUSR2", hard_exit=lambda code: None):
         assert signal.getsignal(signal.SIGUSR1) is not signal.getsignal(signal.SIGUSR2)
@@ -33,7 +45,9 @@ def test_unconfigured_user_signal_is_not_ours() -> None:
         assert src.signals == [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
 
 
-def test_a_hangup_twice_is_one_notice_and_a_nohup_job_keeps_ignoring_it() -> None:
+def test_a_hangup_twice_is_one_notice_and_a_nohup_job_keeps_ignoring_it(
+    hangup_heard: None,
+) -> None:
     # A dead supervisor's job gets SIGHUP once per thread the supervisor had.
     flag = PreemptionFlag()
     exits: list[int] = []

@@ -500,6 +500,9 @@ def _child_setup(arm_death_signal: Callable[[], None]) -> None:
     """
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    # Heard even under a `nohup shoestring run`: the job has a session of its own, so no
+    # terminal hangs up on it; its only SIGHUP is this one.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     arm_death_signal()
 
 
