@@ -388,9 +388,11 @@ def test_top_followed_the_live_run(hang_run: dict[str, Any]) -> None:
 
 
 def test_top_once_summarizes_the_finished_run(
-    hang_run: dict[str, Any], capsys: pytest.CaptureFixture[str]
+    hang_run: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = hang_run["out"]
+    # A wide terminal: top clips each line to its width (pytest-xdist workers set 80).
+    monkeypatch.setenv("COLUMNS", "200")
     assert main(["top", str(out), "--once", "--color", "never"]) == 0
     frame = capsys.readouterr().out
     assert "\x1b[" not in frame

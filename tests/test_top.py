@@ -217,3 +217,22 @@ def test_a_loading_attempt_shows_its_process_start_and_phases(tmp_path: Path) ->
         f.write(rec("start", NOW - 5, process_start=NOW - 6.0, pid=8))
     top.poll()
     assert "load  process started 6.0s ago | ..." in top.frame(NOW)
+
+
+def test_a_file_is_read_in_its_writers_order_whatever_its_clock_says(tmp_path: Path) -> None:
+    # The supervisor wrote attempt_end, then gave_up; the wall clock stepped back between
+    # them. The job gave up: its last word is the status, not the earlier record.
+    run = tmp_path / "stepped"
+    (run / "ranks" / "rank1").mkdir(parents=True)
+    (run / "events.jsonl").write_text(
+        rec("attempt_start", NOW - 60, rank=-1, attempt=0)
+        + rec("run_start", NOW - 50, max_steps=8, world_size=2)
+        + rec("attempt_end", NOW - 10.0, rank=-1, attempt=0, exit_code=-9)
+        + rec("gave_up", NOW - 10.2, rank=-1, attempts=1, exit_code=-9)
+    )
+    (run / "ranks" / "rank1" / "events.jsonl").write_text(
+        rec("run_start", NOW - 50, rank=1) + rec("step", NOW - 30, rank=1, step=5)
+    )
+    top = Top(run)
+    top.poll()
+    assert top.frame(NOW).splitlines()[1].endswith("| gave up")

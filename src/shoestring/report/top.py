@@ -10,6 +10,7 @@ shared file system) and costs the job nothing.
 from __future__ import annotations
 
 import datetime as _dt
+import heapq
 import statistics
 import sys
 import time
@@ -89,10 +90,11 @@ class Top:
         return [p for p in RunDir(self.run_dir).event_files() if p.is_file()]
 
     def poll(self) -> None:
-        recs: list[dict[str, Any]] = []
-        for p in self._files():
-            recs += self.tails.setdefault(p, Tail(p)).read()
-        recs.sort(key=lambda r: float(r.get("ts", 0) or 0))
+        # Each file is in its writer's order, which wins over its timestamps (a wall
+        # clock stepped back must not put a supervisor's attempt_end after its gave_up);
+        # the files are merged by time.
+        news = [self.tails.setdefault(p, Tail(p)).read() for p in self._files()]
+        recs = heapq.merge(*news, key=lambda r: float(r.get("ts", 0) or 0))
         for r in recs:
             try:
                 self._apply(r)
