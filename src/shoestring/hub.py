@@ -222,16 +222,7 @@ def _weight_files(folder: Path) -> list[str]:
 def _download(access: HubAccess, repo_id: str, revision: str | None, files: list[str]) -> str:
     from huggingface_hub import snapshot_download
 
-    folder = snapshot_download(
-        repo_id,
-        revision=revision,
-        allow_patterns=files,
-        cache_dir=access.hf_cache,
-        endpoint=access.endpoint,
-        token=access.token,
-        local_files_only=access.offline,
-        tqdm_class=_bar_class(access.progress),
-    )
+    folder = snapshot_download(repo_id, allow_patterns=files, **_fetch_args(access, revision))
     assert isinstance(folder, str)  # not a dry run
     return folder
 
@@ -239,18 +230,22 @@ def _download(access: HubAccess, repo_id: str, revision: str | None, files: list
 def _download_file(access: HubAccess, repo_id: str, revision: str | None, name: str) -> str:
     from huggingface_hub import hf_hub_download
 
-    path = hf_hub_download(
-        repo_id,
-        name,
-        revision=revision,
-        cache_dir=access.hf_cache,
-        endpoint=access.endpoint,
-        token=access.token,
-        local_files_only=access.offline,
-        tqdm_class=_bar_class(access.progress),
-    )
+    path = hf_hub_download(repo_id, name, **_fetch_args(access, revision))
     assert isinstance(path, str)  # not a dry run
     return path
+
+
+def _fetch_args(access: HubAccess, revision: str | None) -> dict[str, Any]:
+    """What every huggingface_hub fetch takes from ``access``: cache, endpoint, token,
+    offline, progress bars."""
+    return {
+        "revision": revision,
+        "cache_dir": access.hf_cache,
+        "endpoint": access.endpoint,
+        "token": access.token,
+        "local_files_only": access.offline,
+        "tqdm_class": _bar_class(access.progress),
+    }
 
 
 def _bar_class(show: bool) -> Any:

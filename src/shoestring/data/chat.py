@@ -290,7 +290,12 @@ class _Renders:
         return cls(r, turns, cuts, tuple(i for i in turns if i > 0))
 
     def chat(
-        self, tok: Any, template: str | None, cut: list[str], opened: list[str]
+        self,
+        tok: Any,
+        template: str | None,
+        cut: list[str],
+        opened: list[str],
+        specials: tuple[str, ...],
     ) -> RenderedChat:
         full = cut[-1]
         if not self.turns:
@@ -302,7 +307,7 @@ class _Renders:
             for i in self.turns
         ]
         ends = cut[: len(self.turns)]
-        return _spans(self.record, self.turns, starts, ends, full, special_texts(tok))
+        return _spans(self.record, self.turns, starts, ends, full, specials)
 
 
 @dataclass(frozen=True)
@@ -369,11 +374,12 @@ def _render_group(
         tok, [messages[k][:i] for k in slow for i in group[k].opens], tools, template, True
     )
     at_cut = at_open = 0
+    specials = markers.markers if markers else special_texts(tok)
     for k in slow:
         g = group[k]
         c, o = len(g.cuts) - 1, len(g.opens)
         ends = [*cut[at_cut : at_cut + c], fulls[k]]
-        found[k] = g.chat(tok, template, ends, opened[at_open : at_open + o])
+        found[k] = g.chat(tok, template, ends, opened[at_open : at_open + o], specials)
         at_cut, at_open = at_cut + c, at_open + o
     return [chat for chat in found if chat is not None]
 

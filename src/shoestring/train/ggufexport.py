@@ -236,18 +236,17 @@ def export_gguf_from(
 
 
 def gguf_at_end(
-    model: Any,
-    sharded: bool,
+    model: Any | None,
     final: Path,
     model_dir: Path,
     cfg: FinetuneConfig,
     tok: Any,
     out: Path,
 ) -> Path:
-    """The end of a run: from the model in memory, or (FSDP2: it holds only shards) from
-    ``final/`` onto a fresh base."""
+    """The end of a run: from the model in memory, or, when this process holds only shards
+    (``model`` None: FSDP2), from ``final/`` onto a fresh base."""
     kind: GgufType = cfg.export.gguf  # type: ignore[assignment]  # checked != "none"
     gguf_dir = out / GGUF_DIR
-    if sharded:
+    if model is None:
         return export_gguf_from(model_dir, final, cfg.model, cfg.lora.quantize, tok, gguf_dir, kind)
     return export_gguf(model, tok, gguf_dir, kind, model_dir.name)

@@ -263,8 +263,8 @@ def _export_gguf(t: Trainer, final: Path) -> Path | None:
     run = t.run
     if run.strategy.rank != 0:
         return None
-    sharded = not run.strategy.whole_model
-    return gguf_at_end(t.learner.model, sharded, final, t.model_dir, t.cfg, t.tok, run.out)
+    model = t.learner.model if run.strategy.whole_model else None
+    return gguf_at_end(model, final, t.model_dir, t.cfg, t.tok, run.out)
 
 
 def _report_end(

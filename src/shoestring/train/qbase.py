@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,7 @@ import psutil
 from shoestring.checkpoint import CorruptCheckpoint, RemoteStore, verify_dir
 from shoestring.checkpoint.local import prune_quarantined, quarantine, seal
 from shoestring.checkpoint.manifest import MANIFEST, Manifest
+from shoestring.dircommit import staging_dir
 
 QBASE_DIR = "qbase"
 KIND = "quantized-base"
@@ -160,16 +160,12 @@ class QuantizedBaseCache:
         return final
 
     def _commit(self, model: Any, key: QuantKey) -> tuple[Path, Manifest]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-{key.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
+        with staging_dir(self.root, key.name) as tmp:
             model.save_pretrained(str(tmp), safe_serialization=True)
             for p in tmp.iterdir():  # data files durable before the manifest
                 with open(p, "rb+") as f:
                     os.fsync(f.fileno())
             return seal(tmp, self.root, 0, key.meta(), name=key.name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass
