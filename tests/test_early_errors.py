@@ -507,3 +507,60 @@ def test_one_long_jsonl_line_is_tokenized_in_bounded_memory(tmp_path: Path) -> N
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["lengths"] == [7, 2048]
     assert result["grew_mb"] < 100, result
+
+
+# --------------------------------------------------------------------------- full disk
+
+
+@contextlib.contextmanager
+def small_filesystem(where: Path, size_mb: int) -> Iterator[Path]:
+    """A tmpfs of ``size_mb`` mounted at ``where`` (root only: a real full disk)."""
+    where.mkdir(parents=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs (a real full disk)")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(where)])
+    if r.returncode != 0:
+        pytest.skip("mount -t tmpfs refused (a container without CAP_SYS_ADMIN?)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _fill(fs: Path) -> Path:
+    """Fill ``fs`` to its last byte; the ballast file, to delete to free the space."""
+    ballast = fs / "ballast"
+    with open(ballast, "wb", buffering=0) as f:
+        for chunk in (65536, 1):
+            with contextlib.suppress(OSError):
+                while f.write(b"\0" * chunk):
+                    pass
+    return ballast
+
+
+def test_a_restart_on_a_full_disk_is_one_clear_line_and_the_rerun_after_freeing_goes_on(
+    cli: CLI, trained: Path, tmp_path: Path
+) -> None:
+    """Restarting a run whose disk is already full: one line naming the path and what to
+    do (no traceback), the committed checkpoint untouched; once space is freed, the same
+    command resumes from it and finishes."""
+    with small_filesystem(tmp_path / "fs", 32) as fs:
+        out = _copy(trained, fs / "run")
+        before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in _step(out).iterdir()}
+        ballast = _fill(fs)
+        more = [*SHORT, "--train.max_steps", "6"]
+        r = cli.run(out, *more)
+        assert r.returncode == exitcodes.FAILED, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+        line = r.stderr.strip().splitlines()[-1]
+        assert line.startswith("shoestring finetune: error: no space left on device: "), line
+        assert f"cannot write {out}" in line and "rerun the same command" in line, line
+        after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in _step(out).iterdir()}
+        assert after == before
+        ballast.unlink()
+        r = cli.run(out, *more)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "resumed from step 4" in r.stderr
+        assert (out / "checkpoints" / "step-00000006" / "manifest.json").is_file() or (
+            out / "final" / "adapter_model.safetensors"
+        ).is_file()

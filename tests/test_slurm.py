@@ -130,6 +130,43 @@ def test_single_node_script(
     assert script.count("exec ") == 1 and "\ntrap " not in script and "exec srun" not in script
 
 
+TOKEN = "sk-planted-0123456789abcdef"
+
+
+def test_secret_values_reach_the_job_through_the_environment_not_the_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A credential on the command line (a webhook, a URL with a password) is not written
+    into the script, which bash may print, copy or keep for months; the script reads it
+    from the environment sbatch hands the job, and the job gets the live value."""
+    hook = f"https://bob:{TOKEN}@mlflow.example.com/"
+    store = f"sftp://bob:{TOKEN}@host/ckpt"
+    script = render(
+        tmp_path, capsys, monkeypatch, "--track.mlflow_uri", hook, "--checkpoint.storage", store
+    )
+    assert TOKEN not in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert "SHOESTRING_SECRET_1 = the value of --track.mlflow_uri" in script
+    assert "SHOESTRING_SECRET_2 = the value of --checkpoint.storage" in script
+    # Run the script's last command with `printf` in place of exec'ing the job: the
+    # words the job would get, as bash expands them in the job's environment.
+    body = script.replace("\\\n", " ").splitlines()
+    last = [line for line in body if line.strip()][-1].removeprefix("exec ")
+    env = {"PATH": os.environ["PATH"], "SHOESTRING_SECRET_1": hook, "SHOESTRING_SECRET_2": store}
+    got = subprocess.run(
+        ["bash", "-c", f"printf '%s\\n' {last}"], env=env, capture_output=True, text=True
+    )
+    words = got.stdout.splitlines()
+    assert words[words.index("--track.mlflow_uri") + 1] == hook
+    assert words[words.index("--checkpoint.storage") + 1] == store
+    # Without the variable the job stops at once, naming it.
+    del env["SHOESTRING_SECRET_2"]
+    got = subprocess.run(
+        ["bash", "-c", f"printf '%s\\n' {last}"], env=env, capture_output=True, text=True
+    )
+    assert got.returncode != 0 and "SHOESTRING_SECRET_2: is not set" in got.stderr
+
+
 def test_multi_node_script_and_rendezvous(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

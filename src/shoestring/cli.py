@@ -13,11 +13,13 @@ below receives config objects and an :class:`~shoestring.config.Invocation`.
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib
 import logging
 import os
 import sys
 import textwrap
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from shoestring.hub import HubAccess
 from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
 from shoestring.report.cli import ReportConfig, TopConfig
 from shoestring.rundir import RunDir
-from shoestring.secrets import RedactingFilter, redact_text
+from shoestring.secrets import RedactingFilter, print_thread_exception, redact_text
 from shoestring.supervise.config import SLURM_EPILOG, RunConfig, SlurmConfig
 from shoestring.train.config import FinetuneConfig, FinetuneOptions
 from shoestring.train.exportcli import ExportVerbConfig
@@ -426,6 +428,20 @@ def openmp_defaults(env: Mapping[str, str]) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": str(OMP_SPIN_COUNT)}
 
 
+#: ``errno`` values that mean the disk (or the user's quota) is full.
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def disk_full(e: OSError) -> str:
+    """One line for a full disk met outside a save (which says its own): the path, and
+    that what was committed is untouched (every commit writes beside, then renames)."""
+    where = f"cannot write {e.filename}" if e.filename else "a write failed"
+    return (
+        f"no space left on device: {where} ({e.strerror}); committed checkpoints and "
+        "outputs are untouched: free some space and rerun the same command"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.update(openmp_defaults(os.environ))  # before anything imports torch
     logging.basicConfig(
@@ -435,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:  # no credentials in any log line
         handler.addFilter(RedactingFilter())
+    threading.excepthook = print_thread_exception  # nor in a thread's traceback
     args = sys.argv[1:] if argv is None else list(argv)
     command = args[0] if args else ""
     try:
@@ -451,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
             return exitcodes.USAGE
         if isinstance(e, CheckpointSaveError):
             print(redact_text(f"shoestring {command}: error: {e}"), file=sys.stderr)
+            return exitcodes.FAILED
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            print(redact_text(f"shoestring {command}: error: {disk_full(e)}"), file=sys.stderr)
             return exitcodes.FAILED
         # The traceback, with any credential in its messages redacted.
         print(redact_text(traceback.format_exc()), end="", file=sys.stderr, flush=True)

@@ -77,6 +77,19 @@ def positive(v: Any) -> str | None:
     return None if v > 0 else "must be > 0"
 
 
+def storage_url(v: Any) -> str | None:
+    """A storage location (fsspec URL or path) without a query string: fsspec keeps
+    ``?…`` as part of the path, so every stored object's name would carry it (and any
+    credential in it: a presigned signature, a token) into the bucket's listings."""
+    if "://" in v and "?" in v:
+        return (
+            "has a query string (?...), which fsspec would keep in every stored object's "
+            "name, credentials included; give credentials through the environment or "
+            "fsspec's config (docs/security.md), not the URL"
+        )
+    return None
+
+
 def non_negative(v: Any) -> str | None:
     return None if v >= 0 else "must be >= 0"
 

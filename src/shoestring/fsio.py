@@ -35,6 +35,11 @@ def atomic_write(path: Path, data: bytes, *, durable: bool = True) -> None:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a write or fsync: say which file (a full disk, say)
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

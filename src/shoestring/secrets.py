@@ -8,7 +8,9 @@ log, log lines, trackers, reports — goes through :func:`redact` first.
 
 The rule, for every ``scheme://…`` found in a string:
 
-- userinfo with a password: ``user:***@`` (a bare user name is kept);
+- userinfo with a password: ``user:***@``; a bare user name that looks like a token
+  (``https://ghp_…@github.com``: 16 or more characters mixing letters and digits) is
+  masked whole, ``***@``; an ordinary user name (``git@``, ``bob@``) is kept;
 - query (and fragment) parameters whose name says signature, token, credential,
   key, secret or password: ``name=***`` (others are kept byte for byte);
 - a webhook URL (a known webhook host, or ``hook`` in its path): only the scheme and
@@ -24,6 +26,9 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+import threading
+import traceback
 from collections.abc import Iterable
 from typing import Any, TypeVar
 from urllib.parse import unquote
@@ -74,6 +79,15 @@ WEBHOOK_HOSTS = (
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]{0,30}://[^\s'\"<>`\\]+")
 
 T = TypeVar("T")
+
+
+def looks_like_token(user: str) -> bool:
+    """A URL user name that is a credential: 16+ characters with letters and digits
+    (``ghp_…``, ``hf_…``, ``glpat-…``, an access key); ``git``, ``bob.smith`` are not."""
+    u = unquote(user)
+    return (
+        len(u) >= 16 and any(c.isdigit() for c in u) and any(c.isalpha() for c in u) and u != MASK
+    )
 
 
 def _secret_param(name: str) -> bool:
@@ -127,6 +141,8 @@ def redact_url(url: str) -> str:
     user, at, hostport = netloc.rpartition("@")
     if at and ":" in user:
         netloc = f"{user.split(':', 1)[0]}:{MASK}@{hostport}"
+    elif at and looks_like_token(user):
+        netloc = f"{MASK}@{hostport}"
     path, q, query = rest.partition("?")
     query, h, frag = query.partition("#") if q else ("", "", "")
     if not q:
@@ -179,3 +195,13 @@ class RedactingFilter(logging.Filter):
         if clean != msg:
             record.msg, record.args = clean, None
         return True
+
+
+def print_thread_exception(args: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook`` with the traceback redacted (Python's own hook prints an
+    exception raised in a thread, URL and all, straight to stderr). Installed by the CLI."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else threading.get_ident()
+    text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+    print(redact_text(f"Exception in thread {name}:\n{text}"), end="", file=sys.stderr, flush=True)

@@ -14,7 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from shoestring.config import ConfigError, knob, non_negative, positive, to_flat, unit_interval
+from shoestring.config import (
+    ConfigError,
+    knob,
+    non_negative,
+    positive,
+    storage_url,
+    to_flat,
+    unit_interval,
+)
 from shoestring.data.records import Format as DataFormat
 from shoestring.data.records import LossOn, Truncate
 from shoestring.hub import hub_repo
@@ -124,6 +132,7 @@ class DataConfig:
         "fsspec URL to publish the tokenized cache to, so a new machine downloads it "
         "instead of tokenizing. Empty: <checkpoint.storage>/data-cache when "
         "checkpoint.storage is a URL or folder, else local only.",
+        check=storage_url,
     )
     workers: int = knob(
         0, "Tokenizer processes on a cache miss (0: one per CPU core).", check=non_negative
@@ -303,7 +312,9 @@ class CheckpointConfig:
         "(s3://bucket/prefix, gs://...). Empty: OUTPUT/checkpoints only. "
         "OUTPUT/checkpoints is always the local cache. Credentials: preferably from the "
         "environment or fsspec's config (docs/security.md); one in the URL is used but "
-        "redacted wherever the URL is written.",
+        "redacted wherever the URL is written (a query string is refused: fsspec would "
+        "keep it in every object's name).",
+        check=storage_url,
     )
     async_mode: AsyncMode = knob(
         "thread",
