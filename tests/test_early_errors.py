@@ -140,6 +140,29 @@ def test_a_read_only_run_directory_is_exit_2_at_the_start(finetune: Any, tmp_pat
         _refused(finetune(out, *SHORT), f"{out}: cannot be")
 
 
+def test_an_empty_cache_folder_it_cannot_write_is_exit_2_at_the_start(
+    finetune: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SHOESTRING_CACHE on a read-only mount with nothing in it: the run would fail at
+    its first write (the built-in model, the tokenized data); refused before loading."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with read_only(cache):
+        monkeypatch.setenv("SHOESTRING_CACHE", str(cache))
+        _refused(finetune(tmp_path / "run", *SHORT), f"SHOESTRING_CACHE={cache}: cannot write")
+
+
+@pytest.mark.slow  # a resume as in test_an_unchanged_resume_still_loads, cache read-only
+def test_a_filled_read_only_cache_is_used_as_it_is(cli: CLI, trained: Path, tmp_path: Path) -> None:
+    """A shared cache already holding the model and the tokenized data, mounted read-only:
+    the run uses it (a warning says nothing new can be kept there)."""
+    out = _copy(trained, tmp_path / "run")
+    with read_only(cli.cache):
+        r = cli.run(out, *SHORT, "--train.max_steps", "5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"SHOESTRING_CACHE={cli.cache} cannot be written" in r.stderr
+
+
 # --------------------------------------------------------------------------- not UTF-8
 
 GOOD = {"prompt": "Reverse the word: abc", "completion": " cba"}

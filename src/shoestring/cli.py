@@ -37,6 +37,7 @@ from shoestring.config import (
     parse_command_line,
     read_yaml,
 )
+from shoestring.fsio import unwritable
 from shoestring.hub import HubAccess
 from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
 from shoestring.report.cli import ReportConfig, TopConfig
@@ -116,6 +117,36 @@ directory on a filesystem both see; under Slurm the SLURM_* variables fill these
 """
 
 
+def writes_cache(cfg: FinetuneConfig) -> bool:
+    """Whether the run keeps anything under SHOESTRING_CACHE: the built-in model, a
+    bucket model's copy, the tokenized data, the quantized base."""
+    quantized = cfg.lora.quantize != "none" and cfg.lora.cache_quantized
+    model = cfg.model.path.startswith("builtin:") or "://" in cfg.model.path
+    return cfg.data.cache or quantized or model
+
+
+def check_cache_dir(cache: Path) -> None:
+    """A cache folder that cannot be written: refused at the start when it holds nothing
+    yet (the run would fail on its first write, after loading); a filled one is used as
+    it is (a shared, read-only copy), with a warning that nothing new can be kept."""
+    problem = unwritable(cache)
+    if problem is None:
+        return
+    why = problem.strerror or str(problem)
+    if cache.is_dir() and any(cache.iterdir()):
+        logging.getLogger("shoestring").warning(
+            "SHOESTRING_CACHE=%s cannot be written (%s): using what it holds; a model or "
+            "tokenized data not already there will fail to be kept",
+            cache,
+            why,
+        )
+        return
+    raise ConfigError(
+        f"SHOESTRING_CACHE={cache}: cannot write there ({why}) and it holds nothing yet; "
+        "point SHOESTRING_CACHE at a writable folder"
+    )
+
+
 def _finetune(cfg: FinetuneConfig, call: Invocation) -> int:
     """The environment edge of ``finetune``: faults, cache, rank; hooks for the trainer."""
     from shoestring.checkpoint import FaultPlan
@@ -144,6 +175,8 @@ def _finetune(cfg: FinetuneConfig, call: Invocation) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     cache = Path(env.get("SHOESTRING_CACHE") or Path.home() / ".cache" / "shoestring")
+    if writes_cache(cfg):
+        check_cache_dir(cache)
     return finetune(
         cfg,
         RunOptions(

@@ -12,6 +12,7 @@ passes ``durable=False``.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -66,3 +67,16 @@ def fsync_tree(root: Path) -> None:
         subdirs[:] = [d for d in subdirs if not (Path(here) / d).is_symlink()]
     for d in reversed(dirs):
         fsync_dir(d)
+
+
+def unwritable(path: Path) -> OSError | None:
+    """Why a folder (created if missing) cannot be written into, or None: a probe file
+    made and removed, so a read-only mount or a full disk shows here, not mid-run."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return e
+    return None
