@@ -109,7 +109,7 @@ def test_eval_and_serving_prompts_equal_the_training_prompt(
     train_prompt = trained.input_ids[:n]
     assert train_prompt == prefix + _bytes(PROMPT)
 
-    (probe,) = probes([pair], tok, None)
+    (probe,) = probes([pair], tok, None, 256)
     assert probe.prompt == train_prompt
 
     jobs = work.tokenize([InferRecord(1, PROMPT)], tok, "generate")
@@ -120,6 +120,41 @@ def test_eval_and_serving_prompts_equal_the_training_prompt(
     req = Request(1, "r1", "completion", None, Sampling(max_tokens=4), prompt=PROMPT)
     assert request_ids(req, tok, None, None, "in.jsonl") == (req, train_prompt)
     assert plain_prompt_ids(tok, PROMPT) == train_prompt
+
+
+class _Counting:
+    """A tokenizer that remembers the longest text it was asked to encode."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, text: str, **kw: Any) -> Any:
+        self.longest = max(self.longest, len(text))
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+
+def test_an_exact_match_prompt_longer_than_max_length_is_left_out_unread(tmp_path: Path) -> None:
+    """Evaluation drops examples longer than data.max_length; its exact-match probes do
+    too, and a huge prompt (a whole book pasted in) is judged by a bounded cut, the way
+    training's tokenizer judges it, never tokenized whole."""
+    tok = _Counting(plain_tokenizer())
+    book = "words of a long book " * 50_000  # 1 MB
+    fits = Record("e.jsonl:1", prompt=PROMPT, completion=COMPLETION)
+    chat = Record(
+        "e.jsonl:2",
+        messages=[{"role": "user", "content": book}, {"role": "assistant", "content": "ok"}],
+    )
+    huge = Record("e.jsonl:3", prompt=book, completion=COMPLETION)
+    got = probes([fits, huge], tok, None, 64)
+    assert [p.want for p in got] == [COMPLETION]
+    assert 0 < tok.longest < 16 * (64 + 64) * 8, tok.longest
+    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tok.longest = 0
+    assert probes([chat], tok, template, 64) == []
+    assert 0 < tok.longest < 16 * (64 + 64) * 8, tok.longest
 
 
 def test_an_eos_the_tokenizer_appends_never_ends_a_prompt() -> None:

@@ -487,8 +487,19 @@ def prompt_ids(
 ) -> list[int]:
     """Token ids of a conversation followed by the assistant's generation prompt, tokenized
     as training tokenizes it (render, then encode the text once)."""
-    text = _render_many(tok, [list(messages)], _tools_arg(tools), template, True)[0]
+    text = prompt_text(messages, tok, template, tools)
     return list(tok(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def prompt_text(
+    messages: Sequence[dict[str, Any]],
+    tok: Any,
+    template: str | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> str:
+    """A conversation rendered by the chat template, with the assistant's generation
+    prompt: the text :func:`prompt_ids` encodes."""
+    return str(_render_many(tok, [list(messages)], _tools_arg(tools), template, True)[0])
 
 
 def end_of_turn_ids(tok: Any, template: str | None = None) -> list[int]:

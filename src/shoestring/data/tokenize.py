@@ -121,6 +121,21 @@ def _bounded(
     return encode_one(text), 0
 
 
+def ids_within(
+    text: str, encode_one: Callable[[str], list[int]], max_tokens: int
+) -> list[int] | None:
+    """``encode_one(text)`` when it gives at most ``max_tokens`` ids, else None. A text
+    too long to matter whole is judged by doubling cuts of its start, as training's rule
+    above judges it, so the memory spent is bounded by ``max_tokens``, not by the text."""
+    n = CHARS_PER_TOKEN * (max_tokens + SLACK)
+    while n < len(text):
+        if len(encode_one(text[:n])) >= max_tokens + SLACK:
+            return None
+        n *= 2
+    ids = encode_one(text)
+    return ids if len(ids) <= max_tokens else None
+
+
 def _encode_pieces(tok: Any, texts: list[str], spec: TokenizeSpec) -> list[list[int]]:
     """:func:`encode_many`, the pieces too long to matter whole cut first."""
     limit = _first_cut(spec)

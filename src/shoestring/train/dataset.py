@@ -265,7 +265,7 @@ def load_train_data(
     return TrainData(
         samples,
         eval_examples,
-        probes(inputs.eval_records, tok, inputs.template),
+        probes(inputs.eval_records, tok, inputs.template, cfg.data.max_length),
         SampleOrder(len(samples), cfg.train.seed),
         batch,
         len(lengths),

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from shoestring.data.chat import end_of_turn_ids, prompt_ids
+from shoestring.data.chat import end_of_turn_ids, prompt_text
 from shoestring.data.records import IGNORE_INDEX, Example, Record
-from shoestring.data.specials import plain_prompt_ids
+from shoestring.data.specials import encode, plain_prompt_ids
+from shoestring.data.tokenize import ids_within
 from shoestring.train.device import to_device
 from shoestring.train.samples import collate_padded
 
@@ -63,22 +64,29 @@ class Probe:
     stop: tuple[int, ...]
 
 
-def probes(records: Sequence[Record], tok: Any, template: str | None) -> list[Probe]:
+def probes(
+    records: Sequence[Record], tok: Any, template: str | None, max_length: int
+) -> list[Probe]:
     """Prompt+completion records and conversations ending in an assistant turn, rendered
     the way training renders them (the tokenizer's own prefix + prompt, see
-    :mod:`shoestring.data.specials`; the chat template up to the answer)."""
+    :mod:`shoestring.data.specials`; the chat template up to the answer). A prompt of
+    more than ``max_length`` tokens is left out, as evaluation drops such examples, and
+    is judged by a bounded cut (:func:`ids_within`), never tokenized whole."""
     eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     out: list[Probe] = []
     for r in records:
         if r.messages is not None:
             last = r.messages[-1]
             if last.get("role") == "assistant" and isinstance(last.get("content"), str):
-                ids = prompt_ids(r.messages[:-1], tok, template, r.tools)
+                text = prompt_text(r.messages[:-1], tok, template, r.tools)
+                ids = ids_within(text, lambda t: encode(tok, t), max_length)
                 stop = tuple(end_of_turn_ids(tok, template)) or eos
-                out.append(Probe(ids, last["content"], stop))
+                if ids is not None:
+                    out.append(Probe(ids, last["content"], stop))
         elif r.is_pair:
-            ids = plain_prompt_ids(tok, r.prompt or "")
-            out.append(Probe(ids, r.completion or "", eos))
+            ids = ids_within(r.prompt or "", lambda t: plain_prompt_ids(tok, t), max_length)
+            if ids is not None:
+                out.append(Probe(ids, r.completion or "", eos))
     return out
 
 
