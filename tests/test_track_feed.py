@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from shoestring.events import EventLog
+from shoestring.events import EventLog, rotate
 from shoestring.rundir import RunDir
 from shoestring.track import to_row
 from shoestring.train import tracking
@@ -62,6 +62,31 @@ def test_the_feed_hands_on_supervisor_records_once_across_attempts(
     feed = tracking.SupervisorFeed(second, rd)  # type: ignore[arg-type]
     feed.close()
     assert [r["event"] for r in second.got] == ["straggler"]
+
+
+def test_records_a_rotation_moved_into_an_old_segment_are_still_handed_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shoestring run`` wrote a hang and a restart after the last forward; the next
+    start rotated the log (it had grown past events_rotate_mb): those records are in
+    events.1.jsonl now, and the feed still hands them on, once."""
+    monkeypatch.setattr(tracking, "POLL_S", 0.05)
+    rd = RunDir(tmp_path)
+    rd.run_json.write_text(json.dumps({"run_id": "r"}))
+    with EventLog(rd.events, run_id="r", rank=-1) as sup:
+        sup.emit("restart", reason="preempted")
+    first = Collect()
+    tracking.SupervisorFeed(first, rd).close()  # type: ignore[arg-type]
+    with EventLog(rd.events, run_id="r", rank=-1) as sup:
+        sup.emit("hang", kind="stuck_rank", culprits=[1])
+        sup.emit("restart", reason="hang")
+    assert rotate(rd.events, 0) is not None and not rd.events.exists()
+    with EventLog(rd.events, run_id="r", rank=-1) as sup:
+        sup.emit("attempt_start", attempt=2)
+    second = Collect()
+    tracking.SupervisorFeed(second, rd).close()  # type: ignore[arg-type]
+    assert [r["event"] for r in first.got] == ["restart"]
+    assert [r["event"] for r in second.got] == ["hang", "restart", "attempt_start"]
 
 
 def test_host_and_gpu_samples_and_degradation_alarms_become_rows() -> None:

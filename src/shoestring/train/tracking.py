@@ -22,6 +22,7 @@ from typing import Any
 
 from shoestring import exitcodes
 from shoestring.config import ConfigError
+from shoestring.events import read_tail
 from shoestring.fsio import atomic_write
 from shoestring.rundir import RunDir
 from shoestring.track import Tracker, TrackerIds
@@ -101,9 +102,11 @@ class SupervisorFeed:
     def __init__(self, tracker: Tracker, rd: RunDir) -> None:
         self.tracker, self.rd = tracker, rd
         self.since = float(_run_json(rd).get("tracked_until", 0.0))
-        size = rd.events.stat().st_size if rd.events.exists() else 0
-        self.offset = max(0, size - TAIL_BYTES)
-        self.partial = self.offset > 0  # the first line read may be cut: skip it
+        self.offset = rd.events.stat().st_size if rd.events.exists() else 0
+        # What was written since the last forward may sit in a segment this start
+        # rotated away: the recent history across segments, then the live file on.
+        for rec in read_tail(rd.events, TAIL_BYTES):
+            self._submit_record(rec)
         self._stop = threading.Event()
         self.poll()
         self._thread = threading.Thread(target=self._run, name="shoestring-feed", daemon=True)
@@ -122,19 +125,18 @@ class SupervisorFeed:
             return
         end = data.rfind(b"\n") + 1  # whole lines only; a line being written waits
         self.offset += end
-        lines = data[:end].splitlines()
-        if self.partial and lines:
-            lines, self.partial = lines[1:], False
-        for line in lines:
-            self._submit(line)
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if isinstance(rec, dict):
+                self._submit_record(rec)
 
-    def _submit(self, line: bytes) -> None:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            return  # a line cut by a kill
-        ts = rec.get("ts") if isinstance(rec, dict) else None
-        ours = isinstance(rec, dict) and rec.get("event") in SUPERVISOR_EVENTS
+    def _submit_record(self, rec: dict[str, Any]) -> None:
+        """Hand on ``shoestring run``'s records newer than the last one handed on."""
+        ts = rec.get("ts")
+        ours = rec.get("event") in SUPERVISOR_EVENTS
         if ours and isinstance(ts, (int, float)) and ts > self.since:
             self.tracker.submit(rec)
             self.since = float(ts)
