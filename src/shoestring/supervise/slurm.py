@@ -280,7 +280,7 @@ def grace_from_events(records: Iterable[Mapping[str, Any]]) -> tuple[int, str]:
     )
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
+def recent_records(path: Path) -> list[dict[str, Any]]:
     """The recent history of a run's log (its last 16 MB, across a rotation)."""
     return list(read_tail(path, 16 << 20))
 
@@ -390,7 +390,7 @@ def options_from_config(
                 f"{what} {v!r} contains whitespace, which #SBATCH lines "
                 "cannot carry; choose a path without it"
             )
-    grace, why = grace_from_events(read_records(RunDir(run_dir).events))
+    grace, why = grace_from_events(recent_records(RunDir(run_dir).events))
     if cfg.grace is not None:
         grace, why = cfg.grace, "set by grace"
     limit = time_limit_s(cfg.time) if cfg.time else None
