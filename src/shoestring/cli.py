@@ -451,11 +451,8 @@ def openmp_defaults(env: Mapping[str, str]) -> dict[str, str]:
 
     With libgomp's default a thread that finished its share of an operation spins a few
     ms for the others; when another process keeps a core busy, the spinning thread takes
-    the CPU from the one it waits for. Measured 2026-12-05 with
-    ``benchmarks/busy_neighbour.py`` (2-core VM, the default finetune, 2 threads, median
-    step quiet / beside one CPU burner; docs/architecture.md): libgomp's default 84 / 600
-    ms; 3,000 spins 89 / 200 ms; ``OMP_WAIT_POLICY=PASSIVE`` 139 / 146 ms (+65 % quiet,
-    and slower than spinning with a burner on every core)."""
+    the CPU from the one it waits for. The measurements behind the choice: docs/
+    architecture.md, "CPU threads beside a busy neighbour"."""
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return {}
     return {"GOMP_SPINCOUNT": str(OMP_SPIN_COUNT)}

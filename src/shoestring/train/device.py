@@ -58,8 +58,7 @@ def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return not flags or "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-#: Measured 2026-12-06 on a 2-vCPU AMD EPYC without AVX512-BF16 (torch 2.13): the
-#: backward's 64x11008 @ 11008x4096 product in bfloat16 took 22.6 s, in float32 0.27 s.
+#: Why: benchmarks/README.md, "Real size" (a 7B step's bfloat16 products on such a CPU).
 CPU_16BIT_WARNING = (
     "model.dtype %s / train.precision %s on a CPU without AVX512-BF16 or AMX: torch has no "
     "fast 16-bit matrix kernels here, and a 7B step's products run about 80x slower than "
