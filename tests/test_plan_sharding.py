@@ -1,0 +1,172 @@
+"""The planner's per-rank FSDP2 terms against the shards two gloo ranks really hold.
+
+One 2-rank launch (``torch.multiprocessing``, spawn) shards a tiny random Llama the way
+``FSDPStrategy.wrap`` does (LoRA on an fp32 base, on a bf16 base, and on an nf4 base
+through ``shard4bit``), runs a forward, a backward and an AdamW step, and records each
+rank's bytes: the sharded weights and adapters (the local shards' storages, padding
+included), the replicated quant states, the gradients (FSDP2's reduce-scatter outputs),
+the optimizer state, and the root group's unsharded weights after the forward. The
+shapes are chosen so that sharding pads: an odd vocabulary and an odd LoRA rank, so the
+two ranks hold different optimizer bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from shoestring.plan import memory as M
+from shoestring.plan import sharding as S
+from shoestring.plan.arch import LINEARS, from_hf_config
+
+pytest.importorskip("bitsandbytes")
+
+SHAPE = dict(
+    vocab_size=333,  # odd: the embedding and head shard with padding
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    tie_word_embeddings=False,
+    max_position_embeddings=128,
+)
+RANK = 5  # odd: each lora_A (5, d_in) shards as 3 + 2 rows (rank 1 pads one)
+CASES = [("none", "float32"), ("none", "bfloat16"), ("nf4", "bfloat16")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    st = local.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def _distinct(tensors: list[torch.Tensor]) -> int:
+    return sum(n for _, n in {_key(t) for t in tensors})
+
+
+def _quant_states(model: torch.nn.Module) -> list[torch.Tensor]:
+    from shoestring.train.shard4bit import linear4bit_modules
+
+    out = []
+    for _, m in linear4bit_modules(model):
+        qs = m.quant_state
+        for s in (qs, getattr(qs, "state2", None)):
+            for name in ("absmax", "code", "offset"):
+                v = getattr(s, name, None)
+                if torch.is_tensor(v):
+                    out.append(v)
+    return out
+
+
+def _measure(model_dir: Path, quantize: str, dtype: str, groups: Any) -> dict[str, int]:
+    from shoestring.train.config import LoraSection, ModelConfig
+    from shoestring.train.model import apply_lora, build_optimizer, load_base_model
+    from shoestring.train.strategy import FSDPStrategy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = load_base_model(model_dir, ModelConfig(path=str(model_dir), dtype=dtype), quantize)
+        model = apply_lora(
+            base, LoraSection(r=RANK, alpha=2 * RANK, dropout=0.0), seed=0,
+            gradient_checkpointing=False,
+        )  # fmt: skip
+    fsdp = FSDPStrategy(torch.device("cpu"), groups, dtype=getattr(torch, dtype), quantize=quantize)
+    wrapped = fsdp.wrap(model, None)
+    params = list(model.parameters())
+    got = {
+        "frozen": _distinct([p for p in params if not p.requires_grad] + list(model.buffers())),
+        "adapters": _distinct([p for p in params if p.requires_grad]),
+        "quant_state": _distinct(_quant_states(model)),
+    }
+    opt = build_optimizer([p for p in params if p.requires_grad], "adamw", 1e-3, 0.0)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    out = wrapped(input_ids=ids, labels=ids)
+    # After the forward the root (embeddings, final norm, head) stays whole; layers are sharded.
+    root = [p for n, p in model.named_parameters() if ".layers." not in n]
+    got["root_unsharded"] = _distinct(root)
+    got["root_is_whole"] = int(not any(type(p).__name__ == "DTensor" for p in root))
+    out.loss.backward()
+    got["gradients"] = _distinct([p.grad for p in params if p.grad is not None])
+    opt.step()
+    got["optimizer"] = _distinct(
+        [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    )
+    return got
+
+
+def _worker(rank: int, port: int, out: str, model_dir: str) -> None:
+    from shoestring.distributed import DistEnv, ProcessGroups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    env = DistEnv(rank=rank, world_size=2, source="torchrun")
+    with ProcessGroups(env, "gloo", 120) as groups:
+        results = {f"{q}/{d}": _measure(Path(model_dir), q, d, groups) for q, d in CASES}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+def _workload(quantize: str, dtype: str) -> M.Workload:
+    from transformers import LlamaConfig
+
+    return M.Workload(
+        arch=from_hf_config(LlamaConfig(**SHAPE).to_dict()),
+        method="qlora" if quantize != "none" else "lora",
+        quantize=quantize,  # type: ignore[arg-type]
+        dtype=dtype,  # type: ignore[arg-type]
+        lora_r=RANK,
+        lora_targets=LINEARS,
+        lora_dropout=0.0,
+        device="cpu",
+    )
+
+
+@pytest.mark.e2e
+def test_fsdp_per_rank_terms_equal_the_shards_bytes(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(model_dir)
+    mp.start_processes(
+        _worker,
+        args=(_free_port(), str(tmp_path), str(model_dir)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for quantize, dtype in CASES:
+        w = _workload(quantize, dtype)
+        for rank, results in enumerate(ranks):
+            got = results[f"{quantize}/{dtype}"]
+            want = S.fsdp_static(w, world_size=2, rank=rank)
+            case = (quantize, dtype, rank)
+            assert got["frozen"] == want["weights"], case
+            assert got["adapters"] == want["adapters"], case
+            assert got["quant_state"] == want["quant_state"], case
+            assert got["gradients"] == want["gradients"], case
+            assert got["optimizer"] == want["optimizer"], case
+            assert got["root_is_whole"] == 1, case
+            root = sum(S.padded_full_bytes(p, 2) for p in S.root_params(w))
+            assert got["root_unsharded"] == root, case
+        if quantize == "nf4":
+            assert ranks[0][f"{quantize}/{dtype}"]["quant_state"] > 0
+    # The odd rank and vocabulary make the ranks differ: rank 1's chunks are partly padding.
+    fp32 = "none/float32"
+    assert ranks[0][fp32]["optimizer"] > ranks[1][fp32]["optimizer"]
+    assert ranks[0][fp32]["gradients"] == ranks[1][fp32]["gradients"]
