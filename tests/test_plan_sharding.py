@@ -170,3 +170,69 @@ def test_fsdp_per_rank_terms_equal_the_shards_bytes(tmp_path: Path) -> None:
     fp32 = "none/float32"
     assert ranks[0][fp32]["optimizer"] > ranks[1][fp32]["optimizer"]
     assert ranks[0][fp32]["gradients"] == ranks[1][fp32]["gradients"]
+
+
+def _resolve(*flags: str) -> Any:
+    from shoestring.config import load
+    from shoestring.plan.cli import PlanConfig
+    from shoestring.plan.workload import resolve_request
+
+    return resolve_request(load(PlanConfig, None, list(flags)).request())
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--world-size", "2", "--strategy", "single"], "--strategy"),
+        (["--world-size", "4", "--gpus-per-host", "3", "--strategy", "fsdp"], "--gpus-per-host"),
+        (["--world-size", "2", "--strategy", "fsdp", "--quantize", "int8"], "--quantize"),
+        (["--world-size", "2", "--strategy", "fsdp", "--optimizer", "adamw8bit"], "--optimizer"),
+        (["--world-size", "2", "--strategy", "ddp", "--cpu-offload"], "--cpu-offload"),
+        (["--world-size", "2", "--device", "cpu"], "--world-size"),
+    ],
+)
+def test_impossible_layouts_are_refused_naming_the_flag(flags: list[str], needle: str) -> None:
+    from shoestring.config import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        _resolve("--model", "llama-3-8b", *flags)
+
+
+def test_a_70b_qlora_plan_per_rank_and_per_host() -> None:
+    from shoestring.gpus import CATALOG, find_gpu
+    from shoestring.plan.estimate import make_plan
+
+    def plan(n: int, *extra: str, per_host: int | None = None) -> Any:
+        flags = ["--model", "llama-3-70b", "--method", "qlora", "--strategy", "fsdp"]
+        r = _resolve(*flags, "--world-size", str(n), *extra)
+        return make_plan(r.workload, find_gpu("L4"), gpus_per_host=per_host)
+
+    two, eight = plan(2), plan(8)
+    # Shards shrink with the world size; the replicated quant states and the gathered
+    # (whole) root and layers do not.
+    w2, w8 = two.breakdown, eight.breakdown
+    assert 3.9 < w2["weights"] / w8["weights"] < 4.1
+    assert w2["quant_state"] == w8["quant_state"] > 0
+    assert w2["gathered_weights"] == w8["gathered_weights"] > 0
+    assert not two.fits and eight.fits and eight.catalog_fits.keys() == CATALOG.keys()
+    # Today every rank reads the whole base on its host; two hosts of four halve that.
+    h = eight.host_ram
+    assert h.loader == "every_rank" and h.load_total == 8 * sum(h.load_per_rank.values())
+    assert plan(8, per_host=4).host_ram.load_total == h.load_total // 2
+    # Offload moves the shards, gradients and optimizer state to host RAM.
+    off = plan(2, "--cpu-offload")
+    assert off.peak_bytes < two.peak_bytes and off.fits
+    assert off.host_bytes["sharded_optimizer"] == w2["optimizer"]
+
+
+def test_one_reader_per_host_counts_the_base_once() -> None:
+    from shoestring.plan.arch import PRESETS
+    from shoestring.plan.estimate import CPU_RUNTIME_BYTES
+    from shoestring.plan.memory import Workload
+
+    w = Workload(arch=PRESETS["llama-3-8b"], method="qlora", parallelism="fsdp", world_size=4)
+    every = S.host_ram(w, 4, "every_rank", True, CPU_RUNTIME_BYTES, 0, {})
+    one = S.host_ram(w, 4, "rank0_broadcast", True, CPU_RUNTIME_BYTES, 0, {})
+    base = sum(every.load_per_rank.values())
+    assert every.load_total == 4 * base
+    assert one.load_total == base + 3 * CPU_RUNTIME_BYTES

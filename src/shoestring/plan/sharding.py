@@ -37,10 +37,8 @@ from math import ceil, prod
 from typing import Literal
 
 from shoestring.config import ConfigError
-from shoestring.plan.memory import Workload, weight_bytes
+from shoestring.plan.memory import Parallelism, Workload, adapter_bytes, weight_bytes
 
-#: How the ranks share the work (``distributed.strategy``; ``single``: one process).
-Parallelism = Literal["single", "ddp", "fsdp"]
 #: Who reads the base from disk in a multi-rank run: every rank (what main does today:
 #: each rank loads the whole base on the CPU before sharding), or rank 0 alone, the
 #: others receiving their shards (DCP ``set_model_state_dict(..., broadcast_from_rank0)``).
@@ -151,8 +149,9 @@ def fsdp_static(w: Workload, world_size: int, rank: int = 0) -> dict[str, int]:
     }
 
 
-def fsdp_gathered(w: Workload, world_size: int) -> int:
-    """Transient unsharded bytes at the step's peak (see the module docstring)."""
+def fsdp_gathered(w: Workload, world_size: int, cpu_offload: bool = False) -> int:
+    """Transient unsharded bytes at the step's peak (see the module docstring). With CPU
+    offload, the two layers' shards are also copied to the device for their all-gathers."""
     layer = layer_params(w)
     root = sum(padded_full_bytes(p, world_size) for p in root_params(w))
     one_layer = sum(padded_full_bytes(p, world_size) for p in layer)
@@ -161,7 +160,18 @@ def fsdp_gathered(w: Workload, world_size: int) -> int:
         for p in layer
         if p.trainable
     )
-    return root + 4 * one_layer + 2 * layer_grads
+    copies = 2 * sum(padded_shard_bytes(p, world_size) for p in layer) if cpu_offload else 0
+    return root + 4 * one_layer + 2 * layer_grads + copies
+
+
+def fsdp_host_offload(w: Workload, world_size: int) -> dict[str, int]:
+    """What ``distributed.cpu_offload`` keeps in one rank's (pinned) host RAM."""
+    s = fsdp_static(w, world_size)
+    return {
+        "sharded_weights": s["weights"] - weight_bytes(w)["buffers"] + s["adapters"],
+        "sharded_gradients": s["gradients"],
+        "sharded_optimizer": s["optimizer"],
+    }
 
 
 def fsdp_accumulated_grads(w: Workload) -> int:
@@ -206,8 +216,6 @@ def host_ram(
     """Per-host RAM. ``reads_on_cpu``: the base is loaded into host memory before it goes
     to the GPU (FSDP); otherwise it loads onto the device (single, DDP) and the host holds
     the runtime alone. ``offloaded``: what one rank keeps in host RAM while training."""
-    from shoestring.plan.memory import adapter_bytes
-
     wb = weight_bytes(w)
     reader = (
         {
