@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.multiprocessing as mp
 from shoestring.plan import memory as M
 from shoestring.plan import sharding as S
 from shoestring.plan.arch import LINEARS, from_hf_config
+from shoestring.plan.estimate import breakdown
 
 pytest.importorskip("bitsandbytes")
 
@@ -73,18 +75,39 @@ def _quant_states(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def _measure(model_dir: Path, quantize: str, dtype: str, groups: Any) -> dict[str, int]:
+def _lora(model_dir: Path, quantize: str, dtype: str) -> Any:
     from shoestring.train.config import LoraSection, ModelConfig
-    from shoestring.train.model import apply_lora, build_optimizer, load_base_model
-    from shoestring.train.strategy import FSDPStrategy
+    from shoestring.train.model import apply_lora, load_base_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = load_base_model(model_dir, ModelConfig(path=str(model_dir), dtype=dtype), quantize)
-        model = apply_lora(
+        return apply_lora(
             base, LoraSection(r=RANK, alpha=2 * RANK, dropout=0.0), seed=0,
             gradient_checkpointing=False,
         )  # fmt: skip
+
+
+def _unsharded_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients FSDP2 keeps unsharded between micro-batches (no gradient sync)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fp in group.fsdp_params if group else []:
+            if fp._unsharded_param.grad is not None:
+                out.append(fp._unsharded_param.grad)
+    return out
+
+
+def _measure(model_dir: Path, quantize: str, dtype: str, groups: Any) -> dict[str, int]:
+    from shoestring.train.model import build_optimizer
+    from shoestring.train.parallel import decoder_layers
+    from shoestring.train.strategy import FSDPStrategy
+
+    model = _lora(model_dir, quantize, dtype)
+    layer = decoder_layers(model)[0]
     fsdp = FSDPStrategy(torch.device("cpu"), groups, dtype=getattr(torch, dtype), quantize=quantize)
     wrapped = fsdp.wrap(model, None)
     params = list(model.parameters())
@@ -94,19 +117,36 @@ def _measure(model_dir: Path, quantize: str, dtype: str, groups: Any) -> dict[st
         "quant_state": _distinct(_quant_states(model)),
     }
     opt = build_optimizer([p for p in params if p.requires_grad], "adamw", 1e-3, 0.0)
+    # Inside a layer's forward its parameters are all-gathered (padded, whole).
+    layer.self_attn.register_forward_pre_hook(
+        lambda *_: got.__setitem__("layer_unsharded", _distinct(list(layer.parameters())))
+    )
     ids = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    wrapped.set_requires_gradient_sync(False)  # a first micro-batch of two
     out = wrapped(input_ids=ids, labels=ids)
     # After the forward the root (embeddings, final norm, head) stays whole; layers are sharded.
     root = [p for n, p in model.named_parameters() if ".layers." not in n]
     got["root_unsharded"] = _distinct(root)
     got["root_is_whole"] = int(not any(type(p).__name__ == "DTensor" for p in root))
     out.loss.backward()
+    got["accumulated"] = _distinct(_unsharded_grads(model))
+    wrapped.set_requires_gradient_sync(True)
+    wrapped(input_ids=ids, labels=ids).loss.backward()
     got["gradients"] = _distinct([p.grad for p in params if p.grad is not None])
     opt.step()
     got["optimizer"] = _distinct(
         [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     )
     return got
+
+
+def _ddp_buckets(model_dir: Path, groups: Any) -> int:
+    """Bytes of DDP's gradient buckets for the fp32 LoRA model."""
+    from shoestring.train.strategy import DDPStrategy
+
+    ddp = DDPStrategy(torch.device("cpu"), groups).wrap(_lora(model_dir, "none", "float32"), None)
+    sizes = ddp._get_ddp_logging_data()["bucket_sizes"]  # type: ignore[operator]
+    return sum(int(n) for n in str(sizes).split(", "))
 
 
 def _worker(rank: int, port: int, out: str, model_dir: str) -> None:
@@ -116,7 +156,10 @@ def _worker(rank: int, port: int, out: str, model_dir: str) -> None:
     torch.set_num_threads(1)
     env = DistEnv(rank=rank, world_size=2, source="torchrun")
     with ProcessGroups(env, "gloo", 120) as groups:
-        results = {f"{q}/{d}": _measure(Path(model_dir), q, d, groups) for q, d in CASES}
+        results: dict[str, Any] = {
+            f"{q}/{d}": _measure(Path(model_dir), q, d, groups) for q, d in CASES
+        }
+        results["ddp_buckets"] = _ddp_buckets(Path(model_dir), groups)
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
@@ -132,6 +175,9 @@ def _workload(quantize: str, dtype: str) -> M.Workload:
         lora_targets=LINEARS,
         lora_dropout=0.0,
         device="cpu",
+        parallelism="fsdp",
+        world_size=2,
+        grad_accum=2,
     )
 
 
@@ -164,8 +210,15 @@ def test_fsdp_per_rank_terms_equal_the_shards_bytes(tmp_path: Path) -> None:
             assert got["root_is_whole"] == 1, case
             root = sum(S.padded_full_bytes(p, 2) for p in S.root_params(w))
             assert got["root_unsharded"] == root, case
+            layer = sum(S.padded_full_bytes(p, 2) for p in S.layer_params(w))
+            assert got["layer_unsharded"] == layer, case
+            assert got["accumulated"] == S.fsdp_accumulated_grads(w), case
         if quantize == "nf4":
             assert ranks[0][f"{quantize}/{dtype}"]["quant_state"] > 0
+    # DDP: the reducer's buckets are a second copy of every trainable gradient.
+    ddp = replace(_workload("none", "float32"), parallelism="ddp")
+    parts, _ = breakdown(ddp)
+    assert ranks[0]["ddp_buckets"] == parts["gradient_buckets"] == M.grad_bytes(ddp)
     # The odd rank and vocabulary make the ranks differ: rank 1's chunks are partly padding.
     fp32 = "none/float32"
     assert ranks[0][fp32]["optimizer"] > ranks[1][fp32]["optimizer"]
