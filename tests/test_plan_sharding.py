@@ -12,6 +12,7 @@ two ranks hold different optimizer bytes.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import warnings
@@ -254,6 +255,7 @@ def test_impossible_layouts_are_refused_naming_the_flag(flags: list[str], needle
 def test_a_70b_qlora_plan_per_rank_and_per_host() -> None:
     from shoestring.gpus import CATALOG, find_gpu
     from shoestring.plan.estimate import make_plan
+    from shoestring.plan.report import to_json, to_text
 
     def plan(n: int, *extra: str, per_host: int | None = None) -> Any:
         flags = ["--model", "llama-3-70b", "--method", "qlora", "--strategy", "fsdp"]
@@ -272,6 +274,11 @@ def test_a_70b_qlora_plan_per_rank_and_per_host() -> None:
     h = eight.host_ram
     assert h.loader == "every_rank" and h.load_total == 8 * sum(h.load_per_rank.values())
     assert plan(8, per_host=4).host_ram.load_total == h.load_total // 2
+    text, doc = to_text(eight), json.loads(to_json(eight))
+    assert "rank 0 of 8" in text and "all-gathered weights" in text and "8 ranks" in text
+    assert all(f"\n  {name} " in text for name in CATALOG)
+    assert doc["host_ram"]["peak"] == h.peak and doc["catalog_fits"]["T4"] is False
+    assert sum(doc["breakdown"].values()) == doc["peak_bytes"]
     # Offload moves the shards, gradients and optimizer state to host RAM.
     off = plan(2, "--cpu-offload")
     assert off.peak_bytes < two.peak_bytes and off.fits
