@@ -34,6 +34,7 @@ def plan_cli(*args: str) -> subprocess.CompletedProcess[str]:
         ("llama-3-8b", 8_030_261_248),
         ("mistral-7b", 7_248_023_552),
         ("qwen2.5-7b", 7_615_616_512),
+        ("llama-3-70b", 70_553_706_496),
     ],
 )
 def test_presets_have_the_published_parameter_counts(name: str, params: int) -> None:

@@ -175,6 +175,17 @@ PRESETS: dict[str, Arch] = {
     )
 }
 PRESETS["llama-3.1-8b"] = replace(PRESETS["llama-3-8b"], name="llama-3.1-8b")
+#: The 70B that FSDP-QLoRA shards over a few small GPUs (Llama-3-70B's config.json).
+PRESETS["llama-3-70b"] = _preset(
+    "llama-3-70b",
+    hidden=8192,
+    intermediate=28672,
+    layers=80,
+    heads=64,
+    kv_heads=8,
+    head_dim=128,
+    vocab=128256,
+)
 
 
 def load_arch(spec: str) -> Arch:

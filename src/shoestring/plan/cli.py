@@ -19,7 +19,7 @@ from shoestring.config import (
 )
 from shoestring.gpus import CATALOG, GiB, find_gpu
 from shoestring.plan.arch import LINEARS, PRESETS
-from shoestring.plan.memory import Method
+from shoestring.plan.memory import Method, Parallelism
 from shoestring.plan.workload import DEFAULT_GPU
 from shoestring.train.config import ComputeDtype, FinetuneConfig, Optimizer, Quantize
 
@@ -40,12 +40,15 @@ override it. The keys above can also come from a
 YAML of their own: --plan-config FILE.yaml (gpu: T4, seq_len: 2048, ...).
 --device cpu plans a CPU run (host RAM, --ram; no time or cost); cuda, the default unless
 the config says train.device: cpu, plans for --gpu. Dtype and autocast follow finetune's rule.
+--world-size N plans each of N ranks (micro-batch per rank) under --strategy ddp or fsdp, and
+the host RAM of --gpus-per-host ranks; the verdict is per GPU.
 
 exit codes: 0 fits; 1 does not fit; 2 bad arguments.
 examples:
   shoestring plan --model llama-3-8b --method qlora --seq-len 2048 --gpu T4
   shoestring plan --config configs/llama-7b-lora-spot.yaml --gpu L4 --json
   shoestring plan --config configs/tiny-reverse.yaml --device cpu
+  shoestring plan --model llama-3-70b --method qlora --world-size 8 --strategy fsdp --gpu L4
 """.format(presets=", ".join(sorted(PRESETS)))
 
 
@@ -123,6 +126,23 @@ class PlanConfig:
     checkpoint_minutes: float = knob(
         10.0, "Checkpoint interval, for the spot-preemption overhead.", check=positive
     )
+    world_size: int = knob(
+        1, "Ranks (GPUs) of the run; the memory is then per rank (per GPU).", check=positive
+    )
+    gpus_per_host: int | None = knob(
+        None, "Ranks per host, for the host RAM (default: all on one host).", check=positive
+    )
+    strategy: Parallelism | None = knob(
+        None,
+        "How the ranks share the model, as distributed.strategy: 'ddp' (a replica each) or "
+        "'fsdp' (FSDP2 shards); 'single' is one process. Default: single for one rank, else "
+        "the config's distributed.strategy (ddp).",
+    )
+    cpu_offload: bool | None = knob(
+        None,
+        "As distributed.cpu_offload: FSDP2's shards, gradients and optimizer state in host "
+        "RAM (default: the config's, else off).",
+    )
     json: bool = knob(False, "Print the plan as JSON.")
     list_gpus: bool = knob(False, "Print the GPU catalog and exit.")
 
@@ -150,6 +170,10 @@ class PlanConfig:
             loss_chunk_tokens=self.loss_chunk_tokens,
             offload_activations=self.offload_activations,
             steps=self.steps,
+            world_size=self.world_size,
+            gpus_per_host=self.gpus_per_host,
+            strategy=self.strategy,
+            cpu_offload=self.cpu_offload,
         )
 
 
@@ -200,7 +224,10 @@ def run_plan(cfg: PlanConfig, call: Invocation) -> int:
     else:
         target = host_target(host_memory_bytes(), "this machine")
     plan = make_plan(
-        r.workload, target, Schedule(steps=r.steps, checkpoint_minutes=cfg.checkpoint_minutes)
+        r.workload,
+        target,
+        Schedule(steps=r.steps, checkpoint_minutes=cfg.checkpoint_minutes),
+        gpus_per_host=r.gpus_per_host,
     )
     if not cfg.json:
         print(planned_from(cfg.config))

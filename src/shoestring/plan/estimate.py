@@ -15,6 +15,15 @@ from shoestring.plan.memory import (
     optimizer_bytes,
     weight_bytes,
 )
+from shoestring.plan.sharding import (
+    HostRAM,
+    fsdp_accumulated_grads,
+    fsdp_gathered,
+    fsdp_host_offload,
+    fsdp_static,
+    host_ram,
+    loader_for,
+)
 
 #: CUDA context + cuBLAS workspace outside ``max_memory_allocated`` (seen as
 #: 300-600 MiB in the research notes; uncalibrated until benchmarks/plan_vs_cuda.py runs).
@@ -68,6 +77,10 @@ class Plan:
     #: Bytes in host RAM instead of device memory (``train.offload_activations`` on a
     #: GPU): not part of ``peak_bytes``, which is the device's.
     host_bytes: dict[str, int] = field(default_factory=dict)
+    #: Several ranks: one host's RAM (its ranks at the load and while training).
+    host_ram: HostRAM | None = None
+    #: Several ranks: whether the per-rank peak fits each GPU of the catalog.
+    catalog_fits: dict[str, bool] = field(default_factory=dict)
 
     @property
     def headroom_bytes(self) -> int:
@@ -94,18 +107,43 @@ def host_target(memory_bytes: int, source: str) -> GPU:
     )
 
 
-def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
-    """Peak-memory components in bytes, and the activation sub-components."""
+def _model_parts(w: Workload) -> dict[str, int]:
+    """Weights, adapters, gradients and optimizer state of one rank (one process: all)."""
+    if w.parallelism == "fsdp":
+        return _fsdp_parts(w)
     wb = weight_bytes(w)
-    act = activation_bytes(w)
-    weights = wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"]
-    dynamic = act.device_saved + act.held + max(act.logits, act.recompute)
     parts = {
-        "weights": weights,
+        "weights": wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"],
         "quant_state": wb["quant_state"],
         "adapters": adapter_bytes(w),
         "gradients": grad_bytes(w),
         "optimizer": optimizer_bytes(w),
+    }
+    if w.parallelism == "ddp":
+        # DDP's reducer keeps its own flat buckets of the gradients (it is built with
+        # gradient_as_bucket_view off): a second copy of every trainable gradient.
+        parts["gradient_buckets"] = grad_bytes(w)
+    return parts
+
+
+def _fsdp_parts(w: Workload) -> dict[str, int]:
+    """One rank's share under FSDP2, rank 0's (the largest): ``plan/sharding.py``."""
+    parts = fsdp_static(w, w.world_size)
+    if w.cpu_offload:  # the shards, gradients and optimizer state live in host RAM
+        parts.update(weights=weight_bytes(w)["buffers"], adapters=0, gradients=0, optimizer=0)
+    parts["accumulated_gradients"] = fsdp_accumulated_grads(w)
+    parts["gathered_weights"] = fsdp_gathered(w, w.world_size, w.cpu_offload)
+    return parts
+
+
+def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
+    """Peak-memory components in bytes (per rank), and the activation sub-components."""
+    wb = weight_bytes(w)
+    act = activation_bytes(w)
+    parts = _model_parts(w)
+    dynamic = act.device_saved + act.held + max(act.logits, act.recompute)
+    dynamic += parts.get("gathered_weights", 0)
+    parts |= {
         "activations": act.device_saved + act.held,
         "logits_and_backward_transient": max(act.logits, act.recompute),
         "workspace": CUBLAS_WORKSPACE_BYTES if w.device == "cuda" else 0,
@@ -114,15 +152,35 @@ def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
     }
     # The load's moment (weights, the runtime and one tensor stored + converted), where it
     # is higher than the steps' (a 128k vocabulary converted to float32 on a CPU).
+    weights = wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"]
     at_load = weights + wb["quant_state"] + CPU_RUNTIME_BYTES + load_transient_bytes(w)
     parts["loading_transient"] = max(0, at_load - sum(parts.values())) if w.device == "cpu" else 0
     return parts, act.parts
 
 
 def host_breakdown(w: Workload) -> dict[str, int]:
-    """What a GPU run keeps in host RAM instead: the offloaded activations (pinned)."""
+    """What one rank of a GPU run keeps in host RAM instead: the offloaded activations
+    (pinned), and under FSDP2 CPU offload its shards, gradients and optimizer state."""
     host = activation_bytes(w).host
-    return {"offloaded_activations": host} if host else {}
+    out = {"offloaded_activations": host} if host else {}
+    if w.parallelism == "fsdp" and w.cpu_offload:
+        out |= fsdp_host_offload(w, w.world_size)
+    return out
+
+
+def host_ram_of(w: Workload, ranks: int) -> HostRAM:
+    """Host memory of one host running ``ranks`` of this run's ranks. FSDP loads the base
+    on the CPU (``FSDPStrategy.load_device``); single and DDP load onto the GPU."""
+    cpu_load = replace(w, device="cpu")
+    return host_ram(
+        w,
+        ranks,
+        loader_for(w.parallelism),
+        reads_on_cpu=w.parallelism == "fsdp",
+        runtime=CPU_RUNTIME_BYTES,
+        load_transient=load_transient_bytes(cpu_load),
+        offloaded=host_breakdown(w),
+    )
 
 
 def peak_bytes(w: Workload) -> int:
@@ -208,6 +266,20 @@ def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
                 {"loss_chunk_tokens": ADVISED_CHUNK},
             )
         )
+    if w.parallelism == "ddp" and w.quant != "int8" and w.optimizer == "adamw":
+        out.append(
+            (
+                "shard instead of replicating (distributed.strategy: fsdp)",
+                {"parallelism": "fsdp"},
+            )
+        )
+    if w.parallelism == "fsdp" and w.device == "cuda" and not w.cpu_offload:
+        out.append(
+            (
+                "shards, gradients and optimizer state in host RAM (distributed.cpu_offload: true)",
+                {"cpu_offload": True},
+            )
+        )
     if w.device == "cuda" and not w.offload_activations:
         out.append(
             (
@@ -279,7 +351,7 @@ def _time_and_cost(w: Workload, gpu: GPU, schedule: Schedule) -> dict[str, float
     GPU tensor-core FLOPs at an assumed utilization, and a CPU has no catalog price)."""
     if w.device == "cpu":
         return dict.fromkeys(("hours", "hours_spot", "cost_usd", "cost_spot_usd"))
-    tokens = schedule.steps * w.micro_batch * w.grad_accum * w.seq_len
+    tokens = schedule.steps * w.micro_batch * w.grad_accum * w.seq_len  # one rank's
     peak_flops = gpu.peak_flops(w.dtype) or gpu.fp16_flops
     hours = tokens * flops_per_token(w) / (peak_flops * MFU[w.method]) / 3600
     # Each preemption costs a restart plus, on average, half a checkpoint interval of
@@ -290,13 +362,41 @@ def _time_and_cost(w: Workload, gpu: GPU, schedule: Schedule) -> dict[str, float
     return {
         "hours": hours,
         "hours_spot": hours_spot,
-        "cost_usd": hours * gpu.on_demand_usd_h,
-        "cost_spot_usd": hours_spot * gpu.spot_usd_h,
+        "cost_usd": hours * gpu.on_demand_usd_h * w.world_size,
+        "cost_spot_usd": hours_spot * gpu.spot_usd_h * w.world_size,
     }
 
 
+def _parallel_notes(w: Workload) -> list[str]:
+    """What a multi-rank plan assumes."""
+    if w.parallelism == "single":
+        return []
+    common = (
+        "NCCL's own buffers are not counted; time assumes the ranks compute in parallel "
+        "with no communication cost; cost is for all the GPUs"
+    )
+    if w.parallelism == "ddp":
+        return [f"DDP over {w.world_size} ranks: per GPU, a whole replica plus the reducer's "
+                f"gradient buckets; {common}"]  # fmt: skip
+    return [
+        f"FSDP2 over {w.world_size} ranks: per GPU, rank 0's share (the largest; later ranks "
+        "may hold fewer optimizer rows); every parameter sharded on dim 0, padded to "
+        f"{w.world_size} equal chunks; quant states and buffers replicated",
+        "all-gathered weights: an upper bound read from torch 2.13's FSDP2, not measured: the "
+        "root (embeddings, final norm, head) whole from the forward to the end of the "
+        "backward, two decoder layers gathered at once (prefetch) each with its all-gather "
+        "buffer, one layer's gradients being reduce-scattered"
+        + (
+            "; the unsharded gradients are kept across the accumulated micro-batches"
+            if w.grad_accum > 1
+            else ""
+        ),  # fmt: skip
+        common,
+    ]
+
+
 def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
-    notes = []
+    notes = _parallel_notes(w)
     if w.device == "cpu":
         notes.append(
             "a CPU run: the peak is host RAM, the tensors plus "
@@ -325,14 +425,19 @@ def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def make_plan(w: Workload, gpu: GPU, schedule: Schedule = Schedule()) -> Plan:
+def make_plan(
+    w: Workload, gpu: GPU, schedule: Schedule = Schedule(), gpus_per_host: int | None = None
+) -> Plan:
     """Everything ``shoestring plan`` prints. For a CPU run (``w.device == "cpu"``) the
-    ``gpu`` is the host's RAM (:func:`host_target`)."""
+    ``gpu`` is the host's RAM (:func:`host_target`). Several ranks (``w.world_size``):
+    the memory is one rank's, and the host RAM that of ``gpus_per_host`` ranks (default:
+    all on one host)."""
     parts, act_parts = breakdown(w)
     peak = sum(parts.values())
     fits = peak <= gpu.memory_bytes
     max_mb = _largest(w, gpu, "micro_batch", 1, 4096)
     max_seq = _largest(w, gpu, "seq_len", 64, 1 << 20, step=64)
+    several = w.parallelism != "single"
     return Plan(
         workload=w,
         gpu=gpu,
@@ -345,7 +450,9 @@ def make_plan(w: Workload, gpu: GPU, schedule: Schedule = Schedule()) -> Plan:
         max_seq_len=max_seq,
         advice=[] if fits else _advice(w, gpu, peak, max_mb),
         host_bytes=host_breakdown(w),
-        tokens=schedule.steps * w.micro_batch * w.grad_accum * w.seq_len,
+        host_ram=host_ram_of(w, gpus_per_host or w.world_size) if several else None,
+        catalog_fits={g.name: peak <= g.memory_bytes for g in CATALOG.values()} if several else {},
+        tokens=schedule.steps * w.micro_batch * w.grad_accum * w.seq_len * w.world_size,
         flops_per_token=flops_per_token(w),
         **_time_and_cost(w, gpu, schedule),
     )

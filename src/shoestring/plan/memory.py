@@ -34,6 +34,8 @@ from shoestring.plan.arch import LINEARS, Arch
 from shoestring.train.config import ComputeDtype, DeviceKind, Optimizer, Quantize
 
 Method = Literal["full", "lora", "qlora"]
+#: How the ranks share the work (``distributed.strategy``; ``single``: one process).
+Parallelism = Literal["single", "ddp", "fsdp"]
 DTYPE_BYTES: dict[ComputeDtype, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: bitsandbytes 4-bit: values per absmax block, blocks per second-level absmax.
@@ -71,6 +73,12 @@ class Workload:
     loss_chunk_tokens: int = 0
     #: ``train.offload_activations``: saved tensors live in host RAM (on CUDA).
     offload_activations: bool = False
+    #: Several processes: ``ddp`` (a replica each) or ``fsdp`` (FSDP2 shards) over
+    #: ``world_size`` ranks; the batch fields above are per rank (``plan/sharding.py``).
+    parallelism: Parallelism = "single"
+    world_size: int = 1
+    #: ``distributed.cpu_offload``: FSDP2's shards, gradients and optimizer state in host RAM.
+    cpu_offload: bool = False
 
     @property
     def quant(self) -> Quantize:

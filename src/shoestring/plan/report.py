@@ -8,6 +8,7 @@ from typing import Any
 
 from shoestring.gpus import GiB
 from shoestring.plan.estimate import Plan
+from shoestring.plan.sharding import HostRAM
 
 _LABELS = {
     "weights": "weights",
@@ -20,10 +21,22 @@ _LABELS = {
     "workspace": "cuBLAS workspace",
     "overhead": "CUDA context + fragmentation",
     "loading_transient": "loading: beyond the steps' peak",
+    "gradient_buckets": "DDP gradient buckets",
+    "accumulated_gradients": "unsharded grads (accumulation)",
+    "gathered_weights": "all-gathered weights (transient)",
 }
 
 
-_HOST_LABELS = {"offloaded_activations": "activations saved for backward"}
+_HOST_LABELS = {
+    "offloaded_activations": "activations saved for backward",
+    "sharded_weights": "weight + adapter shards",
+    "sharded_gradients": "gradient shards",
+    "sharded_optimizer": "optimizer state shards",
+    "base": "the whole base, as loaded",
+    "adapters": "LoRA adapters (fp32)",
+    "load_transient": "one tensor stored + converted",
+    "runtime": "runtime (python, libraries)",
+}
 
 
 def _gib(n: float) -> str:
@@ -57,6 +70,8 @@ def to_dict(plan: Plan) -> dict[str, Any]:
         "cost_usd": plan.cost_usd,
         "cost_spot_usd": plan.cost_spot_usd,
         "notes": list(plan.notes),
+        "host_ram": None if plan.host_ram is None else _host_ram_dict(plan.host_ram),
+        "catalog_fits": dict(plan.catalog_fits),
         "gpu": None if plan.on_cpu else asdict(g),
         "workload": {
             **{k: v for k, v in asdict(w).items() if k != "arch"},
@@ -64,6 +79,10 @@ def to_dict(plan: Plan) -> dict[str, Any]:
             "arch": asdict(w.arch),
         },
     }
+
+
+def _host_ram_dict(h: HostRAM) -> dict[str, Any]:
+    return {**asdict(h), "peak": h.peak}
 
 
 def to_json(plan: Plan) -> str:
@@ -90,9 +109,68 @@ def _header(plan: Plan) -> list[str]:
         f"device   cpu: {g.name} {g.memory_bytes / GiB:.1f} GiB"
         if plan.on_cpu
         else f"gpu      {g.name}: {g.memory_bytes / GiB:.1f} GiB",
+        *_layout_line(plan),
         "",
-        f"memory (peak, {'host RAM' if plan.on_cpu else 'per GPU'}):",
+        f"memory (peak, {'host RAM' if plan.on_cpu else _per_gpu(plan)}):",
     ]
+
+
+def _per_gpu(plan: Plan) -> str:
+    w = plan.workload
+    if w.parallelism == "fsdp":
+        return f"per GPU: rank 0 of {w.world_size}, the largest share"
+    return "per GPU" if w.parallelism == "single" else f"per GPU, each of {w.world_size}"
+
+
+def _layout_line(plan: Plan) -> list[str]:
+    w, h = plan.workload, plan.host_ram
+    if w.parallelism == "single" or h is None:
+        return []
+    how = "FSDP2 shards" if w.parallelism == "fsdp" else "DDP replicas"
+    return [
+        f"ranks    {w.world_size} x {plan.gpu.name}, {how}"
+        + (", CPU offload" if w.cpu_offload else "")
+        + f", {h.ranks} per host; micro-batch per rank, "
+        f"global batch {w.micro_batch * w.grad_accum * w.world_size}"
+    ]
+
+
+def _host_ram_lines(h: HostRAM) -> list[str]:
+    """One host's RAM: its ranks at the load's moment and while training."""
+    readers = h.ranks if h.loader == "every_rank" else 1
+    who = "every rank reads" if h.loader == "every_rank" else "rank 0 reads, the others receive"
+    lines = ["", f"host RAM (per host, {h.ranks} ranks; at load {who} the base):"]
+    lines.append(f"  at load, per reading rank ({readers}):")
+    lines += [f"    {_HOST_LABELS.get(k, k):32s}{_gib(v)}" for k, v in h.load_per_rank.items() if v]
+    lines.append(f"  while training, per rank ({h.ranks}):")
+    lines += [
+        f"    {_HOST_LABELS.get(k, k):32s}{_gib(v)}" for k, v in h.steady_per_rank.items() if v
+    ]
+    lines.append(
+        f"  {'host total: load / training':34s}{_gib(h.load_total)} / {h.steady_total / GiB:.2f}"
+        f" GiB; peak {h.peak / GiB:.2f} GiB"
+    )
+    return lines
+
+
+def _catalog_lines(plan: Plan) -> list[str]:
+    from shoestring.gpus import CATALOG
+
+    if not plan.catalog_fits:
+        return []
+    lines = ["", f"per-rank peak {plan.peak_bytes / GiB:.2f} GiB on each GPU of the catalog:"]
+    for name, ok in plan.catalog_fits.items():
+        room = (CATALOG[name].memory_bytes - plan.peak_bytes) / GiB
+        lines.append(
+            f"  {name:10s} {CATALOG[name].memory_bytes / GiB:6.1f} GiB  "
+            + (f"fits, {room:.2f} GiB to spare" if ok else f"does not fit, {-room:.2f} GiB over")
+        )
+    return lines
+
+
+def _per_rank(plan: Plan) -> str:
+    n = plan.workload.world_size
+    return f" ({plan.tokens / n / 1e6:.1f}M per rank, {n} ranks in parallel)" if n > 1 else ""
 
 
 def _time_lines(plan: Plan) -> list[str]:
@@ -101,8 +179,9 @@ def _time_lines(plan: Plan) -> list[str]:
         return []
     return [
         "",
-        f"time     {plan.tokens / 1e6:.1f}M tokens x {plan.flops_per_token / 1e9:.3g} GFLOP/token "
-        f"= {_hours(plan.hours)} at the assumed utilization",
+        f"time     {plan.tokens / 1e6:.1f}M tokens{_per_rank(plan)} x "
+        f"{plan.flops_per_token / 1e9:.3g} GFLOP/token = {_hours(plan.hours)} at the assumed "
+        "utilization",
         f"cost     on-demand ${plan.cost_usd:.2f} (${g.on_demand_usd_h:.2f}/h); "
         f"spot ${plan.cost_spot_usd:.2f} (${g.spot_usd_h:.2f}/h, {plan.hours_spot:.2f} h incl. "
         f"{g.preemptions_per_hour:.0%}/h preemptions)",
@@ -123,6 +202,8 @@ def to_text(plan: Plan) -> str:
         lines.append("host RAM (pinned, not in the GPU total):")
         for k, v in plan.host_bytes.items():
             lines.append(f"  {_HOST_LABELS.get(k, k):34s}{_gib(v)}")
+    if plan.host_ram is not None:
+        lines += _host_ram_lines(plan.host_ram)
     lines.append("")
     if plan.fits:
         lines.append(f"FITS, {plan.headroom_bytes / GiB:.2f} GiB to spare.")
@@ -140,6 +221,7 @@ def to_text(plan: Plan) -> str:
         for adv in plan.advice:
             verdict = "fits" if adv["fits"] else "still too big"
             lines.append(f"  - {adv['change']}: {adv['peak_bytes'] / GiB:.2f} GiB, {verdict}")
+    lines += _catalog_lines(plan)
     lines += [f"note     {n}" for n in plan.notes]
     lines += _time_lines(plan)
     lines.append(

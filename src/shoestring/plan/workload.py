@@ -10,7 +10,7 @@ from shoestring.config import ConfigError, load
 from shoestring.gpus import GPU, find_gpu
 from shoestring.hub import HubAccess, looks_remote, resolve
 from shoestring.plan.arch import LINEARS, PRESETS, Arch, from_hf_config, load_arch
-from shoestring.plan.memory import Method, Workload
+from shoestring.plan.memory import Method, Parallelism, Workload
 from shoestring.train.config import (
     ComputeDtype,
     DeviceKind,
@@ -102,6 +102,9 @@ def workload_from_config(
         padded=not cfg.data.packing or cfg.model.attn_implementation != "flash_attention_2",
         loss_chunk_tokens=t.loss_chunk_tokens,
         offload_activations=t.offload_activations,
+        parallelism="single" if world_size == 1 else cfg.distributed.strategy,
+        world_size=world_size,
+        cpu_offload=cfg.distributed.cpu_offload and world_size > 1,
         **numerics_fields(n),
     )
     return w, t.max_steps
@@ -130,6 +133,10 @@ class PlanRequest:
     loss_chunk_tokens: int | None = None
     offload_activations: bool | None = None
     steps: int | None = None
+    world_size: int = 1
+    gpus_per_host: int | None = None  # None: every rank on one host
+    strategy: Parallelism | None = None  # None: single for one rank, else the config's
+    cpu_offload: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,7 @@ class Resolved:
     workload: Workload
     steps: int
     gpu: GPU | None
+    gpus_per_host: int = 1
 
 
 #: The GPU a CUDA plan is made for when ``--gpu`` is not given.
@@ -202,7 +210,7 @@ def _base_workload(req: PlanRequest, hub: HubAccess | None) -> Resolved:
     if req.config is not None:
         model = req.model or cfg.model.path
         arch = arch_for(model, "--model" if req.model else f"{req.config}: model.path", hub)
-        w, steps = workload_from_config(cfg, arch, device=device, gpu=gpu)
+        w, steps = workload_from_config(cfg, arch, req.world_size, device=device, gpu=gpu)
         return Resolved(w, steps, gpu)
     if not req.model:
         raise ConfigError("plan: give --model (a preset, model dir or config.json) or --config")
@@ -252,4 +260,50 @@ def resolve_request(
         changes["lora_targets"] = _targets(req.targets, "--targets")
     if req.packed:
         changes["padded"] = False
-    return replace(base, workload=replace(w, **changes), steps=req.steps or base.steps)
+    w = replace(w, **changes, **_layout(req, w))
+    check_layout(w)
+    return replace(base, workload=w, steps=req.steps or base.steps, gpus_per_host=_per_host(req))
+
+
+def _layout(req: PlanRequest, w: Workload) -> dict[str, Any]:
+    """--strategy / --world-size / --cpu-offload over the config's distributed.*."""
+    if req.world_size > 1 and req.strategy == "single":
+        raise ConfigError(
+            f"--strategy single: one process; --world-size {req.world_size} needs ddp or fsdp"
+        )
+    multi = req.world_size > 1 or req.strategy not in (None, "single")
+    config_strategy = w.parallelism if w.parallelism != "single" else "ddp"
+    parallelism = (req.strategy or config_strategy) if multi else "single"
+    offload = w.cpu_offload if req.cpu_offload is None else req.cpu_offload
+    return {"parallelism": parallelism, "world_size": req.world_size, "cpu_offload": offload}
+
+
+def _per_host(req: PlanRequest) -> int:
+    n, per = req.world_size, req.gpus_per_host or req.world_size
+    if per > n or n % per:
+        raise ConfigError(
+            f"--gpus-per-host: {per} does not divide --world-size {n} into whole hosts"
+        )
+    return per
+
+
+def check_layout(w: Workload) -> None:
+    """What the trainer refuses for this layout (``train/strategy.py``), refused here."""
+    fsdp = w.parallelism == "fsdp"
+    if w.parallelism != "single" and w.device == "cpu":
+        raise ConfigError(
+            "--world-size: the planner plans multi-rank runs on GPUs (--device cuda); "
+            "a CPU plan is one process"
+        )
+    if fsdp and w.quant == "int8":
+        raise ConfigError(
+            "--quantize: int8 (LLM.int8) cannot be sharded by FSDP2; use nf4 with "
+            "--strategy fsdp, or --strategy ddp"
+        )
+    if fsdp and w.optimizer != "adamw":
+        raise ConfigError(
+            f"--optimizer: {w.optimizer} cannot step FSDP2's sharded parameters; use adamw "
+            "with --strategy fsdp"
+        )
+    if w.cpu_offload and not fsdp:
+        raise ConfigError("--cpu-offload: needs --strategy fsdp (and --world-size > 1)")
