@@ -172,6 +172,7 @@ def begin(t: Trainer, progress: S.Progress) -> ProgressDisplay:
         **model_summary(t.learner.model),
     )
     run.events.emit("data", **t.data.summary)
+    run.publish_events()
     display = ProgressDisplay(
         cfg.train.max_steps,
         progress.step,
@@ -231,6 +232,7 @@ def _save_in_background(t: Trainer, progress: S.Progress, reason: str, saves: Sa
     interval = saves.saved(progress.step, blocked, background=True)
     if interval is not None and t.run.strategy.rank == 0:
         t.run.events.emit("interval", **interval)
+    t.run.publish_events()
 
 
 def finish(t: Trainer, progress: S.Progress, display: ProgressDisplay) -> int:
@@ -288,6 +290,7 @@ def _report_end(
     t.run.events.emit("run_end", status="completed", **summary)
     display.write(f"done: step {progress.step}, adapter in {final}")
     ledger = _ledger(t)
+    t.run.publish_events()
     if ledger is not None:
         display.write(ledger)
 
@@ -325,6 +328,7 @@ def preempted(t: Trainer, progress: S.Progress) -> int:
             save_ms=round((time.perf_counter() - t0) * 1e3, 1),
         )
         run.events.sync()
+        run.publish_events()
         # No rank leaves before rank 0 has sealed the checkpoint: torchrun stops the others
         # as soon as one rank exits, which would kill rank 0 in the middle of the seal.
         run.strategy.barrier()
