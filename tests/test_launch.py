@@ -83,6 +83,13 @@ task = sky.Task.from_yaml(sys.argv[1])
 filled = sky.Task.from_yaml_config(
     __import__("yaml").safe_load(open(sys.argv[1])), secrets_overrides=[("HF_TOKEN", "v")]
 )
+damaged = __import__("yaml").safe_load(open(sys.argv[1]))
+damaged["resources"]["ordered"][0]["accelerator"] = "L4"  # a misspelt key
+try:
+    sky.Task.from_yaml_config(damaged)
+    rejected = ""
+except Exception as e:
+    rejected = str(e)
 res = [
     {"accelerators": r.accelerators, "use_spot": r.use_spot, "job_recovery": r.job_recovery}
     for r in task.resources
@@ -96,6 +103,7 @@ print(json.dumps({
     "secrets_after_override": sorted(filled.secrets),
     "setup": task.setup,
     "run": task.run,
+    "rejected": rejected,
 }))
 """
 
@@ -135,6 +143,7 @@ def test_task_yaml_is_read_by_skypilot(
     text = task.read_text()
     assert TOKEN not in text + out + err
     doc = sky_read(task, tmp_path)
+    assert "accelerator" in doc["rejected"]  # the parser is strict: a misspelt key fails
     # The builtin model fits every GPU of the catalog: the three cheapest spot ones, in order.
     cheapest = sorted(CATALOG.values(), key=lambda g: g.spot_usd_h)[:3]
     names = {"A100-40GB": "A100"}
@@ -381,6 +390,13 @@ def test_preempted_job_resumes_on_a_fresh_machine(
 
     alone = compute(load(first.run_dir))
     assert 0 < alone.wall_hours < cost["wall_hours"]  # the first attempt's time is in it
+    # After the job (its machines gone): the report from the bucket alone.
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", job, "-o", str(tmp_path / "job.html")]) == 0
+    assert "2 attempt log(s)" in capsys.readouterr().out
+    whole = compute(load(tmp_path / "launch-job.report"))
+    assert (whole.attempts, whole.preemptions, whole.steps) == (2, 1, 12)
+    assert "preemption" in (tmp_path / "job.html").read_text()
 
     # No secret in the logs, the run directories or the bucket.
     assert TOKEN not in log1 + log2
@@ -390,3 +406,37 @@ def test_preempted_job_resumes_on_a_fresh_machine(
                 assert TOKEN.encode() not in f.read_bytes(), f
     for key in s3_server.list_keys("launch-job/"):
         assert TOKEN.encode() not in s3_server.get(key), key
+
+
+def test_attempt_logs_travel_through_the_store(tmp_path: Path) -> None:
+    """Each machine uploads only the records its attempt appended; a start copies the
+    other machines' logs (another run id), never its own, into OUTPUT/attempts/."""
+    from shoestring.checkpoint import RemoteStore
+    from shoestring.checkpoint.attemptlog import AttemptLog
+    from shoestring.events import EventLog
+    from shoestring.report.timeline import load
+    from shoestring.rundir import RunDir
+
+    store = RemoteStore(str(tmp_path / "bucket"))
+    a, b = RunDir(tmp_path / "vm1"), RunDir(tmp_path / "vm2")
+    a.root.mkdir()
+    with EventLog(a.events, run_id="aaa") as ev:  # an earlier attempt on the same disk
+        ev.emit("start", process_start=1.0)
+        ev.emit("step", step=1)
+    first = AttemptLog.open(store, a, "aaa")
+    with EventLog(a.events, run_id="aaa") as ev:
+        ev.emit("start", process_start=2.0)
+        ev.emit("step", step=2)
+    first.push()
+    (obj,) = (tmp_path / "bucket" / "events").glob("aaa-*.jsonl")
+    assert [json.loads(x)["step"] for x in obj.read_text().splitlines() if '"step"' in x] == [2]
+    assert AttemptLog.open(store, a, "aaa").pull(a.attempts, "aaa") == []  # its own: no
+    b.root.mkdir()
+    AttemptLog.open(store, b, "bbb")
+    assert [p.name for p in b.attempts.iterdir()] == [obj.name]
+    with EventLog(b.events, run_id="bbb") as ev:
+        ev.emit("start", process_start=3.0)
+        ev.emit("step", step=3)
+    tl = load(b.root)
+    assert [e.get("step") for e in tl.of("step")] == [2, 3]
+    assert len(tl.attempts) == 2

@@ -11,9 +11,10 @@ and a start copies the other machines' objects (another ``run_id``: each run
 directory has its own) into ``OUTPUT/attempts/``, which the views read with the run's
 own log (:func:`shoestring.report.timeline.event_files`). Attempts on the same disk are
 already in its ``events.jsonl`` and are not copied again. An attempt's object is
-rewritten whole at its start, after each save, and at its end (preempted or done):
-the bytes it appended to ``events.jsonl``, so nothing is counted twice; a SIGKILL
-without notice loses its records since the last save.
+rewritten whole at its start, after each save, after a step once a minute
+(:data:`PUSH_EVERY_S`), and at its end (preempted or done): the bytes it appended to
+``events.jsonl``, so nothing is counted twice; a SIGKILL without notice loses at most
+its last minute of records (the steps it would count as lost among them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ log = logging.getLogger("shoestring.checkpoint")
 
 #: Folder under checkpoint.storage holding one event-log object per attempt.
 EVENTS_DIR = "events"
+#: Seconds between uploads at step boundaries (one small PUT; saves and ends upload too).
+PUSH_EVERY_S = 60.0
 
 
 class AttemptLog:
@@ -42,6 +45,7 @@ class AttemptLog:
         self.key = key
         self.offset = offset
         self._warned = False
+        self._pushed_at: float | None = None  # time.monotonic() of the last upload
 
     @classmethod
     def open(cls, remote: RemoteStore, run_dir: RunDir, run_id: str) -> AttemptLog:
@@ -59,7 +63,7 @@ class AttemptLog:
         try:
             names = self.remote.list_files(EVENTS_DIR)
             for name in names:
-                if not name.endswith(".jsonl") or name.startswith(f"{run_id}-"):
+                if not name.endswith(".jsonl") or (run_id and name.startswith(f"{run_id}-")):
                     continue
                 into.mkdir(parents=True, exist_ok=True)
                 tmp = into / f".{name}.part"
@@ -70,8 +74,14 @@ class AttemptLog:
             log.warning("earlier attempts' event logs not copied from %s: %s", self.remote.url, e)
         return got
 
+    def due(self, every_s: float) -> bool:
+        """Whether ``every_s`` seconds have passed since the last upload (0: always)."""
+        last = self._pushed_at
+        return not every_s or last is None or time.monotonic() - last >= every_s
+
     def push(self) -> None:
         """Upload this attempt's records so far (the whole object, rewritten)."""
+        self._pushed_at = time.monotonic()
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self.offset)
@@ -81,3 +91,11 @@ class AttemptLog:
             if not self._warned:
                 log.warning("event log not copied to %s: %s", self.remote.url, e)
                 self._warned = True
+
+
+def fetch_attempts(storage: str, run_dir: Path) -> list[Path]:
+    """Every attempt's event log under ``storage`` (a finished managed job's bucket,
+    its machines gone) copied into ``run_dir/attempts/``: a run directory the views read."""
+    remote = RemoteStore(storage)
+    reader = AttemptLog(remote, RunDir(run_dir).events, "", 0)
+    return reader.pull(RunDir(run_dir).attempts, run_id="")

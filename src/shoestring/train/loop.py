@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shoestring import exitcodes
+from shoestring.checkpoint.attemptlog import PUSH_EVERY_S
 from shoestring.checkpoint.interval import history_from_events
 from shoestring.events import read_tail
 from shoestring.rundir import hold, require_writable
@@ -208,6 +209,7 @@ def train(t: Trainer, progress: S.Progress, saves: SavePolicy, display: Progress
                 **{k: round(v, 6) for k, v in m.items()},
             )
             display.update(progress.step, m["loss"], m["lr"], m["tokens_per_s"])
+            run.publish_events(every_s=PUSH_EVERY_S)
             _periodic_eval(t, progress.step, display)
             reason = saves.due(progress.step)
             if reason and not run.strategy.stop_requested(run.flag):

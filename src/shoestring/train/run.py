@@ -135,9 +135,10 @@ class Run:
     #: rank 0 with checkpoint.storage: this attempt's records mirrored to the bucket
     attempts: AttemptLog | None = None
 
-    def publish_events(self) -> None:
-        """Copy this attempt's records to checkpoint.storage (a start, a save, the end)."""
-        if self.attempts is not None:
+    def publish_events(self, every_s: float = 0.0) -> None:
+        """Copy this attempt's records to checkpoint.storage (a start, a save, the end;
+        after a step, ``every_s`` since the last copy)."""
+        if self.attempts is not None and self.attempts.due(every_s):
             self.events.sync()
             self.attempts.push()
 
