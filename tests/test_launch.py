@@ -425,3 +425,20 @@ def test_attempt_logs_travel_through_the_store(tmp_path: Path) -> None:
     tl = load(b.root)
     assert [e.get("step") for e in tl.of("step")] == [2, 3]
     assert len(tl.attempts) == 2
+
+
+def test_a_notice_then_the_shutdowns_sigterm_is_one_stop() -> None:
+    """On a spot VM the cloud's notice (watched) and the shutdown's SIGTERM (sent by the
+    VM going down, which is what a preemption under SkyPilot looks like) both arrive: one
+    emergency save, not the hard stop a second signal means."""
+    from shoestring.preempt import PreemptionFlag, SignalSource
+
+    flag, exits = PreemptionFlag(), []
+    with SignalSource(flag, hard_exit=exits.append):
+        flag.set("gcp preemption (instance/preempted=TRUE)")  # the notice watcher
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert exits == [] and flag.reason.startswith("gcp")
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal: stop now, exit 76
+        time.sleep(0.05)
+    assert exits == [76]
