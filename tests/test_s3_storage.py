@@ -84,14 +84,16 @@ def events(out: Path) -> list[dict[str, Any]]:
 
 
 DATA_CACHE = "data-cache"  # the tokenized data the run publishes beside its checkpoints
+ATTEMPT_LOGS = "events"  # each attempt's event log (checkpoint/attemptlog.py)
 
 
 def remote_layout(srv: S3Server, prefix: str) -> Layout:
-    """The checkpoint dirs under ``prefix`` (the published data cache is not one)."""
+    """The checkpoint dirs under ``prefix`` (the published data cache and the attempts'
+    event logs are not)."""
     layout: Layout = defaultdict(dict)
     for key, size in srv.list_keys(prefix + "/").items():
         d, _, name = key[len(prefix) + 1 :].partition("/")
-        if d != DATA_CACHE:
+        if d not in (DATA_CACHE, ATTEMPT_LOGS):
             layout[d][name] = size
     return dict(layout)
 
@@ -334,6 +336,14 @@ def test_resume_from_remote_on_empty_disk(
     assert sha256(o.out / ADAPTER) == reference_sha(scenarios)
     layout = check_remote(s3_server, o.prefix)
     assert sorted(layout) == [step_name(8), step_name(12)]
+    # Each machine's attempt left its event log beside the checkpoints; the second one
+    # copied the first's: it knows the last step logged there (8: the kill came before
+    # step 9's record) and its cost ledger counts both attempts.
+    logs = [k for k in s3_server.list_keys(f"{o.prefix}/{ATTEMPT_LOGS}/") if k.endswith(".jsonl")]
+    assert len(logs) == 2, logs
+    assert resumes[0]["last_logged_step"] == 8, resumes[0]
+    cost = [r for r in recs if r["event"] == "cost"][-1]
+    assert cost["attempts"] == 2, cost
 
 
 def test_torn_remote_upload_is_ignored(

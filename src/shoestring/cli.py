@@ -43,7 +43,13 @@ from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
 from shoestring.report.cli import ReportConfig, TopConfig
 from shoestring.rundir import RunDir
 from shoestring.secrets import RedactingFilter, print_thread_exception, redact_text
-from shoestring.supervise.config import SLURM_EPILOG, RunConfig, SlurmConfig
+from shoestring.supervise.config import (
+    LAUNCH_EPILOG,
+    SLURM_EPILOG,
+    LaunchConfig,
+    RunConfig,
+    SlurmConfig,
+)
 from shoestring.train.config import FinetuneConfig, FinetuneOptions
 from shoestring.train.exportcli import ExportVerbConfig
 
@@ -302,6 +308,20 @@ VERBS: dict[str, Verb | ArgparseVerb] = {
         "with --output, submitted with --submit.",
         epilog=SLURM_EPILOG,
         args=ArgSpec(passthrough=FinetuneConfig, config_flag="--slurm-config"),
+    ),
+    "launch": Verb(
+        LaunchConfig,
+        "shoestring.supervise.sky:run_launch",
+        help="write (and submit) a SkyPilot managed job: the cheapest spot GPU that fits, "
+        "recovered after each preemption",
+        description="Write a SkyPilot task YAML for a fine-tune: the cheapest GPUs of the "
+        "catalog on which the plan says it fits (in order), spot, job recovery (exit 75/76 "
+        "always recovered), setup installing shoestring, and run = shoestring finetune "
+        "--checkpoint.storage BUCKET --resume auto. Secrets go as SkyPilot secrets, never "
+        "into the YAML. Printed on stdout (--dry-run), written with --output, submitted "
+        "with --yes (sky jobs launch).",
+        epilog=LAUNCH_EPILOG,
+        args=ArgSpec(passthrough=FinetuneConfig, config_flag="--launch-config"),
     ),
 }
 

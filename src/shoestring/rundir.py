@@ -7,6 +7,7 @@ One type names each path, so the layout is written down once::
     OUTPUT/events.jsonl             rank 0's (and the supervisor's) event log
     OUTPUT/ranks/rank<R>/           other ranks' events.jsonl, every rank's live.json
                                     and stacks; NCCL flight-recorder pipes
+    OUTPUT/attempts/                event logs of attempts on other machines (from the bucket)
     OUTPUT/verdicts/                hang verdicts with stacks and flight-recorder dumps
     OUTPUT/checkpoints/step-N/      committed checkpoints (the local cache)
     OUTPUT/final/, OUTPUT/merged/   exports
@@ -55,6 +56,12 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
+
+    @property
+    def attempts(self) -> Path:
+        """Event logs of attempts on other machines, copied from checkpoint.storage
+        (``checkpoint/attemptlog.py``): read with the run's own by every view."""
+        return self.root / "attempts"
 
     @property
     def ranks(self) -> Path:

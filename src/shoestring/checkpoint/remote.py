@@ -107,6 +107,31 @@ class RemoteStore:
         with self.fs.open(where, "rb") as f:
             return bytes(f.read())
 
+    def put_file(self, rel: str, data: bytes) -> None:
+        """Write one small object ``rel`` (a path under the root) whole: on an object
+        store a PUT replaces it atomically; on a plain path, temp file and rename."""
+        if self.is_local:
+            from shoestring.fsio import atomic_write
+
+            target = Path(self._p(rel))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(target, data)
+            return
+        self.fs.pipe_file(self._p(rel), data)
+
+    def list_files(self, rel: str) -> list[str]:
+        """The names of the files directly under folder ``rel`` (none if it is missing)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.ls(self._p(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in found)
+
+    def get_file(self, rel: str, dest: Path) -> None:
+        """Download object ``rel`` to ``dest``."""
+        self.fs.get_file(self._p(rel), str(dest))
+
     def publish(self, local_dir: Path, manifest: Manifest, faults: FaultPlan = NO_FAULTS) -> None:
         """Upload a locally committed checkpoint; the manifest goes last."""
         self.publish_as(step_dirname(manifest.step), local_dir, manifest, faults)

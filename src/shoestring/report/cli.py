@@ -18,7 +18,12 @@ Color = Literal["auto", "always", "never"]
 class ReportConfig:
     """``shoestring report RUN_DIR``."""
 
-    run_dir: str = knob("", "The run's output_dir (the positional RUN_DIR).")
+    run_dir: str = knob(
+        "",
+        "The run's output_dir (the positional RUN_DIR), or its checkpoint.storage URL: the "
+        "event logs every attempt left there (a managed spot job's, shoestring launch) are "
+        "copied into ./<last part of the URL>.report/ and reported from there.",
+    )
     output: str = knob("", "Where to write the HTML (-o; empty: RUN_DIR/report.html).")
 
 
@@ -36,7 +41,7 @@ def run_report(cfg: ReportConfig, call: Invocation) -> int:
     from shoestring.report.html import write_report
     from shoestring.report.timeline import event_files, load
 
-    run_dir = _run_dir(cfg.run_dir, "report")
+    run_dir = _from_bucket(cfg.run_dir) if "://" in cfg.run_dir else _run_dir(cfg.run_dir, "report")
     if not event_files(run_dir):
         raise ConfigError(f"{run_dir}: no events.jsonl here (is it a run's output_dir?)")
     tl = load(run_dir)
@@ -62,6 +67,22 @@ def run_top(cfg: TopConfig, call: Invocation) -> int:
         color=color,
         width=lambda: shutil.get_terminal_size((120, 40)).columns,
     )
+
+
+def _from_bucket(url: str) -> Path:
+    """A local run directory holding the attempts' event logs found under ``url``."""
+    from shoestring.checkpoint.attemptlog import fetch_attempts
+    from shoestring.secrets import redact_url
+
+    local = Path(f"{url.rstrip('/').rsplit('/', 1)[-1] or 'bucket'}.report")
+    try:
+        got = fetch_attempts(url, local)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"RUN_DIR: cannot read {redact_url(url)}: {e}") from None
+    if not got:
+        raise ConfigError(f"RUN_DIR: no event logs under {redact_url(url)}/events/")
+    print(f"report: {len(got)} attempt log(s) from {redact_url(url)} in {local}/attempts/")
+    return local
 
 
 def _run_dir(arg: str, verb: str) -> Path:

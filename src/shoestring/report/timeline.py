@@ -242,10 +242,12 @@ class Timeline:
 
 # ---------------------------------------------------------------------- reading
 def event_files(run_dir: Path) -> list[Path]:
-    """Rank 0's log, then every other rank's, in rank order; each with its rotated
-    segments (``events.N.jsonl``) first, oldest first."""
+    """Earlier attempts' logs from other machines (``attempts/``), rank 0's log, then
+    every other rank's, in rank order; each with its rotated segments
+    (``events.N.jsonl``) first, oldest first."""
     rd = RunDir(run_dir)
-    files = segments(rd.events)
+    # Attempts on other machines (a managed spot job's earlier ones), copied from the bucket.
+    files = sorted(rd.attempts.glob("*.jsonl")) + segments(rd.events)
     rank_files = []
     for p in rd.event_files()[1:]:
         try:

@@ -253,3 +253,94 @@ examples:
   shoestring slurm --config run.yaml --nodes 2 --gpus-per-node 8 --time 04:00:00 --submit
   shoestring slurm --config run.yaml --partition gpu --output job.sbatch
 """
+
+
+RecoveryStrategy = Literal["EAGER_NEXT_REGION", "FAILOVER"]
+
+
+def _env_name(v: Any) -> str | None:
+    ok = re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v)
+    return None if ok else "must be an environment variable name (letters, digits, _)"
+
+
+@dataclass
+class LaunchConfig:
+    """``shoestring launch``: a SkyPilot managed-job task of a fine-tune. Flags of keys it
+    does not have are finetune overrides, checked here and written into the task."""
+
+    config: str = knob(
+        "", "The finetune config (YAML); its checkpoint.storage must be a bucket URL."
+    )
+    gpu: list[str] = knob(
+        [],
+        "A GPU of the catalog to ask for, in order of preference; repeat the flag for more "
+        "(empty: the cheapest GPUs on which `shoestring plan` says the config fits).",
+        repeat=True,
+    )
+    candidates: int = knob(
+        3, "How many of the cheapest fitting GPUs to offer SkyPilot.", check=at_least(1)
+    )
+    spot: bool = knob(True, "Ask for spot machines (SkyPilot use_spot); --no-spot: on-demand.")
+    recovery: RecoveryStrategy = knob(
+        "EAGER_NEXT_REGION",
+        "SkyPilot's job_recovery strategy after a preemption: EAGER_NEXT_REGION tries "
+        "another region first, FAILOVER the same region first.",
+    )
+    max_restarts_on_errors: int = knob(
+        0,
+        "SkyPilot restarts after an exit code other than 0, 75 and 76 (a crash, or 2: a bad "
+        "config, which fails again). 75/76 (preempted, checkpoint in the bucket) always "
+        "recover.",
+        check=non_negative,
+    )
+    name: str = knob("", "Managed job name (empty: shoestring-<output_dir name>).", check=_one_word)
+    install: str = knob(
+        "",
+        "What the task's setup pip-installs: anything `pip install` takes, e.g. "
+        "'shoestring[s3]==0.1.0' or a git URL (empty: shoestring[s3,gcs] at this version).",
+    )
+    secret: list[str] = knob(
+        [],
+        "An environment variable passed to the job as a SkyPilot secret: its value is read "
+        "from this environment by `sky jobs launch --secret NAME`, never written into the "
+        "YAML. Repeat for more; HF_TOKEN, WANDB_API_KEY and SHOESTRING_ALERT_WEBHOOK are "
+        "added when set here.",
+        repeat=True,
+        check=lambda v: next(filter(None, map(_env_name, v)), None),
+    )
+    env: list[str] = knob(
+        [],
+        "An environment variable whose value (from this environment) is written into the "
+        "task's envs, e.g. AWS_ENDPOINT_URL for an S3-compatible store; names that look "
+        "like credentials are refused (use secret).",
+        repeat=True,
+        check=lambda v: next(filter(None, map(_env_name, v)), None),
+    )
+    output: str = knob("", "Write the task YAML here (empty: print it; with yes: RUN.sky.yaml).")
+    dry_run: bool = knob(False, "Print the task YAML and submit nothing (the default).")
+    yes: bool = knob(False, "Submit it as a managed job: sky jobs launch TASK --yes.")
+    sky: str = knob(
+        "",
+        "The `sky` executable of a SkyPilot install (empty: `import sky` in this Python, "
+        "else `sky` on PATH). SkyPilot pins click<8.2, which shoestring's huggingface-hub "
+        "cannot use: install it apart (pipx install skypilot).",
+    )
+
+
+LAUNCH_EPILOG = """\
+--config is the finetune YAML; unknown --section.key VALUE flags are finetune overrides
+(checked here, written into the task's run command). checkpoint.storage must be a bucket
+URL (s3://, gs://, ...): a new machine after a preemption has an empty disk and resumes
+from there (--resume auto). model.path must be a Hub id, a bucket URL or builtin:tiny.
+
+What SkyPilot does: finds a spot machine among the GPUs offered (cheapest first), runs
+setup and run, and after a preemption (or the job's exit 75/76) finds another one and
+runs them again. What shoestring does: the emergency checkpoint on SIGTERM or a cloud
+notice, exit 75, the resume from the bucket, and one cost ledger across attempts
+(<storage>/events/). docs/spot.md.
+
+exit codes: 0 written or submitted; 2 bad config, or --yes without SkyPilot.
+examples:
+  shoestring launch --config run.yaml --checkpoint.storage s3://bucket/runs/x --dry-run
+  shoestring launch --config run.yaml --gpu L4 --gpu A10G --secret HF_TOKEN --yes
+"""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shoestring import exitcodes
+from shoestring.checkpoint.attemptlog import PUSH_EVERY_S
 from shoestring.checkpoint.interval import history_from_events
 from shoestring.events import read_tail
 from shoestring.rundir import hold, require_writable
@@ -172,6 +173,7 @@ def begin(t: Trainer, progress: S.Progress) -> ProgressDisplay:
         **model_summary(t.learner.model),
     )
     run.events.emit("data", **t.data.summary)
+    run.publish_events()
     display = ProgressDisplay(
         cfg.train.max_steps,
         progress.step,
@@ -207,6 +209,7 @@ def train(t: Trainer, progress: S.Progress, saves: SavePolicy, display: Progress
                 **{k: round(v, 6) for k, v in m.items()},
             )
             display.update(progress.step, m["loss"], m["lr"], m["tokens_per_s"])
+            run.publish_events(every_s=PUSH_EVERY_S)
             _periodic_eval(t, progress.step, display)
             reason = saves.due(progress.step)
             if reason and not run.strategy.stop_requested(run.flag):
@@ -231,6 +234,7 @@ def _save_in_background(t: Trainer, progress: S.Progress, reason: str, saves: Sa
     interval = saves.saved(progress.step, blocked, background=True)
     if interval is not None and t.run.strategy.rank == 0:
         t.run.events.emit("interval", **interval)
+    t.run.publish_events()
 
 
 def finish(t: Trainer, progress: S.Progress, display: ProgressDisplay) -> int:
@@ -288,6 +292,7 @@ def _report_end(
     t.run.events.emit("run_end", status="completed", **summary)
     display.write(f"done: step {progress.step}, adapter in {final}")
     ledger = _ledger(t)
+    t.run.publish_events()
     if ledger is not None:
         display.write(ledger)
 
@@ -325,6 +330,7 @@ def preempted(t: Trainer, progress: S.Progress) -> int:
             save_ms=round((time.perf_counter() - t0) * 1e3, 1),
         )
         run.events.sync()
+        run.publish_events()
         # No rank leaves before rank 0 has sealed the checkpoint: torchrun stops the others
         # as soon as one rank exits, which would kill rank 0 in the middle of the seal.
         run.strategy.barrier()

@@ -8,7 +8,7 @@ it in whatever format it was written (files or DCP shards, any world size).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,20 @@ def check_compatible(saved: Mapping[str, Any], cfg: FinetuneConfig, where: str) 
         )
 
 
-def last_logged_step(events_path: Path) -> int | None:
+def last_logged_step(events_path: Path, elsewhere: Iterable[Path] = ()) -> int | None:
     """The last ``step`` event of the previous attempts (read from the log's tail, across
-    a rotation)."""
-    steps = [r["step"] for r in read_tail(events_path, 1 << 20) if r.get("event") == "step"]
-    return int(steps[-1]) if steps else None
+    a rotation), or a later one in the logs of attempts on other machines (``elsewhere``:
+    the run directory's ``attempts/``, copied from the bucket)."""
+    last: tuple[float, int] | None = None
+    for path in [events_path, *elsewhere]:
+        timed = [
+            (float(r.get("ts") or 0), int(r["step"]))
+            for r in read_tail(path, 1 << 20)
+            if r.get("event") == "step"
+        ]
+        if timed and (last is None or timed[-1][0] > last[0]):
+            last = timed[-1]
+    return last[1] if last else None
 
 
 def _choose(t: Trainer, mode: str, exclude: set[int]) -> tuple[int, str, str] | None:
@@ -211,7 +220,8 @@ def _load(t: Trainer, choice: tuple[int, str, str]) -> tuple[S.Progress, Manifes
 def _report(
     t: Trainer, progress: S.Progress, path: Path, source: str, saved_world: int, sharded: bool
 ) -> None:
-    last = last_logged_step(t.run.dir.events)
+    rd = t.run.dir
+    last = last_logged_step(rd.events, sorted(rd.attempts.glob("*.jsonl")))
     lost = max((last or 0) - progress.step, 0)
     world = t.run.strategy.world_size
     t.run.events.emit(

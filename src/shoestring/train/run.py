@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.checkpoint import NO_FAULTS, FaultPlan, RemoteStore, Writer
+from shoestring.checkpoint.attemptlog import AttemptLog
 from shoestring.checkpoint.local import clean_stale
 from shoestring.config import ConfigError, to_yaml
 from shoestring.distributed import DistEnv, ProcessGroups
@@ -131,6 +132,15 @@ class Run:
     writer: Writer
     rec: Recorder | NullRecorder
     remote: RemoteStore | None
+    #: rank 0 with checkpoint.storage: this attempt's records mirrored to the bucket
+    attempts: AttemptLog | None = None
+
+    def publish_events(self, every_s: float = 0.0) -> None:
+        """Copy this attempt's records to checkpoint.storage (a start, a save, the end;
+        after a step, ``every_s`` since the last copy)."""
+        if self.attempts is not None and self.attempts.due(every_s):
+            self.events.sync()
+            self.attempts.push()
 
     @property
     def dir(self) -> RunDir:
@@ -199,6 +209,11 @@ def open_run(
         groups = stack.enter_context(_process_group(cfg, opts))
         strategy = make_strategy(cfg, groups)
         run_id = _prepare_dir(cfg, out, strategy, model)
+        attempts = (
+            AttemptLog.open(remote, RunDir(out), run_id)
+            if remote is not None and strategy.rank == 0
+            else None
+        )
         # Rank 0 owns events.jsonl; other ranks log beside it (the watchdog reads those).
         events = EventLog(RunDir(out).rank_events(dist.rank), run_id=run_id, rank=dist.rank)
         stack.callback(events.close)
@@ -226,4 +241,4 @@ def open_run(
         )
         stack.enter_context(rec)
         stack.enter_context(rec.trace_collectives())
-        yield Run(cfg, opts, out, strategy, flag, events, writer, rec, remote)
+        yield Run(cfg, opts, out, strategy, flag, events, writer, rec, remote, attempts)
