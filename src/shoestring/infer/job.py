@@ -60,10 +60,11 @@ from shoestring.infer.plan import Plan, check_setup, make_plan
 from shoestring.infer.report import Progress, Stats, current_rss, print_summary
 from shoestring.infer.report import summary as summary_of
 from shoestring.infer.requests import Answering
+from shoestring.infer.sampleparams import Sampling
 from shoestring.infer.shards import ShardError, index_model
 from shoestring.infer.stream import Prepare
 from shoestring.infer.weights import Needs, weight_hook, weight_needs
-from shoestring.infer.work import Sampled, Work, output_lines, tokenize, tokenize_requests
+from shoestring.infer.work import Work, output_lines, tokenize, tokenize_requests
 from shoestring.preempt.flag import PreemptionFlag, SignalSource
 from shoestring.rundir import hold
 
@@ -338,13 +339,14 @@ def _context_length(model_dir: Path) -> int | None:
 def _work(
     cfg: InferConfig, given: Input, tok: Any, template: str | None, context: int | None
 ) -> Work:
-    """The input tokenized: an OpenAI batch file's requests, or the job's own lines."""
+    """The input tokenized: an OpenAI batch file's requests, or the job's own lines
+    (continued as ``generate.*`` says)."""
     g = cfg.generate
     if given.items is not None:
         return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input)
     assert given.records is not None
-    sampled = Sampled(g.max_new_tokens, g.temperature, g.top_p, g.top_k, g.seed)
-    return tokenize(given.records, tok, g.mode, template, sampled, context)
+    sampling = Sampling(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
+    return tokenize(given.records, tok, g.mode, template, sampling, context, g.seed)
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
