@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, TextIO
 
 import torch
 
@@ -414,7 +414,7 @@ def _weights_and_plan(
     checked against what writing it holds); the plan is then made on the real sizes,
     with the runtime measured again."""
     name = cfg.compress.scheme
-    scheme = None if name == "none" else cast(Scheme, name)
+    scheme: Scheme | None = None if name == "none" else name
     budget = parse_size(cfg.memory.budget)
     predicted = weight_needs(engine, scheme, adapter)
     reserve = runtime_reserve(cfg.memory.runtime_reserve)

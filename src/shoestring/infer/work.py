@@ -18,14 +18,13 @@ from shoestring.data.chat import end_of_turn_ids, prompt_ids
 from shoestring.data.records import DataError
 from shoestring.data.specials import plain_prompt_ids
 from shoestring.infer.batchapi import Request
+from shoestring.infer.config import Mode
 from shoestring.infer.decode import Generated, Rules, Scored
 from shoestring.infer.inputs import Record
 from shoestring.infer.requests import Answering, Item, answer_lines, request_ids
 from shoestring.infer.sampleparams import Choice, Sampling
 from shoestring.infer.sampling import StopStrings
 
-#: ``generate.mode``: greedy continuation, or the log-likelihood of given completions.
-Mode = Literal["generate", "score"]
 #: The input's kind: shoestring's own lines, or an OpenAI batch file.
 InputKind = Literal["lines", "openai"]
 
@@ -93,7 +92,7 @@ def _context(r: Record, tok: Any, template: str | None) -> list[int]:
 def tokenize(
     records: list[Record],
     tok: Any,
-    mode: str,
+    mode: Mode,
     template: str | None = None,
     sampling: Sampling = GREEDY,
     context: int | None = None,
@@ -177,7 +176,7 @@ def _stops(chats: bool, tok: Any, template: str | None) -> tuple[set[int], int]:
 def output_lines(
     work: Work,
     records: Sequence[int],
-    mode: str,
+    mode: Mode,
     results: list[list[Generated] | list[Scored]],
     tok: Any,
     answering: Answering | None = None,
