@@ -85,7 +85,8 @@ def load_config(config_file: str | None, rest: list[str]) -> InferConfig:
 
 def run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
     from shoestring.checkpoint.faults import FaultPlan
-    from shoestring.infer.job import default_run_dir, run_infer
+    from shoestring.infer.job import run_infer
+    from shoestring.infer.prepare import default_run_dir
 
     cfg = load_config(args.config, rest)
     run_dir = (
