@@ -66,9 +66,15 @@ class Planner:
 
     @classmethod
     def of(
-        cls, memory: MemoryConfig, engine: StreamingCausalLM, work: Work, generating: bool,
+        cls,
+        memory: MemoryConfig,
+        engine: StreamingCausalLM,
+        work: Work,
+        generating: bool,
         pinned: Pinned,
-    ) -> Planner:  # fmt: skip
+    ) -> Planner:
+        """The model's shape (compute dtype, KV cache bytes at ``memory.kv_bits``) and
+        the input's lengths, read once for both passes."""
         new = work.most_new_tokens if generating else 0
         dtype, bits = engine.dtype, memory.kv_bits
         shape = ModelShape(
