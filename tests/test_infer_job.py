@@ -125,7 +125,7 @@ def test_compute_dtype_is_resolved_once_and_pinned(
 ) -> None:
     """--compress with dtype auto: bf16 where it measures faster; the choice is pinned in
     run.json, so a rerun on a machine that measures otherwise computes the same way."""
-    from shoestring.infer import job
+    from shoestring.infer import dtype as job  # the dtype choice moved out of job.py
 
     inp = _write_prompts(tmp_path / "in.jsonl", 6)
     out = tmp_path / "out.jsonl"
@@ -415,28 +415,23 @@ def test_finetune_adapter_is_applied(tiny: Path, tmp_path: Path) -> None:
 def test_plan_spends_the_budget_on_batch_first_and_counts_dequantized_residents() -> None:
     from types import SimpleNamespace
 
-    from shoestring.infer.plan import make_plan
+    from shoestring.infer.config import MemoryConfig
+    from shoestring.infer.plan import Budget, Lengths, ModelShape, Needs, make_plan
 
     cfg = SimpleNamespace(
         hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=320
     )
     mb = 1 << 20
     common = dict(
-        budget=240 * mb,  # at 250 MB all 10 plain units fit (with no ring left to reserve)
-        reserve=100 * mb,
-        kv_per_token=16384,
-        config=cfg,
-        itemsize=4,
-        prompt_lens=[20] * 64,
-        new_tokens=12,
-        want_batch=64,
-        micro_tokens=512,
-        depth=1,
-        want_resident=-1,
+        # at 250 MB all 10 plain units fit (with no ring left to reserve)
+        budget=Budget(total=240 * mb, runtime=100 * mb),
+        shape=ModelShape(config=cfg, itemsize=4, kv_per_token=16384),
+        lengths=Lengths(prompts=[20] * 64, new_tokens=12),
+        memory=MemoryConfig(batch_size=64, micro_batch_tokens=512, prefetch_depth=1, resident=-1),
     )
-    plain = make_plan(unit_bytes=[10 * mb] * 10, unit_extra=[0] * 10, **common)
+    plain = make_plan(needs=Needs(read=[10 * mb] * 10, extra=[0] * 10), **common)
     # int8-like: 2.5 MB read per unit, but 10 MB of dequantized weights once loaded.
-    packed = make_plan(unit_bytes=[int(2.5 * mb)] * 10, unit_extra=[10 * mb] * 10, **common)
+    packed = make_plan(needs=Needs(read=[int(2.5 * mb)] * 10, extra=[10 * mb] * 10), **common)
     assert plain.batch_size == packed.batch_size == 64
     for p in (plain, packed):
         assert sum(p.breakdown.values()) <= p.budget
@@ -445,7 +440,8 @@ def test_plan_spends_the_budget_on_batch_first_and_counts_dequantized_residents(
     # Prepared entirely into scratch (dequantized and cast): a resident unit drops its
     # raw bytes, so the same room holds more of them.
     dropped = make_plan(
-        unit_bytes=[int(2.5 * mb)] * 10, unit_extra=[10 * mb] * 10, raw_kept=[False] * 10, **common
+        needs=Needs(read=[int(2.5 * mb)] * 10, extra=[10 * mb] * 10, raw_kept=[False] * 10),
+        **common,
     )
     assert dropped.breakdown["resident"] == len(dropped.resident) * 10 * mb
     assert len(dropped.resident) > len(packed.resident)

@@ -87,7 +87,8 @@ def test_kv8_decoding_stays_close_to_kv16(
 def test_planner_fits_a_bigger_batch_with_kv8(tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    from shoestring.infer.plan import make_plan
+    from shoestring.infer.config import MemoryConfig
+    from shoestring.infer.plan import Budget, Lengths, ModelShape, Needs, make_plan
 
     model = build_random_model(tmp_path / "llama", "llama", seed=1)
     config = AutoConfig.from_pretrained(str(model))
@@ -97,19 +98,13 @@ def test_planner_fits_a_bigger_batch_with_kv8(tmp_path: Path) -> None:
 
     def batch(kv: int) -> int:
         return make_plan(
-            budget=64 << 20,
-            reserve=8 << 20,
-            unit_bytes=[1 << 20] * 4,
-            unit_extra=[0] * 4,
-            kv_per_token=kv,
-            config=config,
-            itemsize=4,
-            prompt_lens=[200] * 4096,
-            new_tokens=800,
-            want_batch=4096,
-            micro_tokens=512,
-            depth=2,
-            want_resident=0,
+            budget=Budget(total=64 << 20, runtime=8 << 20),
+            needs=Needs(read=[1 << 20] * 4, extra=[0] * 4),
+            shape=ModelShape(config=config, itemsize=4, kv_per_token=kv),
+            lengths=Lengths(prompts=[200] * 4096, new_tokens=800),
+            memory=MemoryConfig(
+                batch_size=4096, micro_batch_tokens=512, prefetch_depth=2, resident=0
+            ),
         ).batch_size
 
     assert batch(kv8) >= 2 * batch(kv16) > 0

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from shoestring.cli import main
+from shoestring.infer.config import MemoryConfig
 from shoestring.infer.decode import generate, prompt_logits
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model
-from shoestring.infer.plan import make_plan
+from shoestring.infer.plan import Budget, Lengths, ModelShape, Needs, make_plan
 from shoestring.infer.shards import index_model
 
 CPU = torch.device("cpu")
@@ -172,24 +173,20 @@ def test_all_resident_plan_holds_the_embedding_once_and_no_ring(tied: Path) -> N
     model = sum(eng.unit_bytes)
     cfg = eng.config
     plan = make_plan(
-        budget=64 << 20,
-        reserve=16 << 20,
-        unit_bytes=eng.unit_bytes,
-        unit_extra=[0] * len(eng.units),
-        kv_per_token=1024,
-        config=SimpleNamespace(
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_attention_heads=cfg.num_attention_heads,
-            vocab_size=cfg.vocab_size,
+        budget=Budget(total=64 << 20, runtime=16 << 20),
+        needs=Needs(read=eng.unit_bytes, extra=[0] * len(eng.units)),
+        shape=ModelShape(
+            config=SimpleNamespace(
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                num_attention_heads=cfg.num_attention_heads,
+                vocab_size=cfg.vocab_size,
+            ),
+            itemsize=4,
+            kv_per_token=1024,
         ),
-        itemsize=4,
-        prompt_lens=[8] * 4,
-        new_tokens=4,
-        want_batch=4,
-        micro_tokens=64,
-        depth=2,
-        want_resident=-1,
+        lengths=Lengths(prompts=[8] * 4, new_tokens=4),
+        memory=MemoryConfig(batch_size=4, micro_batch_tokens=64, prefetch_depth=2, resident=-1),
     )
     assert plan.resident == tuple(range(len(eng.units)))
     assert plan.breakdown["resident"] == model and plan.breakdown["read_ahead"] == 0
@@ -239,21 +236,17 @@ def test_a_resident_embedding_pays_for_itself_by_shrinking_the_ring() -> None:
 
     mb = 1 << 20
     plan = make_plan(
-        budget=350 * mb,
-        reserve=100 * mb,
-        unit_bytes=[100 * mb] + [10 * mb] * 20 + [4096],
-        unit_extra=[0] * 22,
-        kv_per_token=16384,
-        config=SimpleNamespace(
-            hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=320
+        budget=Budget(total=350 * mb, runtime=100 * mb),
+        needs=Needs(read=[100 * mb] + [10 * mb] * 20 + [4096], extra=[0] * 22),
+        shape=ModelShape(
+            config=SimpleNamespace(
+                hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=320
+            ),
+            itemsize=4,
+            kv_per_token=16384,
         ),
-        itemsize=4,
-        prompt_lens=[20] * 64,
-        new_tokens=12,
-        want_batch=64,
-        micro_tokens=512,
-        depth=1,
-        want_resident=-1,
+        lengths=Lengths(prompts=[20] * 64, new_tokens=12),
+        memory=MemoryConfig(batch_size=64, micro_batch_tokens=512, prefetch_depth=1, resident=-1),
     )
     parts = plan.breakdown
     assert plan.batch_size == 64 and sum(parts.values()) <= plan.budget

@@ -477,3 +477,29 @@ def test_hit_decodes_a_bounded_window(bpe_tok: Any) -> None:
     s = StopStrings(tok, ["never here", "中文中文"])
     assert not any(s.hit(ids[:n]) for n in range(1, len(ids) + 1))
     assert max(tok.sizes) <= 2 * len("中文中文".encode()) + 1 + 3
+
+
+def test_a_line_and_a_request_make_their_choice_in_one_place() -> None:
+    """A {"prompt"} line (generate.*) and an OpenAI request body are one Sampling shape,
+    and Sampling.choice keys the draws: the job's seed under the request's identity, or
+    a request's own seed under an empty key (equal requests, equal answers), with
+    logprobs -1 unless asked for."""
+    import json
+
+    from shoestring.infer.batchapi import Request, parse_line
+    from shoestring.infer.sampleparams import Sampling
+
+    line = Sampling(max_tokens=4, temperature=0.5, top_p=0.9, top_k=3)
+    assert line.choice(7, "line:2") == Choice(0.5, 0.9, 3, 7, "line:2", -1)
+
+    def request(custom_id: str, **body: Any) -> Request:
+        doc = {"custom_id": custom_id, "method": "POST", "url": "/v1/completions"}
+        req = parse_line(json.dumps({**doc, "body": {"prompt": "x", **body}}).encode(), 1, "in", 16)
+        assert isinstance(req, Request)
+        return req
+
+    plain = request("r1", temperature=0.5, logprobs=2)
+    assert plain.sampling.choice(7, plain.custom_id) == Choice(0.5, 1.0, 0, 7, "r1", 2)
+    a, b = (request(cid, temperature=0.5, seed=11) for cid in ("a", "b"))
+    assert a.sampling.choice(7, a.custom_id) == b.sampling.choice(7, b.custom_id)
+    assert a.sampling.choice(7, a.custom_id) == Choice(0.5, 1.0, 0, 11, "", -1)

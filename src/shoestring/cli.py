@@ -39,6 +39,8 @@ from shoestring.config import (
 )
 from shoestring.fsio import unwritable
 from shoestring.hub import HubAccess
+from shoestring.infer.cli import INFER_ARGS, INFER_DESCRIPTION, INFER_EPILOG
+from shoestring.infer.config import InferConfig
 from shoestring.plan.cli import PLAN_EPILOG, PlanConfig
 from shoestring.report.cli import ReportConfig, TopConfig
 from shoestring.rundir import RunDir
@@ -67,17 +69,6 @@ class Verb:
     epilog: str = ""
     options: type | None = None  # flag-only knobs, not part of the config (finetune --resume)
     args: ArgSpec = field(default_factory=ArgSpec)
-
-
-@dataclass(frozen=True)
-class ArgparseVerb:
-    """A verb that still parses its own argv (``infer``: its module adds an argparse
-    sub-parser and runs ``(args, rest, env)``)."""
-
-    module: str
-    parser: str
-    runner: str
-    help: str
 
 
 FINETUNE_EPILOG = """\
@@ -223,7 +214,7 @@ def _finetune_options(call: Invocation) -> FinetuneOptions:
     return call.options
 
 
-VERBS: dict[str, Verb | ArgparseVerb] = {
+VERBS: dict[str, Verb] = {
     "finetune": Verb(
         FinetuneConfig,
         _finetune,
@@ -258,11 +249,13 @@ VERBS: dict[str, Verb | ArgparseVerb] = {
         epilog=PLAN_EPILOG,
         args=ArgSpec(config_flag="--plan-config"),
     ),
-    "infer": ArgparseVerb(
-        "shoestring.infer.cli",
-        "add_parser",
-        "run",
+    "infer": Verb(
+        InferConfig,
+        "shoestring.infer.cli:run_infer_verb",
         help="batch inference of models larger than memory, streamed layer by layer",
+        description=INFER_DESCRIPTION,
+        epilog=INFER_EPILOG,
+        args=INFER_ARGS,
     ),
     "export": Verb(
         ExportVerbConfig,
@@ -423,17 +416,6 @@ def run_verb(name: str, verb: Verb, args: list[str], env: dict[str, str]) -> int
     return code
 
 
-def _run_argparse_verb(name: str, verb: ArgparseVerb, args: list[str], env: dict[str, str]) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="shoestring")
-    sub = parser.add_subparsers(dest="command")
-    _resolve(f"{verb.module}:{verb.parser}")(sub)
-    ns, rest = parser.parse_known_args([name, *args])
-    code: int = _resolve(f"{verb.module}:{verb.runner}")(ns, rest, env)
-    return code
-
-
 def dispatch(argv: list[str], env: dict[str, str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(main_help())
@@ -452,8 +434,6 @@ def dispatch(argv: list[str], env: dict[str, str]) -> int:
             file=sys.stderr,
         )
         return exitcodes.USAGE
-    if isinstance(verb, ArgparseVerb):
-        return _run_argparse_verb(name, verb, args, env)
     return run_verb(name, verb, args, env)
 
 

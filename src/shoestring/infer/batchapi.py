@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 from shoestring.data.formats import MESSAGE_KEYS, parse_record
 from shoestring.data.records import DataError
+from shoestring.infer.sampleparams import Sampling
 
 Endpoint = Literal["chat", "completion"]
 
@@ -92,18 +93,6 @@ MAX_TOP_LOGPROBS: dict[Endpoint, int] = {"chat": 20, "completion": 5}
 #: What OpenAI writes for the logprob of a token of probability 0.
 MIN_LOGPROB = -9999.0
 _INT64 = 2**63
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None  # None: the job's seed
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False
-    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)

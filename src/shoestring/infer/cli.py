@@ -1,21 +1,36 @@
-"""``shoestring infer``: argument parsing at the edge; the job gets a config object."""
+"""``shoestring infer``: its entry in the verb table (``shoestring.cli``) reads the
+keys like every verb's (defaults, ``--config`` YAML, flags; the short flags are
+aliases); here the environment edge: faults, ``SOURCE_DATE_EPOCH``, the Hub."""
 
 from __future__ import annotations
 
-import argparse
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from shoestring.config import ConfigError, build, help_table, parse_overrides, read_yaml
+from shoestring.config import ArgSpec, ConfigError, Invocation, build, parse_command_line, read_yaml
 from shoestring.hub import HubAccess
 from shoestring.infer.config import ALIASES, InferConfig
 
-EPILOG = """\
+#: How ``shoestring infer``'s command line maps onto its keys besides ``--KEY VALUE``:
+#: the short flags, as documented (``--memory-budget``) and with underscores
+#: (``--memory_budget``), which the command has always taken too.
+INFER_ARGS = ArgSpec(
+    aliases={
+        **ALIASES,
+        **{"--" + flag[2:].replace("-", "_"): key for flag, key in ALIASES.items()},
+    }
+)
+
+INFER_DESCRIPTION = (
+    "Greedy generation or likelihood scoring of a JSONL file with a Hugging Face decoder "
+    "model (a local folder, a Hub id or a bucket URL), streaming its layers from the "
+    "safetensors shards within a memory budget. Preemptible: rerun to resume."
+)
+
+INFER_EPILOG = """\
 short flags (each is the config key on its right):
 {aliases}
-
-config keys (set in --config YAML as nested sections, or as --section.key VALUE):
-{table}
 
 input JSONL, one object per line (-> output fields):
   OpenAI batch file (as for OpenAI's Batch API or vLLM run-batch), generate mode:
@@ -52,42 +67,24 @@ environment (read here only):
   SHOESTRING_FAULTS  fault injection for tests, e.g. step.end@3:kill (the 3rd pass),
                      ckpt.before_rename@2:kill (inside the 2nd commit) or
                      pass.unit@7:term (SIGTERM between two layers of the 2nd pass)
-"""
+""".format(aliases="\n".join(f"  {flag:<18} {key}" for flag, key in ALIASES.items()))
 
 
-def add_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    aliases = "\n".join(f"  {flag:<18} {key}" for flag, key in ALIASES.items())
-    p: argparse.ArgumentParser = sub.add_parser(
-        "infer",
-        help="batch inference of models larger than memory, streamed layer by layer",
-        description="Greedy generation or likelihood scoring of a JSONL file with a "
-        "Hugging Face decoder model (a local folder, a Hub id or a bucket URL), streaming "
-        "its layers from the safetensors shards within a memory budget. Preemptible: rerun "
-        "to resume.",
-        epilog=EPILOG.format(aliases=aliases, table=help_table(InferConfig)),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--config", metavar="FILE.yaml", help="YAML config; flags override it")
-    return p
-
-
-def load_config(config_file: str | None, rest: list[str]) -> InferConfig:
-    """Defaults, YAML, then flags; the issue's short flags map onto config keys and
-    errors still name the flag as typed."""
-    short = {flag[2:].replace("-", "_"): key for flag, key in ALIASES.items()}
+def load_config(config_file: str | None, args: list[str]) -> InferConfig:
+    """Defaults, YAML, then flags, read as ``shoestring infer`` reads them (errors name
+    the flag as typed): for callers outside the command (tests, scripts)."""
     layers = read_yaml(config_file) if config_file else []
-    for key, value, src in parse_overrides(rest):
-        layers.append((short.get(key, key), value, src))
+    layers += parse_command_line(args, InferConfig, INFER_ARGS).layers
     return build(InferConfig, layers)
 
 
-def run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
+def run_infer_verb(cfg: InferConfig, call: Invocation) -> int:
+    """The environment edge of ``infer``: faults, the outputs' ``created``, the Hub."""
     from shoestring.checkpoint.faults import FaultPlan
-    from shoestring.infer.job import default_run_dir, run_infer
+    from shoestring.infer.job import run_infer
+    from shoestring.infer.prepare import default_run_dir
 
-    cfg = load_config(args.config, rest)
+    env = call.env
     run_dir = (
         Path(cfg.io.run_dir)
         if cfg.io.run_dir
@@ -107,7 +104,7 @@ def run(args: argparse.Namespace, rest: list[str], env: dict[str, str]) -> int:
     return run_infer(cfg, faults=faults, stream=sys.stderr, created=created, hub=hub_access(env))
 
 
-def hub_access(env: dict[str, str]) -> HubAccess:
+def hub_access(env: Mapping[str, str]) -> HubAccess:
     """How a model id or bucket URL in --model/--adapter is fetched (docs/models.md)."""
     from shoestring.checkpoint.mirror import fetch_model_folder
 

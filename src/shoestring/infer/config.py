@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from shoestring.config import knob, non_negative, positive
+
+#: ``model.device``: where layers are computed.
+Device = Literal["auto", "cpu", "cuda"]
+#: ``model.dtype``: what the job computes in ('auto': resolved once, pinned in run.json).
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+ModelDtype = Literal["auto", ComputeDtype]
+#: ``generate.mode``: greedy continuation, or the log-likelihood of given completions.
+Mode = Literal["generate", "score"]
+#: ``compress.scheme``: the decoder layers' weights as read from disk.
+Compress = Literal["none", "int8", "nf4"]
+#: ``job.progress``: how progress is shown.
+ProgressMode = Literal["auto", "bar", "plain", "off"]
+#: ``job.preempt_signal``: the extra signal meaning 'commit and exit'.
+PreemptSignal = Literal["SIGUSR1", "SIGUSR2", "none"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -54,18 +68,13 @@ class InferModelConfig:
         "LoRA adapter to apply: a shoestring finetune OUTPUT/final/ dir (peft format), a "
         "Hub id or a folder URL of one. Empty: none.",
     )
-    device: str = knob(
-        "auto",
-        "Where layers are computed ('auto': cuda if available).",
-        choices=("auto", "cpu", "cuda"),
-    )
-    dtype: str = knob(
+    device: Device = knob("auto", "Where layers are computed ('auto': cuda if available).")
+    dtype: ModelDtype = knob(
         "auto",
         "Compute dtype of weights, activations and KV cache. 'auto': "
         "the checkpoint's dtype (exact), except with --compress on a float32 "
         "checkpoint (already inexact): bfloat16 where a bf16 matmul measures "
         "faster on this device. The resolved choice is pinned in run.json.",
-        choices=("auto", "float32", "bfloat16", "float16"),
     )
 
 
@@ -91,11 +100,10 @@ class IOConfig:
 
 @dataclass
 class GenerateConfig:
-    mode: str = knob(
+    mode: Mode = knob(
         "generate",
         "'generate': greedy continuation; 'score': log-likelihood of "
         "the given completion(s), prefill only.",
-        choices=("generate", "score"),
     )
     max_new_tokens: int = knob(
         32,
@@ -184,12 +192,11 @@ class MemoryConfig:
 
 @dataclass
 class CompressConfig:
-    scheme: str = knob(
+    scheme: Compress = knob(
         "none",
         "Weight compression of the decoder layers' linear weights: "
         "int8 (per-channel) or nf4 (4-bit, group 64). Compressed once into "
         "the run directory, then fewer bytes are read per pass.",
-        choices=("none", "int8", "nf4"),
     )
 
 
@@ -199,15 +206,11 @@ class JobConfig:
         0, "Prompts per committed chunk (0: the job batch size).", check=non_negative
     )
     num_threads: int = knob(0, "torch intra-op threads (0: torch's default).", check=non_negative)
-    progress: str = knob(
-        "auto",
-        "Progress display: bar on a terminal, plain lines otherwise.",
-        choices=("auto", "bar", "plain", "off"),
+    progress: ProgressMode = knob(
+        "auto", "Progress display: bar on a terminal, plain lines otherwise."
     )
-    preempt_signal: str = knob(
-        "SIGUSR1",
-        "Extra signal meaning 'commit and exit' besides SIGTERM and SIGINT.",
-        choices=("SIGUSR1", "SIGUSR2", "none"),
+    preempt_signal: PreemptSignal = knob(
+        "SIGUSR1", "Extra signal meaning 'commit and exit' besides SIGTERM and SIGINT."
     )
     save_every_s: float = knob(
         600.0,

@@ -24,7 +24,8 @@ from transformers.cache_utils import DynamicLayer
 from shoestring.infer.compact import drop_finished
 from shoestring.infer.engine import MicroBatch, PassStopped, StreamingCausalLM
 from shoestring.infer.kvcache import Int8KVLayer, merge_left_padded
-from shoestring.infer.sampling import Choice, Pick, StopStrings, pick
+from shoestring.infer.sampleparams import Choice
+from shoestring.infer.sampling import Pick, StopStrings, pick
 
 #: Why a sequence ended: an end token, a stop string, or its length limit.
 Finish = Literal["eos", "stop", "length"]

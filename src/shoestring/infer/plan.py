@@ -23,10 +23,57 @@ room for that too.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shoestring.config import ConfigError
+from shoestring.infer.config import MemoryConfig
+from shoestring.infer.ledger import Pinned
+
+#: A first attempt's: nothing pinned yet.
+NOTHING_PINNED = Pinned()
+
+
+@dataclass(frozen=True)
+class Budget:
+    """``memory.budget`` in bytes, and the part of it the process itself takes."""
+
+    total: int
+    runtime: int  # measured as the job plans (or memory.runtime_reserve, if larger)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the weights take in memory, per unit, beyond the runtime."""
+
+    read: list[int]  # bytes streamed
+    extra: list[int]  # slot scratch: dequantized weights, casts to the compute dtype
+    prepare: list[int] = field(default_factory=list)  # temporaries while it is prepared
+    build: int = 0  # writing the compressed copy, at its peak (0: nothing to write)
+    #: per unit: whether a resident unit keeps its raw bytes once prepared (None: all do)
+    raw_kept: list[bool] | None = None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model as the plan sees it: its config (hidden, ffn, heads, vocab), the compute
+    dtype's size and the KV cache's bytes per token (see
+    :func:`shoestring.infer.engine.kv_bytes_per_token` and ``kv_scratch_per_token``)."""
+
+    config: Any
+    itemsize: int
+    kv_per_token: int  # 0: no KV cache (scoring)
+    kv_scratch_per_token: int = 0
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The input as the plan sees it: every sequence's prompt length, the most tokens any
+    generates, and whether some sequence samples or wants logprobs."""
+
+    prompts: list[int]
+    new_tokens: int
+    sampling: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,57 +187,45 @@ class _Fixed:
 
 
 def make_plan(
-    *,
-    budget: int,
-    reserve: int,
-    unit_bytes: list[int],
-    unit_extra: list[int],
-    kv_per_token: int,
-    config: Any,
-    itemsize: int,
-    prompt_lens: list[int],
-    new_tokens: int,
-    want_batch: int,
-    micro_tokens: int,
-    depth: int,
-    want_resident: int,
-    pinned_batch: int | None = None,
-    pinned_micro: int | None = None,
-    raw_kept: list[bool] | None = None,
-    unit_prepare: list[int] | None = None,
-    kv_scratch_per_token: int = 0,
-    sampling: bool = False,
+    budget: Budget,
+    needs: Needs,
+    shape: ModelShape,
+    lengths: Lengths,
+    memory: MemoryConfig,
+    pinned: Pinned = NOTHING_PINNED,
 ) -> Plan:
     """Size the job batch, then the prefill micro-batches, then the resident set.
 
-    ``unit_extra[i]``: the scratch unit ``i`` needs once read (dequantized or cast
-    weights); a resident unit keeps its raw bytes only where ``raw_kept[i]``.
-    ``unit_prepare[i]``: what preparing it takes on top, for a moment.
-    ``kv_scratch_per_token``: see :func:`shoestring.infer.engine.kv_scratch_per_token`;
-    ``sampling``: some sequence samples or wants logprobs. ``pinned_*``: from an
-    earlier attempt (run.json), honoured or the plan fails (the numerics must not change).
+    ``needs.extra[i]``: the scratch unit ``i`` needs once read (dequantized or cast
+    weights); a resident unit keeps its raw bytes only where ``needs.raw_kept[i]``.
+    ``needs.prepare[i]``: what preparing it takes on top, for a moment. ``memory``: the
+    wanted batch, micro-batch tokens, read-ahead depth and resident units. ``pinned``:
+    from an earlier attempt (run.json), honoured or the plan fails (the numerics must
+    not change).
     """
+    prompt_lens, depth = lengths.prompts, memory.prefetch_depth
     longest = max(prompt_lens) if prompt_lens else 1
-    costs = _unit_costs(unit_bytes, unit_extra, raw_kept, depth)
-    ring = costs.ring(list(range(len(unit_bytes))))  # before the resident set is known
-    act, per_seq = _per_call_and_per_seq(
-        config, itemsize, longest, new_tokens, kv_per_token, kv_scratch_per_token, sampling
-    )
-    fixed = _Fixed(budget, reserve, max(unit_prepare or [0], default=0))
+    costs = _unit_costs(needs.read, needs.extra, needs.raw_kept, depth)
+    ring = costs.ring(list(range(len(needs.read))))  # before the resident set is known
+    act, per_seq = _per_call_and_per_seq(shape, longest, lengths)
+    fixed = _Fixed(budget.total, budget.runtime, max(needs.prepare or [0], default=0))
     room = fixed.room - ring
     if room < per_seq + act.bytes(longest, 1):
         raise _too_small(fixed, ring, act.bytes(longest, 1), per_seq, depth)
+    want_batch, pinned_batch = memory.batch_size, pinned.batch_size
     if pinned_batch is None:
         fits = _most_that_fit(act, per_seq, longest, room, want_batch)
     else:  # a rerun may use the slack too: its measured runtime can differ a little
         fits = _most_that_fit(act, per_seq, longest, room + fixed.slack, pinned_batch)
     batch = _batch_size(fits, want_batch, len(prompt_lens), pinned_batch)
     left = room - batch * per_seq
-    micro = pinned_micro or _micro_tokens(act, micro_tokens, batch, longest, left)
+    micro = pinned.micro_tokens or _micro_tokens(
+        act, memory.micro_batch_tokens, batch, longest, left
+    )
     left -= act.bytes(micro, batch)
-    resident, ring = _resident_and_ring(unit_bytes, costs, left + ring, fixed.room, want_resident)
+    resident, ring = _resident_and_ring(needs.read, costs, left + ring, fixed.room, memory.resident)
     parts = {
-        "runtime": reserve,
+        "runtime": budget.runtime,
         "read_ahead": ring,
         "prepare": fixed.prepare,
         "activations": act.bytes(micro, batch),
@@ -198,29 +233,24 @@ def make_plan(
         "resident": sum(costs.held[i] for i in resident),
         "slack": fixed.slack,
     }
-    return Plan(batch, micro, tuple(sorted(resident)), depth, budget, parts)
+    return Plan(batch, micro, tuple(sorted(resident)), depth, budget.total, parts)
 
 
 def _per_call_and_per_seq(
-    config: Any,
-    itemsize: int,
-    longest: int,
-    new_tokens: int,
-    kv_per_token: int,
-    kv_scratch_per_token: int,
-    sampling: bool,
+    shape: ModelShape, longest: int, lengths: Lengths
 ) -> tuple[_Activations, int]:
     """The activations of one forward call, and what each sequence of the batch holds
     (KV cache and hidden states at its longest)."""
+    new_tokens, config, itemsize = lengths.new_tokens, shape.config, shape.itemsize
     seq = longest + new_tokens
     act = _Activations(
         activation_per_token(config, seq, itemsize),
-        seq * kv_scratch_per_token if new_tokens else 0,
-        config.vocab_size * logit_bytes(itemsize, new_tokens > 0, sampling),
+        seq * shape.kv_scratch_per_token if new_tokens else 0,
+        config.vocab_size * logit_bytes(itemsize, new_tokens > 0, lengths.sampling),
         new_tokens > 0,
         longest,
     )
-    return act, seq * kv_per_token + seq * config.hidden_size * itemsize
+    return act, seq * shape.kv_per_token + seq * config.hidden_size * itemsize
 
 
 def _most_that_fit(act: _Activations, per_seq: int, longest: int, room: int, most: int) -> int:
@@ -328,14 +358,15 @@ def _resident_set(
     return resident
 
 
-def check_setup(budget: int, reserve: int, build: int) -> None:
+def check_setup(budget: Budget, build: int) -> None:
     """Refuse a budget that cannot hold writing the compressed copy (``build`` bytes at
-    its peak, beyond the runtime ``reserve``) with the slack."""
-    need = reserve + build + budget // 32
-    if build and need > budget:
+    its peak, beyond the runtime) with the slack."""
+    total, reserve = budget.total, budget.runtime
+    need = reserve + build + total // 32
+    if build and need > total:
         raise ConfigError(
-            f"memory.budget: {budget / 1e9:.2f} GB is too small to write the compressed "
+            f"memory.budget: {total / 1e9:.2f} GB is too small to write the compressed "
             f"copy of this model: it needs {need / 1e9:.2f} GB ({_mb(reserve)} MB runtime "
             f"+ {_mb(build)} MB for one layer read, compressed and serialized + "
-            f"{_mb(budget // 32)} MB slack); raise the budget"
+            f"{_mb(total // 32)} MB slack); raise the budget"
         )

@@ -20,7 +20,7 @@ from shoestring.infer.batchapi import Answer, LineError, Request, TokenLogprob
 from shoestring.infer.batchapi import answer_line as answer_json
 from shoestring.infer.batchapi import error_line as error_json
 from shoestring.infer.decode import Generated
-from shoestring.infer.sampling import Choice, StopStrings
+from shoestring.infer.sampling import StopStrings
 
 Item = Request | LineError
 
@@ -67,22 +67,6 @@ def request_ids(
 def _refused(req: Request, path: str, param: str, why: str) -> LineError:
     where = f"{path}:{req.line}: {param}"
     return LineError(req.line, req.custom_id, "invalid_request", param, f"{where}: {why}")
-
-
-def choice_of(req: Request, seed: int) -> Choice:
-    """How the request picks its tokens. Draws are keyed by (seed, key, token index):
-    without a seed of its own, the key is its ``custom_id`` with the job's seed (no
-    two requests draw alike); with one, the key is empty, so repeated requests with
-    the same seed and parameters get the same answer (OpenAI's promise for ``seed``)."""
-    s = req.sampling
-    return Choice(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=seed if s.seed is None else s.seed,
-        key=req.custom_id if s.seed is None else "",
-        logprobs=(s.top_logprobs if s.logprobs else -1),
-    )
 
 
 def answer_lines(

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from shoestring.infer.sampleparams import Choice
+
 #: Dtypes whose values float32 holds exactly: their argmax needs no conversion.
 _EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 #: First head of the sorted vocabulary looked at when no top_k bounds it; grown
@@ -38,18 +40,6 @@ _FIRST_HEAD = 64
 #: from float32 logits are exact to ~1e-7, so a boundary the user meant exactly
 #: (probs 0.5 + 0.3 with top_p 0.8) is not decided by rounding.
 _TOP_P_SLACK = 1e-6
-
-
-@dataclass(frozen=True)
-class Choice:
-    """How one request picks tokens."""
-
-    temperature: float = 0.0  # 0: greedy (argmax; ties -> lowest id)
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int = 0  # the job's seed, or the request's own
-    key: str = ""  # the request's identity (its custom_id, or "line:N")
-    logprobs: int = -1  # -1: none; 0: the chosen token's logprob; k>0: also the top k
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,9 @@
 """What the reader thread does to a unit's tensors before compute: dequantize the
 compressed copy of the decoder layers, merge a LoRA adapter, or both; and what that
-takes in memory, per unit, for the plan."""
+takes in memory, per unit, for the plan (:class:`shoestring.infer.plan.Needs`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,18 +11,9 @@ import torch
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.codecs import Scheme
 from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.plan import Needs
 from shoestring.infer.quant import Layout, build_compressed, compressed_layout, use_compressed
 from shoestring.infer.stream import Prepare, Slot
-
-
-@dataclass(frozen=True)
-class Needs:
-    """What the weights take in memory, per unit, beyond the runtime."""
-
-    read: list[int]  # bytes streamed
-    extra: list[int]  # slot scratch: dequantized weights, casts to the compute dtype
-    prepare: list[int]  # temporaries while it is prepared (dequantization, an adapter)
-    build: int = 0  # writing the compressed copy, at its peak (0: nothing to write)
 
 
 def weight_needs(
@@ -45,6 +35,7 @@ def weight_needs(
         [x + (0 if layers[i] else engine.cast_bytes(i)) for i, x in enumerate(layout.scratch)],
         [t + _merge_scratch(engine, i, adapter, compressed) for i, t in enumerate(layout.temps)],
         layout.build + _merge_in_copy(engine, adapter) if compressed else 0,
+        _raw_kept(engine),
     )
 
 
@@ -109,7 +100,12 @@ def weight_hook(
     elif adapter is not None:
         hook = _merged(adapter)
     cast = [x + engine.cast_bytes(i) for i, x in enumerate(extra)]
-    return hook, Needs(engine.unit_bytes, cast, needs.prepare, needs.build)
+    return hook, Needs(engine.unit_bytes, cast, needs.prepare, needs.build, _raw_kept(engine))
+
+
+def _raw_kept(engine: StreamingCausalLM) -> list[bool]:
+    """Per unit, as it will be streamed: whether a resident copy keeps its raw bytes."""
+    return [engine.raw_kept(i) for i in range(len(engine.units))]
 
 
 def _merged(adapter: LoraDelta) -> Prepare:

@@ -18,29 +18,19 @@ from shoestring.data.chat import end_of_turn_ids, prompt_ids
 from shoestring.data.records import DataError
 from shoestring.data.specials import plain_prompt_ids
 from shoestring.infer.batchapi import Request
+from shoestring.infer.config import Mode
 from shoestring.infer.decode import Generated, Rules, Scored
 from shoestring.infer.inputs import Record
-from shoestring.infer.requests import Answering, Item, answer_lines, choice_of, request_ids
-from shoestring.infer.sampling import Choice, StopStrings
+from shoestring.infer.requests import Answering, Item, answer_lines, request_ids
+from shoestring.infer.sampleparams import Choice, Sampling
+from shoestring.infer.sampling import StopStrings
 
-#: ``generate.mode``: greedy continuation, or the log-likelihood of given completions.
-Mode = Literal["generate", "score"]
 #: The input's kind: shoestring's own lines, or an OpenAI batch file.
 InputKind = Literal["lines", "openai"]
 
 
-@dataclass(frozen=True)
-class Sampled:
-    """How ``{"prompt"}`` lines are continued (``generate.*``)."""
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    def choice(self, line: int) -> Choice:
-        return Choice(self.temperature, self.top_p, self.top_k, self.seed, f"line:{line}")
+#: How ``{"prompt"}`` lines are continued by default (``generate.*``'s defaults).
+GREEDY = Sampling(max_tokens=32, temperature=0.0)
 
 
 @dataclass
@@ -102,12 +92,14 @@ def _context(r: Record, tok: Any, template: str | None) -> list[int]:
 def tokenize(
     records: list[Record],
     tok: Any,
-    mode: str,
+    mode: Mode,
     template: str | None = None,
-    sampled: Sampled = Sampled(),
+    sampling: Sampling = GREEDY,
     context: int | None = None,
+    seed: int = 0,
 ) -> Work:
-    """``{"prompt"}``/``{"messages"}`` records as sequences; a record that cannot be
+    """``{"prompt"}``/``{"messages"}`` records as sequences, each continued as ``sampling``
+    says with draws keyed by the job's ``seed`` and its line; a record that cannot be
     answered (no tokens, longer than the model's ``context`` with what is generated
     or scored) fails the job before anything loads, naming its line."""
     seqs, starts = [], []
@@ -116,7 +108,7 @@ def tokenize(
         if mode == "generate":
             if not ctx:
                 raise ConfigError(f"io.input: line {r.line}: the prompt has no tokens")
-            _fits(r, len(ctx) + sampled.max_new_tokens, context, "+ --max-new-tokens")
+            _fits(r, len(ctx) + sampling.max_tokens, context, "+ --max-new-tokens")
             seqs.append([ctx])
             starts.append([len(ctx)])
             continue
@@ -134,8 +126,8 @@ def tokenize(
     n = len(records)
     return Work(
         records, seqs, starts, eos, pad, "lines",
-        [sampled.max_new_tokens if mode == "generate" else 0] * n,
-        [sampled.choice(r.line) for r in records],
+        [sampling.max_tokens if mode == "generate" else 0] * n,
+        [sampling.choice(seed, f"line:{r.line}") for r in records],
         [()] * n,
     )  # fmt: skip
 
@@ -165,7 +157,7 @@ def tokenize_requests(
         pad,
         "openai",
         [r.sampling.max_tokens if r else 0 for r in reqs],
-        [choice_of(r, seed) if r else Choice() for r in reqs],
+        [r.sampling.choice(seed, r.custom_id) if r else Choice() for r in reqs],
         [r.sampling.stop if r else () for r in reqs],
     )
 
@@ -184,7 +176,7 @@ def _stops(chats: bool, tok: Any, template: str | None) -> tuple[set[int], int]:
 def output_lines(
     work: Work,
     records: Sequence[int],
-    mode: str,
+    mode: Mode,
     results: list[list[Generated] | list[Scored]],
     tok: Any,
     answering: Answering | None = None,

@@ -1,0 +1,276 @@
+"""Everything a job does before its first chunk, cheapest checks first.
+
+Bad input fails before anything is loaded (or downloaded), and another job's run
+directory is refused before anything is written into it: required keys, the input
+file (to ``file:line``), the model reference, the adapter, the tokenizer and the
+tokenized input, the compute dtype and the engine, the job's identity against
+``run.json``, then the weights' setup and the memory plan (:mod:`.budget`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from shoestring.checkpoint.faults import FaultPlan
+from shoestring.config import ConfigError, to_flat
+from shoestring.hf import bnb_stored
+from shoestring.hub import HubAccess, ModelRef, resolve
+from shoestring.infer.adapter import LoraDelta
+from shoestring.infer.budget import Planner, predicted_plan, real_plan
+from shoestring.infer.codecs import Scheme
+from shoestring.infer.config import LATER_KEY_DEFAULTS, OUTPUT_KEYS, InferConfig
+from shoestring.infer.dtype import compute_dtype
+from shoestring.infer.engine import StreamingCausalLM, read_config_json, steady_memory, stored_dtype
+from shoestring.infer.inputs import Input, read_input
+from shoestring.infer.ledger import Pinned, RunRecord
+from shoestring.infer.plan import Plan
+from shoestring.infer.requests import Answering
+from shoestring.infer.sampleparams import Sampling
+from shoestring.infer.shards import ShardError, index_model
+from shoestring.infer.stream import Prepare
+from shoestring.infer.weights import weight_hook, weight_needs
+from shoestring.infer.work import Work, tokenize, tokenize_requests
+
+
+def default_run_dir(output: Path) -> Path:
+    return output.with_name(output.name + ".run")
+
+
+@dataclass
+class InferJob:
+    """A prepared job: inputs tokenized, engine built, identity checked, memory planned."""
+
+    cfg: InferConfig
+    faults: FaultPlan
+    stream: TextIO
+    started: float  # time.perf_counter() when the job began
+    model_dir: Path
+    output: Path
+    run_dir: Path
+    work: Work
+    tok: Any
+    engine: StreamingCausalLM
+    prior: RunRecord | None  # run.json of an earlier attempt
+    identity: dict[str, Any]
+    hook: Prepare | None  # what the reader thread does to each unit's tensors
+    plan: Plan
+    chunk_records: int
+    created: int | None = None  # outputs' "created" (None: the run's first start)
+    answering: Answering | None = None  # OpenAI batch jobs: what every line shares
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.engine.dtype).removeprefix("torch.")
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes read from disk per pass: every unit that is not resident."""
+        return sum(
+            u.plan.read_bytes
+            for i, u in enumerate(self.engine.units)
+            if i not in self.plan.resident
+        )
+
+
+def prepare(
+    cfg: InferConfig, faults: FaultPlan, stream: TextIO, hub: HubAccess | None = None
+) -> InferJob:
+    """Everything before the first chunk, cheapest checks first (module docstring)."""
+    started = time.perf_counter()
+    hub = hub or HubAccess(Path.home() / ".cache" / "shoestring")
+    _required_keys(cfg)
+    given = read_input(Path(cfg.io.input), cfg.generate.mode, cfg.generate.max_new_tokens)
+    ref = resolve(cfg.model.path, hub, key="--model (model.path)")
+    model_dir = _model_dir(ref)
+    output = Path(cfg.io.output)
+    run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else default_run_dir(output)
+    steady_memory()  # before anything is computed: oneDNN reads its cache size once
+    adapter = _adapter(cfg, hub)
+    if cfg.job.num_threads:
+        torch.set_num_threads(cfg.job.num_threads)
+    device = _device(cfg)
+    tok = _load_tokenizer(model_dir)
+    template = _chat_template(cfg)
+    work = _work(cfg, given, tok, template, _context_length(model_dir))
+    prior = RunRecord.read(run_dir)
+    engine = _build_engine(cfg, model_dir, device, prior)
+    if adapter is not None:
+        adapter.check(set(engine.refs))
+    identity = _identity(cfg, given.sha256, model_dir, adapter)
+    if ref.kind != "local":  # unset for local dirs keeps older run dirs valid
+        identity["model_source"] = ref.record()
+    if template is not None:  # outputs depend on it; unset keeps older run dirs valid
+        identity["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
+    if prior is not None:
+        prior.check(identity)
+    pinned = prior.pinned if prior is not None else Pinned()
+    hook, plan = _weights_and_plan(cfg, engine, work, adapter, run_dir, identity, pinned)
+    chunk_records = pinned.chunk_records or _chunk_records(cfg, plan, work)
+    return InferJob(
+        cfg, faults, stream, started, model_dir, output, run_dir, work, tok, engine,
+        prior, identity, hook, plan, chunk_records,
+    )  # fmt: skip
+
+
+def _required_keys(cfg: InferConfig) -> None:
+    for key, flag in (
+        ("model.path", "--model"),
+        ("io.input", "--input"),
+        ("io.output", "--output"),
+    ):
+        if not to_flat(cfg)[key]:
+            raise ConfigError(f"{flag} ({key}) is required")
+
+
+def _model_dir(ref: ModelRef) -> Path:
+    """The resolved model's folder; a pre-quantized (bitsandbytes) base is refused: its
+    packed 4/8-bit tensors cannot be streamed (``--compress`` quantizes a 16-bit base
+    on the fly instead)."""
+    doc = json.loads((ref.path / "config.json").read_text())
+    if isinstance(doc, dict) and bnb_stored(doc) != "none":
+        raise ConfigError(
+            f"--model (model.path): {ref.spec} is pre-quantized with bitsandbytes; infer "
+            "streams 16/32-bit safetensors only: use the unquantized base (and --compress "
+            "nf4 or int8 to stream it quantized)"
+        )
+    return ref.path
+
+
+def _adapter(cfg: InferConfig, hub: HubAccess) -> LoraDelta | None:
+    if not cfg.model.adapter:
+        return None
+    ref = resolve(cfg.model.adapter, hub, key="--adapter (model.adapter)", want="adapter")
+    return LoraDelta(ref.path)
+
+
+def _device(cfg: InferConfig) -> torch.device:
+    return torch.device(
+        "cuda"
+        if cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
+
+
+def _chat_template(cfg: InferConfig) -> str | None:
+    """The ``generate.chat_template`` file's Jinja source, checked (None: the tokenizer's)."""
+    if not cfg.generate.chat_template:
+        return None
+    from shoestring.data.chat import load_template
+    from shoestring.data.records import DataError
+
+    try:
+        return load_template(cfg.generate.chat_template)
+    except DataError as e:
+        raise ConfigError(f"generate.chat_template: {e}") from None
+
+
+def _context_length(model_dir: Path) -> int | None:
+    """The model's context (``max_position_embeddings``), None when it names none."""
+    try:
+        n = read_config_json(model_dir).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def _work(
+    cfg: InferConfig, given: Input, tok: Any, template: str | None, context: int | None
+) -> Work:
+    """The input tokenized: an OpenAI batch file's requests, or the job's own lines
+    (continued as ``generate.*`` says)."""
+    g = cfg.generate
+    if given.items is not None:
+        return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input)
+    assert given.records is not None
+    sampling = Sampling(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
+    return tokenize(given.records, tok, g.mode, template, sampling, context, g.seed)
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from shoestring.hf import load_tokenizer, quiet_hf
+
+    quiet_hf()
+    try:
+        return load_tokenizer(model_dir)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"--model (model.path): cannot load a tokenizer from {model_dir}: {e}"
+        ) from e
+
+
+def _build_engine(
+    cfg: InferConfig, model_dir: Path, device: torch.device, prior: RunRecord | None
+) -> StreamingCausalLM:
+    try:
+        refs = index_model(model_dir)
+        dtype = compute_dtype(
+            cfg.model.dtype,
+            stored_dtype(refs),
+            cfg.compress.scheme,
+            device,
+            pinned=prior.pinned.dtype if prior is not None else None,
+        )
+        return StreamingCausalLM(
+            model_dir, device=device, refs=refs, kv_bits=cfg.memory.kv_bits, dtype=dtype
+        )
+    except ShardError as e:
+        raise ConfigError(f"--model (model.path): {e}") from e
+
+
+def _identity(
+    cfg: InferConfig, input_sha: str, model_dir: Path, adapter: LoraDelta | None
+) -> dict[str, Any]:
+    """What must not change between attempts of one run directory (run.json)."""
+    from shoestring.hf import fingerprint
+
+    flat = to_flat(cfg)
+    return {
+        "input_sha256": input_sha,
+        "model": fingerprint(model_dir),
+        "adapter": adapter.fingerprint if adapter else "",
+        **{
+            k: flat[k]
+            for k in OUTPUT_KEYS
+            if k not in ("model.path", "io.input")
+            and not (k in LATER_KEY_DEFAULTS and flat[k] == LATER_KEY_DEFAULTS[k])
+        },
+    }
+
+
+def _weights_and_plan(
+    cfg: InferConfig,
+    engine: StreamingCausalLM,
+    work: Work,
+    adapter: LoraDelta | None,
+    run_dir: Path,
+    identity: dict[str, Any],
+    pinned: Pinned,
+) -> tuple[Prepare | None, Plan]:
+    """The reader's weight hook and the memory plan: planned on the predicted sizes
+    first (a budget too small is refused before the compressed copy is written), then
+    on the real ones (:mod:`shoestring.infer.budget`)."""
+    name = cfg.compress.scheme
+    scheme: Scheme | None = None if name == "none" else name
+    planner = Planner.of(cfg.memory, engine, work, cfg.generate.mode == "generate", pinned)
+    predicted_plan(planner, weight_needs(engine, scheme, adapter))
+    hook, needs = weight_hook(
+        engine,
+        scheme,
+        adapter,
+        run_dir / f"weights-{name}",
+        f"{identity['model']}:{identity['adapter']}:{name}",
+    )
+    return hook, real_plan(planner, needs)
+
+
+def _chunk_records(cfg: InferConfig, plan: Plan, work: Work) -> int:
+    """Records per chunk: a job batch's worth of sequences (or job.chunk_size, if less)."""
+    per_record = max(1, max(len(s) for s in work.seqs))
+    return max(1, min(cfg.job.chunk_size or plan.batch_size, plan.batch_size) // per_record)
