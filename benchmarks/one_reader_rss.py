@@ -13,7 +13,8 @@ rank samples its own RSS every 2 ms from just before the load to just after wrap
 
 Prints a table and the ratios, writes ``benchmarks/results/one-reader-rss-<date>.json``.
 
-    .venv/bin/python benchmarks/one_reader_rss.py --layers 8 --hidden 1024 --nproc 2
+    .venv/bin/python benchmarks/one_reader_rss.py --layers 8 --hidden 1024 --nproc 2 \\
+        [--dtype bfloat16] [--quantize none nf4]
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class Sampler:
         self.peak_anon = max(self.peak_anon, _status()["RssAnon"])
 
 
-def _worker(rank: int, nproc: int, port: int, mdir: str, quantize: str, way: str, out: str) -> None:
+def _worker(
+    rank: int, nproc: int, port: int, mdir: str, dtype: str, quantize: str, way: str, out: str
+) -> None:
     import ctypes
 
     import torch
@@ -87,7 +90,7 @@ def _worker(rank: int, nproc: int, port: int, mdir: str, quantize: str, way: str
     from shoestring.train.onereader import held_bytes
     from shoestring.train.strategy import FSDPStrategy
 
-    flags = ["--model.path", mdir, "--model.dtype", "float32", "--lora.quantize", quantize]
+    flags = ["--model.path", mdir, "--model.dtype", dtype, "--lora.quantize", quantize]
     flags += ["--distributed.strategy", "fsdp", "--lora.cache_quantized", "false"]
     cfg = load(FinetuneConfig, None, flags)
     env = DistEnv(rank=rank, world_size=nproc, source="torchrun")
@@ -132,6 +135,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--intermediate", type=int, default=4096)
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="model.dtype (the file is float32)")
+    ap.add_argument("--quantize", nargs="+", default=["none", "nf4"])
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     args = ap.parse_args()
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -140,9 +145,9 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results" / f".one-reader-{os.getpid()}"
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, Any] = {}
-    for quantize in ("none", "nf4"):
+    for quantize in args.quantize:
         for way in ("every_rank", "one_reader"):
-            wargs = (args.nproc, _port(), str(mdir), quantize, way, str(out))
+            wargs = (args.nproc, _port(), str(mdir), args.dtype, quantize, way, str(out))
             mp.start_processes(_worker, args=wargs, nprocs=args.nproc, start_method="spawn")
             ranks = [
                 json.loads((out / f"{quantize}-{way}-rank{r}.json").read_text())
@@ -160,7 +165,7 @@ def main() -> None:
         f.unlink()
     out.rmdir()
     summary = {}
-    for quantize in ("none", "nf4"):
+    for quantize in args.quantize:
         every = sum(r["peak_anon"] for r in rows[f"{quantize}/every_rank"])
         one = sum(r["peak_anon"] for r in rows[f"{quantize}/one_reader"])
         summary[quantize] = {"host_peak_anon_every_rank": every, "host_peak_anon_one_reader": one}
@@ -173,11 +178,13 @@ def main() -> None:
         "model_dir": mdir.name,
         "weights_bytes": weights,
         "nproc": args.nproc,
+        "dtype": args.dtype,
         "note": load_note(),
         "ranks": rows,
         "summary": summary,
     }
-    dest = ROOT / "benchmarks" / "results" / f"one-reader-rss-{result['date']}.json"
+    name = f"one-reader-rss-{result['date']}-{args.dtype}-n{args.nproc}.json"
+    dest = ROOT / "benchmarks" / "results" / name
     dest.write_text(json.dumps(result, indent=1) + "\n")
     print(f"model {weights / MIB:.0f} MiB fp32 on disk; {load_note()}; wrote {dest}")
 
