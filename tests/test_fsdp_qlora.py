@@ -161,6 +161,13 @@ def test_fsdp_qlora_trains_like_single_process_and_resumes_byte_identically(
     assert {e["tag"] for e in ev if e["event"] == "eval"} == {"before", "after"}
     assert steps(fsdp_qlora)[8] < steps(fsdp_qlora)[1]
     assert_losses_close(fsdp_qlora, single_qlora, range(1, 9))
+    # One reader: rank 0 read (and quantized) the base; rank 1 built it on the meta
+    # device and received its quant states and shards (tests/test_one_reader.py measures
+    # the memory and compares the bytes).
+    rank1 = read_events(fsdp_qlora / "ranks" / "rank1")
+    (load1,) = [e for e in rank1 if e["event"] == "load" and e["phase"] == "model"]
+    assert (load1["source"], load1["base_readers"]) == ("broadcast", [0])
+    assert load1["received_bytes"] > load1["kept_bytes"] > load1["quant_state_bytes"] > 0
     # The checkpoint is DCP shards of the adapter and its optimizer state: no base weight
     # and no quant-state tensor of the frozen nf4 layers.
     from torch.distributed.checkpoint import FileSystemReader

@@ -175,7 +175,7 @@ def host_ram_of(w: Workload, ranks: int) -> HostRAM:
     return host_ram(
         w,
         ranks,
-        loader_for(w.parallelism),
+        loader_for(w.parallelism, w.cpu_offload),
         reads_on_cpu=w.parallelism == "fsdp",
         runtime=CPU_RUNTIME_BYTES,
         load_transient=load_transient_bytes(cpu_load),

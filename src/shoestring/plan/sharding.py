@@ -39,8 +39,8 @@ from typing import Literal
 from shoestring.config import ConfigError
 from shoestring.plan.memory import Parallelism, Workload, adapter_bytes, weight_bytes
 
-#: Who reads the base from disk in a multi-rank run: every rank (what main does today:
-#: each rank loads the whole base on the CPU before sharding), or rank 0 alone, the
+#: Who reads the base from disk in a multi-rank run: every rank (each loads the whole
+#: base before it keeps its part: DDP, and FSDP2 with CPU offload), or rank 0 alone, the
 #: others receiving their shards (DCP ``set_model_state_dict(..., broadcast_from_rank0)``).
 Loader = Literal["every_rank", "rank0_broadcast"]
 
@@ -181,11 +181,12 @@ def fsdp_accumulated_grads(w: Workload) -> int:
     return sum(prod(p.shape) * _grad_itemsize(p) for p in all_params(w) if p.trainable)
 
 
-def loader_for(strategy: Parallelism) -> Loader:
-    """Who reads the base under ``strategy``, as main does it today: every rank (FSDP
-    loads the whole base on the CPU of each rank, then keeps its shard). When rank 0
-    alone reads and broadcasts (issue 27 item 2), return ``"rank0_broadcast"`` here."""
-    return "every_rank"
+def loader_for(strategy: Parallelism, cpu_offload: bool = False) -> Loader:
+    """Who reads the base under ``strategy``: under FSDP2 rank 0 alone, which broadcasts
+    each rank its shards (``train/onereader.py``; the others start on the meta device),
+    except with ``distributed.cpu_offload``, where every rank still reads it; single and
+    DDP ranks each hold a whole replica, so each reads."""
+    return "rank0_broadcast" if strategy == "fsdp" and not cpu_offload else "every_rank"
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ from typing import Any
 from shoestring.checkpoint import RemoteStore
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.model import (
+    empty_base_model,
     load_base_model,
     load_prequantized,
     require_bitsandbytes,
     stored_quantization,
 )
+from shoestring.train.onereader import share_quant_states
 from shoestring.train.qbase import QBASE_DIR, QuantizedBaseCache, QuantKey, timing
 from shoestring.train.run import Run
 
@@ -41,13 +43,29 @@ def qbase_cache(cfg: FinetuneConfig, run: Run) -> QuantizedBaseCache | None:
 
 
 def load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> LoadedBase:
+    """The base as this rank starts from: read (and quantized, or from the cache), or,
+    where one rank reads for all (FSDP2), built on the meta device to receive its shards
+    from the reader when the strategy wraps it."""
+    strategy = run.strategy
+    if strategy.base_reader is not None and strategy.rank != strategy.base_reader:
+        return _receive_base(cfg, run, model_dir)
     read_before = _disk_read_bytes()
     loaded = _load_base(cfg, run, model_dir, base_fp)
     # Memory-mapped safetensors are read on first touch, inside whatever touches them
     # first (bitsandbytes' quantizer, for a quantized load): the bytes say how much came
     # from the disk rather than the page cache.
     loaded.fields["disk_read_bytes"] = _disk_read_bytes() - read_before
+    if strategy.base_reader is not None:
+        loaded.fields["quant_state_bytes"] = share_quant_states(loaded.model, strategy.all_agree)
     return loaded
+
+
+def _receive_base(cfg: FinetuneConfig, run: Run, model_dir: Path) -> LoadedBase:
+    """A rank that does not read: the base on the meta device, with the reader's quant
+    states (nf4); its weights arrive when the strategy wraps it."""
+    model = empty_base_model(model_dir, cfg.model, cfg.lora.quantize)
+    moved = share_quant_states(model, run.strategy.all_agree)
+    return LoadedBase(model, {"source": "broadcast", "quant_state_bytes": moved})
 
 
 def _disk_read_bytes() -> int:

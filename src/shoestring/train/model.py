@@ -158,6 +158,32 @@ def load_prequantized(saved_dir: Path, model_dir: Path, cfg: ModelConfig, device
     return _frozen(model, True, model_dir)
 
 
+def empty_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none") -> Any:
+    """The frozen base as :func:`load_base_model` builds it before reading a weight: on the
+    meta device (no memory), with bitsandbytes' linears swapped in by transformers' own
+    quantizer, as ``from_pretrained`` does. A rank that does not read the base under FSDP2
+    starts from this and receives its shards (:mod:`shoestring.train.onereader`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    quiet_hf()
+    config = AutoConfig.from_pretrained(str(model_dir))
+    dtype = _DTYPES[cfg.dtype]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=cfg.attn_implementation
+        )
+    stored = getattr(config, "quantization_config", None)  # a *-bnb-4bit base: as stored
+    qcfg = stored if stored is not None else quantization_config(quantize, cfg.dtype)
+    if qcfg is not None:
+        quantizer = AutoHfQuantizer.from_config(qcfg, pre_quantized=stored is not None)
+        quantizer.preprocess_model(model, dtype=dtype, device_map={"": "cpu"})
+        model.hf_quantizer = quantizer
+        quantizer.postprocess_model(model)
+    model.eval()  # as from_pretrained leaves it
+    return _frozen(model, qcfg is not None, model_dir)
+
+
 def keep_one_4bit_format(model: Any) -> int:
     """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel.
 

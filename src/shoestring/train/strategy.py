@@ -56,8 +56,12 @@ class Strategy(Protocol):
     device: torch.device
     rank: int
     world_size: int
+    #: The one rank that reads the base for every rank (FSDP2: the others start on the
+    #: meta device and receive their shards); None: each rank reads its own.
+    base_reader: int | None
 
     def load_device(self) -> str: ...
+    def load_fields(self) -> dict[str, Any]: ...
     def wrap(self, model: Any, comm_hook: Any) -> torch.nn.Module: ...
     def grad_sync(self, wrapped: torch.nn.Module, last: bool) -> AbstractContextManager[None]: ...
     def make_writer(
@@ -110,12 +114,17 @@ class SingleDevice:
     rank = 0
     world_size = 1
     checkpoint_group: Any = None
+    base_reader: int | None = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def load_device(self) -> str:
         return str(self.device)
+
+    def load_fields(self) -> dict[str, Any]:
+        """What wrapping added to the ``load`` event (the shards one reader sent)."""
+        return {}
 
     def wrap(self, model: Any, comm_hook: Any) -> torch.nn.Module:
         return model  # type: ignore[no-any-return]
@@ -368,7 +377,10 @@ class FSDPStrategy(_Distributed):
     """Weights, gradients and optimizer state sharded per decoder layer (FSDP2). The
     base loads on the CPU; sharding moves each rank's shards to its device. An nf4
     base (``quantize``) is sharded as its packed bytes viewed in ``dtype``, its quant
-    states kept on the modules (:mod:`shoestring.train.shard4bit`)."""
+    states kept on the modules (:mod:`shoestring.train.shard4bit`). With several ranks,
+    rank 0 alone reads the base; the others build it on the meta device and receive
+    their shards while wrapping (:mod:`shoestring.train.onereader`; ``one_reader=False``,
+    or ``cpu_offload``: every rank reads the whole base)."""
 
     name: StrategyName = "fsdp"
     whole_model = False
@@ -381,26 +393,42 @@ class FSDPStrategy(_Distributed):
         dtype: torch.dtype = torch.float32,
         quantize: str = "none",
         cpu_offload: bool = False,
+        one_reader: bool = True,
     ) -> None:
         super().__init__(device, groups)
         self.dtype, self.quantize, self.cpu_offload = dtype, quantize, cpu_offload
+        # cpu_offload keeps the shards in host memory and the buffers on the GPU: the
+        # meta start would need both placed by hand, unverified without GPUs (not built).
+        if one_reader and self.world_size > 1 and not cpu_offload:
+            from shoestring.train.onereader import READER
+
+            self.base_reader = READER
+        self._load_fields: dict[str, Any] = {}
 
     def load_device(self) -> str:
         return "cpu"
+
+    def load_fields(self) -> dict[str, Any]:
+        return self._load_fields
 
     def wrap(self, model: Any, comm_hook: Any) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        from shoestring.train.onereader import SharedBase
+
         if self.quantize == "nf4":
             from shoestring.train.shard4bit import make_shardable
 
             make_shardable(model, self.dtype, self.device)
+        shared = None if self.base_reader is None else SharedBase.capture(model, self.all_agree)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         for layer in parallel.decoder_layers(model):
             fully_shard(layer, mesh=mesh, offload_policy=offload)
         fully_shard(model, mesh=mesh, offload_policy=offload)
+        if shared is not None:  # the non-readers' shards are still on the meta device
+            self._load_fields = shared.fill(model, self.device)
         return model  # type: ignore[no-any-return]  # fully_shard swapped its class in place
 
     @contextlib.contextmanager

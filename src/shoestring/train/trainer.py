@@ -97,12 +97,13 @@ def _learner(
 ) -> Learner:
     t0 = time.perf_counter()
     loaded = load_base(cfg, run, model_dir, base_fp)
-    run.events.emit(
-        "load", phase="model", seconds=round(time.perf_counter() - t0, 3), **loaded.fields
-    )
+    seconds = round(time.perf_counter() - t0, 3)
     model = apply_lora(loaded.model, cfg.lora, cfg.train.seed, cfg.model.gradient_checkpointing)
     model.train()
     wrapped = run.strategy.wrap(model, getattr(run.rec, "ddp_comm_hook", None))
+    # After wrapping: under FSDP2 with one reader, that is when the shards arrive.
+    fields = loaded.fields | run.strategy.load_fields()
+    run.events.emit("load", phase="model", seconds=seconds, **fields)
     return Learner.build(model, wrapped, cfg.train, precision.make_scaler())
 
 
