@@ -254,7 +254,7 @@ def test_impossible_layouts_are_refused_naming_the_flag(flags: list[str], needle
 
 def test_a_70b_qlora_plan_per_rank_and_per_host() -> None:
     from shoestring.gpus import CATALOG, find_gpu
-    from shoestring.plan.estimate import make_plan
+    from shoestring.plan.estimate import CPU_RUNTIME_BYTES, make_plan
     from shoestring.plan.report import to_json, to_text
 
     def plan(n: int, *extra: str, per_host: int | None = None) -> Any:
