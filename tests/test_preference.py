@@ -364,3 +364,66 @@ def test_prompt_is_truncated_from_its_start_and_answers_never(tok: Any) -> None:
     with pytest.raises(DataError, match=r"t.jsonl:1: the answers do not fit data.max_length"):
         fit_pair(r, chosen, rejected, TokenizeSpec(max_length=n))
     assert fit_pair(r, chosen, rejected, TokenizeSpec(max_length=n, truncate="drop")) is None
+
+
+def test_plan_counts_chosen_and_rejected_and_the_reference_pass() -> None:
+    from shoestring.plan.estimate import flops_per_token
+    from shoestring.plan.workload import builtin_arch, workload_from_config
+    from shoestring.train.config import FinetuneConfig
+
+    def planned(objective: str, precompute: bool = False) -> Any:
+        cfg = FinetuneConfig()
+        cfg.train.objective, cfg.dpo.precompute_ref = objective, precompute  # type: ignore[assignment]
+        return workload_from_config(cfg, builtin_arch())[0]
+
+    sft, dpo, orpo = planned("sft"), planned("dpo"), planned("orpo")
+    cached = planned("dpo", precompute=True)
+    assert dpo.micro_batch == orpo.micro_batch == 2 * sft.micro_batch  # sequences per pass
+    assert flops_per_token(orpo) == flops_per_token(sft) == flops_per_token(cached)
+    a = builtin_arch()
+    forward = 2 * (
+        a.layers * sum(i * o for i, o in a.linear_shapes().values()) + a.vocab * a.hidden
+    )
+    forward += 2 * a.layers * dpo.seq_len * a.heads * a.head_dim
+    assert flops_per_token(dpo) == flops_per_token(sft) + forward
+
+
+def test_conversational_pairs_take_loss_on_the_answer_turn_only() -> None:
+    from chat_fixtures import chatml_tokenizer
+
+    tok = chatml_tokenizer()
+    row = {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+        "chosen": [{"role": "assistant", "content": "four"}],
+        "rejected": [{"role": "assistant", "content": "five, or so"}],
+    }
+    chosen, rejected = pair_examples(_records([row]), tok, TokenizeSpec(max_length=128))
+    for ex, answer in ((chosen, "four"), (rejected, "five, or so")):
+        learned = tok.decode([t for t in ex.labels if t != -100])
+        assert learned == answer + "<|im_end|>"
+    start = sum(1 for t in chosen.labels if t == -100)  # the shared prompt, rendered once
+    assert chosen.input_ids[: start - 1] == rejected.input_ids[: start - 1]
+
+
+def test_pairs_refuse_packing_and_chunked_loss_and_the_wrong_records() -> None:
+    from shoestring.config import ConfigError
+    from shoestring.data.preference import preference_only
+    from shoestring.train.config import FinetuneConfig
+    from shoestring.train.objective import check_objective
+
+    cfg = FinetuneConfig()
+    cfg.train.objective = "orpo"
+    cfg.data.packing = True
+    with pytest.raises(ConfigError, match="data.packing"):
+        check_objective(cfg)
+    cfg.data.packing, cfg.train.loss_chunk_tokens = False, 256
+    with pytest.raises(ConfigError, match="train.loss_chunk_tokens"):
+        check_objective(cfg)
+    cfg.train.loss_chunk_tokens, cfg.dpo.precompute_ref = 0, True
+    with pytest.raises(ConfigError, match="dpo.precompute_ref"):
+        check_objective(cfg)
+    sft_row = _records([{"prompt": "p", "completion": "c"}])
+    with pytest.raises(DataError, match="t.jsonl:1: train.objective dpo needs preference"):
+        preference_only(sft_row, "dpo")
+    with pytest.raises(DataError, match="t.jsonl:1: a preference record"):
+        preference_only(_records(ROWS[:1]), "sft")

@@ -71,6 +71,9 @@ class Workload:
     loss_chunk_tokens: int = 0
     #: ``train.offload_activations``: saved tensors live in host RAM (on CUDA).
     offload_activations: bool = False
+    #: ``train.objective dpo`` without ``dpo.precompute_ref``: each micro-batch also runs
+    #: a no-grad forward of the base with the adapter disabled (the reference).
+    reference_forward: bool = False
 
     @property
     def quant(self) -> Quantize:

@@ -90,7 +90,8 @@ class DataConfig:
     )
     format: DataFormat = knob(
         "auto",
-        "Record shape: text, prompt_completion, messages (OpenAI chat), alpaca, "
+        "Record shape: text, prompt_completion, messages (OpenAI chat), alpaca, preference "
+        "(prompt/chosen/rejected, text or messages; train.objective dpo|orpo), "
         "sharegpt; 'auto' detects it per file from the first record (logged).",
     )
     chat_template: str = knob(
