@@ -177,6 +177,7 @@ def test_dpo_precomputed_reference_equals_trl(model: Any, pairs: list[Example], 
     assert abs(float(out.loss) - float(plain.loss)) < TOL
 
 
+@pytest.mark.slow  # the same code path as the sigmoid loss, one more term; ~3 s
 def test_robust_dpo_equals_trl(model: Any, pairs: list[Example], tok: Any) -> None:
     from trl import DPOTrainer
 
@@ -240,6 +241,7 @@ def test_orpo_loss_equals_trl(model: Any, pairs: list[Example], tok: Any) -> Non
         assert abs(means[name] - metrics[name]) < TOL, name
 
 
+@pytest.mark.slow  # the normalizer arithmetic; the SIGKILL test runs 2-pair batches; ~3 s
 def test_micro_batches_add_up_to_the_whole_batch(
     model: Any, pairs: list[Example], tok: Any
 ) -> None:
