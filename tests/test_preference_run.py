@@ -114,7 +114,7 @@ def test_reference_cache_is_verified_and_recomputed_when_torn(tmp_path: Path) ->
     assert cached_reference(path, 6, compute) is not None and calls == [1, 1]
 
 
-@pytest.mark.slow  # ~2 CPU minutes: the learning curve, not a mechanism
+@pytest.mark.slow  # ~50 s (2 threads): the learning curve, not a mechanism
 def test_synthetic_preferences_are_learned(cli: CLI, tmp_path: Path) -> None:
     """builtin:prefer-reverse: held-out reward accuracy from chance to > 95 %."""
     out = tmp_path / "run"
