@@ -6,7 +6,10 @@ Five shapes are understood; ``detect_format`` picks one from an object's keys:
 * ``prompt_completion``: ``{"prompt": ..., "completion": ...}``;
 * ``messages``: OpenAI-style ``{"messages": [{"role", "content"}, ...], "tools": [...]}``;
 * ``alpaca``: ``{"instruction", "input" (optional), "output", "system" (optional)}``;
-* ``sharegpt``: ``{"conversations": [{"from", "value"}, ...], "system" (optional)}``.
+* ``sharegpt``: ``{"conversations": [{"from", "value"}, ...], "system" (optional)}``;
+* ``preference``: ``{"prompt", "chosen", "rejected"}`` as text, or TRL's conversational
+  shape: ``chosen``/``rejected`` message lists, after a ``prompt`` message list or
+  sharing their first messages as the prompt (``train.objective dpo|orpo``).
 
 Alpaca and ShareGPT become conversations (``Record.messages``), so everything after
 parsing sees three kinds of record: text, pair and chat. Every error names the place
@@ -22,7 +25,9 @@ from typing import Any, Literal
 
 from shoestring.data.records import DataError, Record
 
-ConcreteFormat = Literal["text", "prompt_completion", "messages", "alpaca", "sharegpt"]
+ConcreteFormat = Literal[
+    "text", "prompt_completion", "messages", "alpaca", "sharegpt", "preference"
+]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 #: The keys of a message that are kept; anything else in a message is dropped.
@@ -73,6 +78,8 @@ def _missing_message(keys: set[str]) -> str:
 def detect_format(obj: Any, where: str) -> ConcreteFormat:
     """The shape of one object, from its keys (see the module docstring for the order)."""
     keys = set(_as_object(obj, where))
+    if keys & {"chosen", "rejected"}:
+        return "preference"
     if "messages" in keys:
         return "messages"
     if "conversations" in keys:
@@ -235,6 +242,70 @@ def _parse_sharegpt(obj: dict[str, Any], where: str) -> Record:
     return Record(where, messages=messages, tools=parse_tools(obj, where))
 
 
+def _answers(obj: dict[str, Any], where: str) -> tuple[Any, Any]:
+    _require(obj, where, "chosen", "rejected")
+    chosen, rejected = obj["chosen"], obj["rejected"]
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        return chosen, rejected
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        return chosen, rejected
+    raise DataError(
+        f"{where}: 'chosen' and 'rejected' must both be strings or both message lists "
+        f"(got {type(chosen).__name__} and {type(rejected).__name__})"
+    )
+
+
+def _text_preference(obj: dict[str, Any], where: str, chosen: str, rejected: str) -> Record:
+    _require(obj, where, "prompt")
+    prompt = _string(obj, "prompt", where)
+    for key, answer in (("chosen", chosen), ("rejected", rejected)):
+        if not answer:
+            raise DataError(f"{where}: '{key}' is empty")
+    other = Record(where, prompt=prompt, completion=rejected)
+    return Record(where, prompt=prompt, completion=chosen, rejected=other)
+
+
+def _message_list(items: list[Any], where: str, key: str) -> list[dict[str, Any]]:
+    return [parse_message(m, f"{where}: {key} message {i}") for i, m in enumerate(items, 1)]
+
+
+def _shared_prefix(chosen: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> int:
+    n = 0
+    while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+        n += 1
+    return n
+
+
+def _chat_preference(
+    obj: dict[str, Any], where: str, chosen: list[Any], rejected: list[Any]
+) -> Record:
+    prompt_raw = obj.get("prompt")
+    if prompt_raw is not None and not isinstance(prompt_raw, list):
+        raise DataError(f"{where}: 'prompt' must be a message list when 'chosen' is one")
+    prompt = _message_list(prompt_raw or [], where, "prompt")
+    good = _message_list(chosen, where, "chosen")
+    bad = _message_list(rejected, where, "rejected")
+    if not prompt:  # TRL's implicit prompt: the messages both answers start with
+        n = _shared_prefix(good, bad)
+        prompt, good, bad = good[:n], good[n:], bad[n:]
+    if not prompt:
+        raise DataError(f"{where}: no prompt: give 'prompt' messages or a shared first message")
+    for key, answer in (("chosen", good), ("rejected", bad)):
+        if not answer or answer[-1].get("role") != "assistant":
+            raise DataError(f"{where}: '{key}' must end with an assistant message")
+    tools = parse_tools(obj, where)
+    start = len(prompt)
+    other = Record(where, messages=(*prompt, *bad), tools=tools, answer_start=start)
+    return Record(where, messages=(*prompt, *good), tools=tools, rejected=other, answer_start=start)
+
+
+def _parse_preference(obj: dict[str, Any], where: str) -> Record:
+    chosen, rejected = _answers(obj, where)
+    if isinstance(chosen, str):
+        return _text_preference(obj, where, chosen, rejected)
+    return _chat_preference(obj, where, chosen, rejected)
+
+
 _PARSERS: Mapping[ConcreteFormat, Callable[[dict[str, Any], str], Record]] = MappingProxyType(
     {
         "text": _parse_text,
@@ -242,6 +313,7 @@ _PARSERS: Mapping[ConcreteFormat, Callable[[dict[str, Any], str], Record]] = Map
         "messages": _parse_messages,
         "alpaca": _parse_alpaca,
         "sharegpt": _parse_sharegpt,
+        "preference": _parse_preference,
     }
 )
 

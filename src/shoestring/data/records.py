@@ -8,7 +8,9 @@ from typing import Any, Literal
 IGNORE_INDEX = -100
 
 #: ``data.format``: ``auto`` detects per file from the first record's keys.
-Format = Literal["auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt"]
+Format = Literal[
+    "auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt", "preference"
+]
 #: ``data.loss_on`` for conversations: every token, every assistant turn, or the last one.
 LossOn = Literal["all", "assistant", "last_assistant"]
 #: ``data.truncate``: keep the start, keep the end, or drop samples over ``max_length``.
@@ -32,12 +34,20 @@ class Record:
     completion: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
     tools: tuple[dict[str, Any], ...] | None = None
+    #: A preference record: this record is the chosen answer, ``rejected`` the rejected
+    #: one, both after the same prompt (``prompt``, or ``messages[:answer_start]``).
+    rejected: Record | None = None
+    answer_start: int = 0
 
     @property
     def kind(self) -> RecordKind:
         if self.messages is not None:
             return "chat"
         return "text" if self.text is not None else "pair"
+
+    @property
+    def is_preference(self) -> bool:
+        return self.rejected is not None
 
     @property
     def is_pair(self) -> bool:

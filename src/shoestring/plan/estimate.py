@@ -217,7 +217,7 @@ def flops_per_token(w: Workload) -> float:
     """Training FLOPs per token: forward 2N; backward input-grads 2N (frozen base) or
     4N (full); recompute adds a forward of the layers under checkpointing. Causal
     attention adds 2·L·s·d_q forward (twice that backward); chunked cross-entropy
-    recomputes the head's forward."""
+    recomputes the head's forward; DPO's reference pass is one more forward."""
     a = w.arch
     layer_lin = sum(i * o for i, o in a.linear_shapes().values())
     n_layers = a.layers * layer_lin
@@ -228,7 +228,8 @@ def flops_per_token(w: Workload) -> float:
     recompute = 2 * n_layers + attn if w.gradient_checkpointing else 0
     if w.loss_chunk_tokens:
         recompute += 2 * head  # each chunk's logits again in backward
-    return float(fwd + bwd + recompute)
+    reference = fwd if w.reference_forward else 0  # DPO's adapter-disabled forward
+    return float(fwd + bwd + recompute + reference)
 
 
 def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:

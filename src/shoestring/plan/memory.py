@@ -79,6 +79,9 @@ class Workload:
     world_size: int = 1
     #: ``distributed.cpu_offload``: FSDP2's shards, gradients and optimizer state in host RAM.
     cpu_offload: bool = False
+    #: ``train.objective dpo`` without ``dpo.precompute_ref``: each micro-batch also runs
+    #: a no-grad forward of the base with the adapter disabled (the reference).
+    reference_forward: bool = False
 
     @property
     def quant(self) -> Quantize:

@@ -80,6 +80,8 @@ def workload_from_config(
     n = resolve_numerics(cfg.model, t, device, _gpu_bf16(gpu))
     mb = t.micro_batch_size or max(t.batch_size // world_size, 1)
     accum = max(t.batch_size // (mb * world_size), 1)
+    # dpo/orpo: the batch counts pairs, each a chosen and a rejected sequence.
+    sequences = 1 if t.objective == "sft" else 2
     # A pre-quantized base stays as its checkpoint stored it, whatever lora.quantize says.
     quantize = (
         cast(Quantize, arch.prequantized) if arch.prequantized != "none" else cfg.lora.quantize
@@ -93,7 +95,7 @@ def workload_from_config(
         lora_targets=_targets(cfg.lora.target_modules, "lora.target_modules"),
         lora_dropout=cfg.lora.dropout,
         seq_len=cfg.data.max_length,
-        micro_batch=mb,
+        micro_batch=mb * sequences,
         grad_accum=accum,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         optimizer=t.optimizer,
@@ -105,6 +107,7 @@ def workload_from_config(
         parallelism="single" if world_size == 1 else cfg.distributed.strategy,
         world_size=world_size,
         cpu_offload=cfg.distributed.cpu_offload and world_size > 1,
+        reference_forward=t.objective == "dpo" and not cfg.dpo.precompute_ref,
         **numerics_fields(n),
     )
     return w, t.max_steps

@@ -18,8 +18,18 @@ from typing import Any
 ENVELOPE = frozenset({"v", "ts", "event", "run_id", "rank"})
 #: ``run_start`` fields that change on every attempt: not config.
 RUN_START_VOLATILE = frozenset({"step", "pid"})
-STEP_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "cuda_peak_bytes")
-EVAL_FIELDS = ("loss", "perplexity", "exact_match")
+#: Preference tuning's metrics (``train.objective dpo|orpo``), named as TRL names them.
+PREFERENCE_FIELDS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "logps/accuracies",
+)
+STEP_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "cuda_peak_bytes", *PREFERENCE_FIELDS)
+EVAL_FIELDS = ("loss", "perplexity", "exact_match", *PREFERENCE_FIELDS)
 CHECKPOINT_FIELDS = ("blocking_ms", "bytes", "background_ms")
 COST_FIELDS = (
     "usd",

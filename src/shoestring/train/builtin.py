@@ -8,6 +8,9 @@ the same parameters give a byte-identical ``model.safetensors`` every time.
 distinct letters (``"reverse: abcde ="`` -> ``" edcba"``). Chance-level exact
 match is ~0; with LoRA on the frozen random base, held-out exact match climbs past
 90% within about two CPU minutes (2 cores), so learning is plain to see.
+``builtin:prefer-reverse`` is the same task as preference pairs (chosen: the reversed
+word; rejected: the same with one letter replaced by a digit) for ``train.objective
+dpo|orpo``; chance-level reward accuracy is ~50 %.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from typing import Any
 
 BUILTIN_MODEL = "builtin:tiny"
 BUILTIN_TASK = "builtin:reverse"
+#: The same words as preference pairs (``train.objective dpo|orpo``): the chosen answer
+#: is the reversed word, the rejected one the same with one letter replaced by a digit.
+BUILTIN_PREFERENCE_TASK = "builtin:prefer-reverse"
+BUILTIN_TASKS = (BUILTIN_TASK, BUILTIN_PREFERENCE_TASK)
 
 #: Bump when the generated files would change for the same parameters (2: the saved
 #: tokenizer adds its BOS itself, as the model has always been trained with it).
@@ -193,7 +200,15 @@ _MIN_LEN, _MAX_LEN = 4, 10
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def builtin_records(split: str) -> list[dict[str, str]]:
+def _broken(word: str, rng: random.Random) -> str:
+    """The reversed word with one letter replaced by a digit: an answer that breaks the
+    rule (only the word's own letters)."""
+    rev = list(word[::-1])
+    rev[rng.randrange(len(rev))] = str(rng.randrange(10))
+    return " " + "".join(rev)
+
+
+def builtin_records(split: str, task: str = BUILTIN_TASK) -> list[dict[str, str]]:
     """Deterministic {"prompt": ..., "completion": ...} records of the reversal task.
 
     ``split`` is "train" (4000 records) or "eval" (200); no word is in both.
@@ -211,4 +226,9 @@ def builtin_records(split: str) -> list[dict[str, str]]:
             seen.add(word)
             words.append(word)
     chosen = words[:_N_EVAL] if split == "eval" else words[_N_EVAL:]
+    if task == BUILTIN_PREFERENCE_TASK:
+        return [
+            {"prompt": f"reverse: {w} =", "chosen": f" {w[::-1]}", "rejected": _broken(w, rng)}
+            for w in chosen
+        ]
     return [{"prompt": f"reverse: {w} =", "completion": f" {w[::-1]}"} for w in chosen]

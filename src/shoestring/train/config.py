@@ -48,6 +48,8 @@ Backend = Literal["auto", "gloo", "nccl"]
 #: GGUF tensor types of ``export.gguf`` (``none``: no GGUF) and ``shoestring export --gguf``.
 GgufType = Literal["f16", "bf16", "q8_0"]
 GgufExport = Literal["none", "f16", "bf16", "q8_0"]
+#: ``train.objective``: supervised fine-tuning, or preference tuning on chosen/rejected pairs.
+Objective = Literal["sft", "dpo", "orpo"]
 
 # --------------------------------------------------------------------------- the tree
 
@@ -96,7 +98,8 @@ class DataConfig:
     )
     format: DataFormat = knob(
         "auto",
-        "Record shape: text, prompt_completion, messages (OpenAI chat), alpaca, "
+        "Record shape: text, prompt_completion, messages (OpenAI chat), alpaca, preference "
+        "(prompt/chosen/rejected, text or messages; train.objective dpo|orpo), "
         "sharegpt; 'auto' detects it per file from the first record (logged).",
     )
     chat_template: str = knob(
@@ -218,6 +221,15 @@ class TrainConfig:
         "per eval batch (keep eval.batch_size small on a small GPU).",
         check=non_negative,
     )
+    objective: Objective = knob(
+        "sft",
+        "What a step minimizes: 'sft' (cross-entropy on the answers), 'dpo' (Direct "
+        "Preference Optimization on chosen/rejected pairs; the reference is the base model "
+        "with the adapter disabled, or dpo.precompute_ref) or 'orpo' (odds-ratio preference "
+        "optimization, no reference; NLL over the chosen sequence as TRL computes it). "
+        "dpo/orpo need preference records (prompt/chosen/rejected); train.batch_size "
+        "counts pairs.",
+    )
     offload_activations: bool = knob(
         False,
         "Keep what autograd saves for backward in host RAM (pinned) between each "
@@ -225,6 +237,29 @@ class TrainConfig:
         "hooks, weights excluded, each storage copied once. Trades PCIe traffic for GPU "
         "memory; shoestring plan moves the activation term to host RAM. On a CPU run "
         "activations already live in host RAM: nothing changes.",
+    )
+
+
+@dataclass
+class DpoConfig:
+    beta: float = knob(
+        0.1,
+        "DPO's beta (strength of the pull towards the reference; rewards are beta x the "
+        "log-ratio to the reference); with train.objective orpo, ORPO's lambda (weight of "
+        "the odds-ratio term).",
+        check=positive,
+    )
+    label_smoothing: float = knob(
+        0.0,
+        "DPO: assumed rate of flipped labels: TRL's 'robust' DPO loss (unbiased under "
+        "that noise; equal to the sigmoid loss at 0).",
+        check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)",
+    )
+    precompute_ref: bool = knob(
+        False,
+        "DPO: compute the reference log-probs once (adapter disabled, eval mode) and keep "
+        "them with the tokenized data cache (keyed by data, base model, dtype, precision; "
+        "sha256-verified) instead of a reference forward every step.",
     )
 
 
@@ -444,6 +479,7 @@ class FinetuneConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preempt: PreemptConfig = field(default_factory=PreemptConfig)
@@ -552,6 +588,8 @@ def eval_fraction(spec: str) -> float | None:
 
 def resume_relevant(flat: Mapping[str, Any]) -> dict[str, Any]:
     kept = {k: v for k, v in flat.items() if not k.startswith(RESUME_SAFE_PREFIXES)}
+    if kept.get("train.objective", "sft") == "sft":  # SFT hashes as before the objectives
+        kept = {k: v for k, v in kept.items() if k != "train.objective" and k[:4] != "dpo."}
     # A Hub ref's @revision may change (pinning the commit a run was trained on): the
     # resume compares the commit itself (train/resume.py check_base).
     repo = hub_repo(str(kept.get("model.path", "")))

@@ -22,16 +22,28 @@ from typing import Any
 from shoestring.config import ConfigError
 from shoestring.data.cache import CacheWriter, TokenCache, cache_key, open_or_build
 from shoestring.data.chat import CHAT_SPANS, load_template
+from shoestring.data.preference import (
+    PAIR_LAYOUT,
+    pair_examples,
+    preference_only,
+    tokenize_pairs,
+)
 from shoestring.data.records import DataError, Example, Record
 from shoestring.data.sources import read_records, resolve_source, split_eval
 from shoestring.data.specials import SPECIALS_POLICY
 from shoestring.data.tokenize import TokenizeSpec, check_chat_ready, tokenize_records
-from shoestring.train.builtin import BUILTIN_MODEL, BUILTIN_TASK, builtin_records
+from shoestring.train.builtin import BUILTIN_MODEL, BUILTIN_TASKS, builtin_records
 from shoestring.train.config import FinetuneConfig, eval_fraction
 from shoestring.train.data import SampleOrder, from_dicts
 from shoestring.train.evaluate import Probe, probes
 from shoestring.train.parallel import BatchPlan
-from shoestring.train.samples import ExampleStore, PackedSamples, PaddedSamples, Samples
+from shoestring.train.samples import (
+    ExampleStore,
+    PackedSamples,
+    PaddedSamples,
+    PairSamples,
+    Samples,
+)
 
 #: Files that decide how a model directory's tokenizer encodes and renders text.
 TOKENIZER_FILES = (
@@ -55,16 +67,17 @@ class Origin:
     read: Callable[[], tuple[list[Record], Mapping[str, str]]]
 
 
-def _builtin_origin(split: str) -> Origin:
-    rows = builtin_records(split)
+def _builtin_origin(task: str, split: str) -> Origin:
+    rows = builtin_records(split, task)
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
-    name = f"{BUILTIN_TASK}[{split}]"
-    return Origin(name, digest, lambda: (from_dicts(rows, name), {name: "prompt_completion"}))
+    name = f"{task}[{split}]"
+    fmt = "preference" if "chosen" in rows[0] else "prompt_completion"
+    return Origin(name, digest, lambda: (from_dicts(rows, name), {name: fmt}))
 
 
 def origin(spec: str, split: str, cfg: FinetuneConfig, cache_dir: Path) -> Origin:
-    if spec == BUILTIN_TASK:
-        return _builtin_origin(split)
+    if spec in BUILTIN_TASKS:
+        return _builtin_origin(spec, split)
     key = "data.train" if split == "train" else "data.eval"
     source = resolve_source(spec, cache_dir / "sources", key=key)
     fmt = cfg.data.format
@@ -93,8 +106,12 @@ def train_cache_key(
 ) -> str:
     """``tokenizer_dir``: the resolved model folder when ``model.path`` is a Hub id or URL."""
     d = cfg.data
+    pairs: dict[str, str | int] = (
+        {} if cfg.train.objective == "sft" else {"preference_pairs": PAIR_LAYOUT}
+    )
     return cache_key(
         {
+            **pairs,
             "data": train.digest,
             "format": d.format,
             "tokenizer": tokenizer_fingerprint(tokenizer_dir or cfg.model.path),
@@ -141,6 +158,7 @@ class DataInputs:
         eval_records = _eval_records(cfg, records, cache_dir)
         if records is not None and eval_fraction(cfg.data.eval) is not None:
             records, _ = split_eval(records, eval_fraction(cfg.data.eval) or 0, cfg.train.seed)
+        preference_only([*(records or ()), *eval_records], cfg.train.objective)
         return cls(train, key, template, records, eval_records, formats)
 
 
@@ -151,7 +169,7 @@ def _eval_records(cfg: FinetuneConfig, train: list[Record] | None, cache_dir: Pa
         assert train is not None
         return split_eval(train, fraction, cfg.train.seed)[1]
     if spec == "auto":
-        spec = BUILTIN_TASK if cfg.data.train == BUILTIN_TASK else ""
+        spec = cfg.data.train if cfg.data.train in BUILTIN_TASKS else ""
     if not spec:
         return []
     try:
@@ -195,6 +213,11 @@ def _fill(
         )
         spec = token_spec(cfg, inputs.template)
         check_chat_ready(tok, spec, any(r.kind == "chat" for r in records))
+        if cfg.train.objective != "sft":
+            pairs = tokenize_pairs(records, tok, spec, writer.add_many, ctx.should_stop)
+            if not pairs.samples:
+                raise DataError(f"{inputs.train.spec}: no pair is left after data.truncate")
+            return {"stats": vars(pairs), "formats": formats, "records": len(records)}
         workers = cfg.data.workers or os.cpu_count() or 1
         _, stats = tokenize_records(
             records,
@@ -241,31 +264,46 @@ class _MemoryWriter:
         self.examples.extend(exs)
 
 
-def load_train_data(
-    cfg: FinetuneConfig, inputs: DataInputs, batch: BatchPlan, tok: Any, ctx: DataContext
-) -> TrainData:
-    t0 = time.perf_counter()
-    store, lengths, meta, plan = _store(cfg, inputs, tok, ctx)
-    samples: Samples = (
-        PackedSamples.pack(
+def _samples(
+    cfg: FinetuneConfig, store: ExampleStore, lengths: Sequence[int], plan: Path | None
+) -> Samples:
+    """Pairs (dpo, orpo), packed rows (data.packing) or padded samples."""
+    if cfg.train.objective != "sft":
+        return PairSamples(store)
+    if cfg.data.packing:
+        return PackedSamples.pack(
             store,
             lengths,
             cfg.data.max_length,
             flatten=cfg.model.attn_implementation == "flash_attention_2",
             saved=plan,
         )
-        if cfg.data.packing
-        else PaddedSamples(store)
-    )
+    return PaddedSamples(store)
+
+
+def load_train_data(
+    cfg: FinetuneConfig, inputs: DataInputs, batch: BatchPlan, tok: Any, ctx: DataContext
+) -> TrainData:
+    t0 = time.perf_counter()
+    store, lengths, meta, plan = _store(cfg, inputs, tok, ctx)
+    preference = cfg.train.objective != "sft"
+    samples = _samples(cfg, store, lengths, plan)
     spec = token_spec(cfg, inputs.template)
     if inputs.eval_records:
         check_chat_ready(tok, spec, any(r.kind == "chat" for r in inputs.eval_records))
-    eval_examples, _ = tokenize_records(inputs.eval_records, tok, replace(spec, truncate="drop"))
+    held_out = replace(spec, truncate="drop")
+    eval_examples = (
+        pair_examples(inputs.eval_records, tok, held_out)
+        if preference
+        else tokenize_records(inputs.eval_records, tok, held_out)[0]
+    )
     summary = _data_summary(inputs, meta, len(lengths), len(samples), sum(lengths), t0)
     return TrainData(
         samples,
         eval_examples,
-        probes(inputs.eval_records, tok, inputs.template, cfg.data.max_length),
+        []
+        if preference
+        else probes(inputs.eval_records, tok, inputs.template, cfg.data.max_length),
         SampleOrder(len(samples), cfg.train.seed),
         batch,
         len(lengths),

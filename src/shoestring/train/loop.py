@@ -27,6 +27,7 @@ from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import Accelerator, resolve
 from shoestring.train.evaluate import eval_loss, exact_match
 from shoestring.train.model import model_summary
+from shoestring.train.objective import eval_preferences
 from shoestring.train.progress import ProgressDisplay
 from shoestring.train.resume import resume
 from shoestring.train.resumecheck import check_resume
@@ -125,6 +126,13 @@ def evaluate(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
     c, model = t.cfg.eval, t.learner.model
     t0 = time.perf_counter()
     stop = t.run.strategy.eval_stop(t.run.flag)
+    if t.objective.metrics:  # preference pairs: the objective's loss and reward metrics
+        with t.precision.autocast():
+            pairs = t.data.eval_examples[: 2 * c.max_samples or None]
+            res = eval_preferences(
+                t.objective, model, pairs, c.batch_size, t.tok.pad_token_id, stop, t.device
+            )
+        return _eval_done(t, step, tag, res, t0)
     with t.precision.autocast():
         res = eval_loss(
             model,
@@ -138,6 +146,12 @@ def evaluate(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
         if res is not None and c.exact_match and probes:
             em = exact_match(model, t.tok, probes, c.max_new_tokens, c.batch_size, stop, t.device)
             res = None if em is None else {**res, **em}
+    return _eval_done(t, step, tag, res, t0)
+
+
+def _eval_done(
+    t: Trainer, step: int, tag: str, res: dict[str, Any] | None, t0: float
+) -> dict[str, Any] | None:
     if res is None:
         return None
     res["eval_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
@@ -344,6 +358,12 @@ def preempted(t: Trainer, progress: S.Progress) -> int:
 
 
 def _fmt_eval(res: dict[str, Any]) -> str:
+    if "rewards/accuracies" in res:
+        return (
+            f"eval loss {res['loss']:.4f}, reward accuracy "
+            f"{100 * res['rewards/accuracies']:.1f}% (margin {res['rewards/margins']:.3f}), "
+            f"policy prefers chosen {100 * res['logps/accuracies']:.1f}% of {res['pairs']} pairs"
+        )
     parts = [f"eval loss {res['loss']:.4f}", f"ppl {res['perplexity']:.2f}"]
     if "exact_match" in res:
         parts.append(f"exact-match {100 * res['exact_match']:.1f}% of {res['samples']}")

@@ -33,6 +33,7 @@ from shoestring.train.config import FinetuneConfig
 from shoestring.train.dataset import DataInputs
 from shoestring.train.device import Accelerator
 from shoestring.train.model import check_stored_quantization, require_bitsandbytes, resolve_base
+from shoestring.train.objective import check_objective
 from shoestring.train.parallel import BatchPlan
 from shoestring.train.strategy import Strategy, make_strategy
 from shoestring.watch.recorder import NullRecorder, Recorder, StartupBeacon
@@ -76,6 +77,7 @@ class Inputs:
     def prepare(
         cls, cfg: FinetuneConfig, dist: DistEnv, cache_dir: Path, hub: HubAccess | None = None
     ) -> Inputs:
+        check_objective(cfg)
         if cfg.lora.quantize != "none":
             require_bitsandbytes("lora.quantize")
         if cfg.train.optimizer != "adamw":

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from shoestring.data.packing import PackPlan, collate_packed, flatten_packed, pack_plan
@@ -108,3 +110,34 @@ class PackedSamples:
 
     def tokens(self, position: int) -> int:
         return sum(len(self.store[i].input_ids) for i in self.plan.row(position))
+
+
+@dataclass(frozen=True)
+class PairSamples:
+    """Position ``p`` is preference pair ``p``: examples ``2p`` (chosen) and ``2p + 1``
+    (rejected). A micro-batch of k pairs is 2k padded rows, the chosen ones first (TRL's
+    layout); ``ref`` (reference log-probs, laid out like the examples) adds them as
+    ``ref_logps``."""
+
+    store: ExampleStore
+    ref: npt.NDArray[np.float64] | None = None
+
+    def __len__(self) -> int:
+        return len(self.store) // 2
+
+    def collate(self, positions: Sequence[int], pad_id: int) -> dict[str, torch.Tensor]:
+        rows = [2 * p for p in positions] + [2 * p + 1 for p in positions]
+        batch = collate_padded([self.store[i] for i in rows], pad_id)
+        if self.ref is not None:
+            batch["ref_logps"] = torch.from_numpy(np.asarray(self.ref[rows], dtype=np.float64))
+        return batch
+
+    def label_tokens(self, position: int) -> int:
+        return _labels(self.store[2 * position]) + _labels(self.store[2 * position + 1])
+
+    def tokens(self, position: int) -> int:
+        return sum(len(self.store[2 * position + k].input_ids) for k in (0, 1))
+
+    def chosen_positions(self, position: int) -> int:
+        """Positions of the chosen sequence that predict a token (ORPO's NLL counts them)."""
+        return len(self.store[2 * position].input_ids) - 1

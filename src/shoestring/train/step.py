@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from shoestring.train import state as S
-from shoestring.train.chunkedloss import causal_lm_loss
 from shoestring.train.device import peak_memory, to_device
 from shoestring.train.model import check_lora_gradients
+from shoestring.train.objective import Output, mean_metrics
 from shoestring.train.offload import HostOffload
 from shoestring.train.parallel import grad_norm_value
 from shoestring.train.placement import misplaced
@@ -37,15 +37,6 @@ def _micro_batch(t: Trainer, idx: list[int], start: int, size: int) -> dict[str,
     return batch
 
 
-def _loss(t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor) -> torch.Tensor:
-    """transformers' causal-LM loss (sum over label tokens / ``n_items``), whole or chunked."""
-    learner, chunk = t.learner, t.cfg.train.loss_chunk_tokens
-    if chunk:
-        return causal_lm_loss(learner.wrapped, learner.model, batch, n_items, chunk)
-    loss: torch.Tensor = learner.wrapped(**batch, num_items_in_batch=n_items).loss
-    return loss
-
-
 def _saved_tensors(t: Trainer) -> AbstractContextManager[Any]:
     """Where autograd keeps this micro-batch's saved tensors: host RAM with
     ``train.offload_activations``, else where they are made."""
@@ -56,20 +47,22 @@ def _saved_tensors(t: Trainer) -> AbstractContextManager[Any]:
 
 def _forward_backward(
     t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor, last: bool
-) -> torch.Tensor:
+) -> Output:
+    """The objective's loss of one micro-batch (``n_items``: its normalizer over the
+    global batch), backward; the detached loss and metric sums."""
     strategy, learner = t.run.strategy, t.learner
     t_fwd = time.perf_counter()
     with strategy.grad_sync(learner.wrapped, last), _saved_tensors(t):
         with t.precision.autocast():
-            loss = _loss(t, batch, n_items)
+            out = t.objective.loss(learner.wrapped, learner.model, batch, n_items)
+            loss = out.loss
         slow = t.run.faults.hit("step.forward")
         if slow:  # injected straggler: this forward takes NN % longer
             time.sleep((time.perf_counter() - t_fwd) * int(slow[4:]) / 100)
         t.run.rec.work("forward", time.perf_counter() - t_fwd, batch["input_ids"].numel())
         # DDP/FSDP average gradients over ranks; each rank's share is a sum.
         learner.backward(loss * strategy.world_size if strategy.world_size > 1 else loss)
-    detached: torch.Tensor = loss.detach()
-    return detached
+    return Output(loss.detach(), out.sums)
 
 
 class MisplacedTensorError(RuntimeError):
@@ -87,19 +80,37 @@ def check_placement(t: Trainer, batch: dict[str, torch.Tensor]) -> None:
         )
 
 
+def _objective_metrics(t: Trainer, sums: torch.Tensor | None, pairs: int) -> dict[str, float]:
+    """The preference metrics of the global batch: this rank's sums, summed over ranks."""
+    names = t.objective.metrics
+    if not names:
+        return {}
+    if sums is None:  # a rank with no micro-batch this step
+        sums = torch.zeros(len(names), dtype=torch.float64, device=t.device)
+    if t.run.strategy.world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums)
+    return mean_metrics(names, sums, pairs)
+
+
 def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
     plan, cfg = t.data.batch, t.cfg.train
     t0 = time.perf_counter()
     idx = t.data.order.indices(progress.consumed, plan.batch_size)
     samples = t.data.samples
-    n_items = torch.tensor(sum(samples.label_tokens(i) for i in idx), device=t.device)
+    n_items = t.objective.normalizer(samples, idx, t.device)
     tokens = sum(samples.tokens(i) for i in idx)
     chunks = list(plan.my_chunks())
     total = torch.zeros((), dtype=torch.float64, device=t.device)
+    sums: torch.Tensor | None = None
     for k, (chunk, start, size) in enumerate(chunks):
         batch = _micro_batch(t, idx, start, size)
         S.seed_micro_batch(cfg.seed, progress.step, chunk)
-        total += _forward_backward(t, batch, n_items, last=k == len(chunks) - 1)
+        out = _forward_backward(t, batch, n_items, last=k == len(chunks) - 1)
+        total += out.loss
+        if out.sums is not None:
+            sums = out.sums if sums is None else sums + out.sums
     first = not t.grads_checked
     if first:  # a silent no-op training run fails here, loudly
         check_lora_gradients(t.learner.params)
@@ -115,6 +126,7 @@ def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
     dt = time.perf_counter() - t0
     return {
         "loss": loss,
+        **_objective_metrics(t, sums, len(idx)),
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens": tokens,

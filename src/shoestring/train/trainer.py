@@ -28,6 +28,8 @@ from shoestring.train.dataset import DataContext, TrainData, load_train_data
 from shoestring.train.device import Precision, set_deterministic
 from shoestring.train.learner import Learner
 from shoestring.train.model import apply_lora, resolve_model_dir
+from shoestring.train.objective import SFT, Objective, make_objective
+from shoestring.train.reflogps import with_reference
 from shoestring.train.run import Inputs, Run, data_cache_storage
 
 
@@ -51,6 +53,7 @@ class Trainer:
     resumed_meta: dict[str, Any] = field(default_factory=dict)  # the resumed manifest's
     tracker_ids: Callable[[], dict[str, str]] = dict  # tracker runs to continue on resume
     base_source: dict[str, str] = field(default_factory=dict)  # a Hub id's commit, a URL's digest
+    objective: Objective = field(default_factory=SFT)  # what a step minimizes
 
     @property
     def device(self) -> torch.device:
@@ -133,6 +136,9 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
     run.events.emit("load", phase="data", seconds=round(time.perf_counter() - t0, 3))
     precision = Precision(cfg.train.precision, device)  # type: ignore[arg-type]
     learner = _learner(cfg, run, model_dir, base_fp, precision)
+    if cfg.dpo.precompute_ref and cfg.train.objective == "dpo":
+        key, pad = inputs.data.key, tok.pad_token_id
+        data = with_reference(cfg, run, data, learner.model, base_fp, precision, key, pad)
     return Trainer(
         cfg,
         run,
@@ -145,4 +151,5 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
         redact(to_flat(cfg)),  # written into every checkpoint: no credentials
         config_hash(cfg),
         base_source=inputs.model.record() if inputs.model is not None else {},
+        objective=make_objective(cfg),
     )
