@@ -24,7 +24,7 @@ from shoestring.data.tokenize import TokenizeSpec, tokenize_records
 from shoestring.hf import load_tokenizer
 from shoestring.infer import work
 from shoestring.infer.batchapi import Request, Sampling
-from shoestring.infer.inputs import Record as InferRecord
+from shoestring.infer.inputs import InputRecord as InferRecord
 from shoestring.infer.requests import request_ids
 from shoestring.train import dataset
 from shoestring.train.builtin import BUILTIN_MODEL, build_tokenizer, materialize_tiny_model

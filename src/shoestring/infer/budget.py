@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from shoestring.infer.config import MemoryConfig, parse_size
 from shoestring.infer.engine import StreamingCausalLM, kv_bytes_per_token, kv_scratch_per_token
 from shoestring.infer.ledger import Pinned
-from shoestring.infer.plan import Budget, Lengths, ModelShape, Needs, Plan, check_setup, make_plan
+from shoestring.infer.plan import (
+    Budget,
+    Lengths,
+    ModelShape,
+    Needs,
+    StreamPlan,
+    check_setup,
+    make_plan,
+)
 from shoestring.infer.report import current_rss
 from shoestring.infer.work import Work
 
@@ -90,12 +98,12 @@ class Planner:
         )
         return cls(MemoryBudget.parse(memory), shape, lengths, memory, pinned)
 
-    def plan(self, needs: Needs) -> tuple[Budget, Plan]:
+    def plan(self, needs: Needs) -> tuple[Budget, StreamPlan]:
         budget = self.budget.measured()
         return budget, make_plan(budget, needs, self.shape, self.lengths, self.memory, self.pinned)
 
 
-def predicted_plan(planner: Planner, predicted: Needs) -> Plan:
+def predicted_plan(planner: Planner, predicted: Needs) -> StreamPlan:
     """The plan on the weights' predicted sizes, with writing the compressed copy checked
     too: a budget too small for either is refused before the copy is written."""
     budget, plan = planner.plan(predicted)
@@ -103,6 +111,6 @@ def predicted_plan(planner: Planner, predicted: Needs) -> Plan:
     return plan
 
 
-def real_plan(planner: Planner, needs: Needs) -> Plan:
+def real_plan(planner: Planner, needs: Needs) -> StreamPlan:
     """The plan the job runs with: on the weights as set up, the runtime measured again."""
     return planner.plan(needs)[1]

@@ -16,7 +16,7 @@ from shoestring.infer.batchapi import LineError, Request, is_batch_file, read_ba
 
 
 @dataclass(frozen=True)
-class Record:
+class InputRecord:
     line: int  # 1-based line number in the input
     prompt: str  # "" for a conversation: ``messages`` is rendered with the chat template
     completion: str | None = None
@@ -48,7 +48,7 @@ class Input:
     :class:`LineError`), or else shoestring's own ``records``."""
 
     sha256: str
-    records: list[Record] | None = None
+    records: list[InputRecord] | None = None
     items: list[Request | LineError] | None = None
 
 
@@ -61,7 +61,7 @@ def read_input(path: Path, mode: str, default_max_tokens: int) -> Input:
         raise ConfigError(f"io.input: cannot read {path}: {e.strerror}") from e
     sha = hashlib.sha256(data).hexdigest()
     if not is_batch_file(_objects(data)):
-        return Input(sha, records=read_records(path, mode, data))
+        return Input(sha, records=read_inputs(path, mode, data))
     if mode != "generate":
         raise ConfigError(
             f"io.input: {path} is an OpenAI batch file; those are answered with "
@@ -83,7 +83,7 @@ def _objects(data: bytes, most: int = 100) -> Iterator[Any]:
                 continue
 
 
-def read_records(path: Path, mode: str, data: bytes) -> list[Record]:
+def read_inputs(path: Path, mode: str, data: bytes) -> list[InputRecord]:
     """Every record of ``data`` (the bytes of ``path``); errors name ``path:line``."""
     records = []
     for n, raw in enumerate(data.split(b"\n"), start=1):
@@ -115,7 +115,7 @@ def read_records(path: Path, mode: str, data: bytes) -> list[Record]:
                     f'{where}: "choices" must be a non-empty list of non-empty strings'
                 )
         records.append(
-            Record(
+            InputRecord(
                 n,
                 prompt,
                 completion,

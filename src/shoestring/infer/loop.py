@@ -18,7 +18,7 @@ from shoestring.infer.decode import Generated, GenState, Scored, generate_from, 
 from shoestring.infer.engine import PassStopped
 from shoestring.infer.ledger import ChunkLedger
 from shoestring.infer.prepare import InferJob
-from shoestring.infer.report import Progress, Stats
+from shoestring.infer.report import PromptBar, Stats
 from shoestring.infer.work import output_lines
 from shoestring.preempt.flag import PreemptionFlag, SignalSource
 
@@ -43,7 +43,7 @@ class ChunkLoop:
     job: InferJob
     ledger: ChunkLedger
     stats: Stats
-    progress: Progress
+    progress: PromptBar
     flag: PreemptionFlag = field(default_factory=PreemptionFlag)
     clock: PassClock = field(default_factory=PassClock)
     chunk: int = 0  # the chunk in flight
@@ -53,7 +53,7 @@ class ChunkLoop:
     def start(cls, job: InferJob, ledger: ChunkLedger, stats: Stats) -> ChunkLoop:
         """Start the engine (reads the resident units) and the progress display."""
         job.engine.start(set(job.plan.resident), job.plan.depth, job.hook)
-        progress = Progress(
+        progress = PromptBar(
             len(job.work.records), ledger.records_done(), job.cfg.job.progress, job.stream
         )
         return cls(job, ledger, stats, progress, chunk=ledger.todo[0])

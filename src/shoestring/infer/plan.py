@@ -77,7 +77,7 @@ class Lengths:
 
 
 @dataclass(frozen=True)
-class Plan:
+class StreamPlan:
     batch_size: int  # sequences per wave (= per committed chunk)
     micro_tokens: int  # padded tokens per forward call in prefill
     resident: tuple[int, ...]  # indices of units kept resident (largest first)
@@ -193,7 +193,7 @@ def make_plan(
     lengths: Lengths,
     memory: MemoryConfig,
     pinned: Pinned = NOTHING_PINNED,
-) -> Plan:
+) -> StreamPlan:
     """Size the job batch, then the prefill micro-batches, then the resident set.
 
     ``needs.extra[i]``: the scratch unit ``i`` needs once read (dequantized or cast
@@ -233,7 +233,7 @@ def make_plan(
         "resident": sum(costs.held[i] for i in resident),
         "slack": fixed.slack,
     }
-    return Plan(batch, micro, tuple(sorted(resident)), depth, budget.total, parts)
+    return StreamPlan(batch, micro, tuple(sorted(resident)), depth, budget.total, parts)
 
 
 def _per_call_and_per_seq(

@@ -30,7 +30,7 @@ from shoestring.infer.dtype import compute_dtype
 from shoestring.infer.engine import StreamingCausalLM, read_config_json, steady_memory, stored_dtype
 from shoestring.infer.inputs import Input, read_input
 from shoestring.infer.ledger import Pinned, RunRecord
-from shoestring.infer.plan import Plan
+from shoestring.infer.plan import StreamPlan
 from shoestring.infer.requests import Answering
 from shoestring.infer.sampleparams import Sampling
 from shoestring.infer.shards import ShardError, index_model
@@ -60,7 +60,7 @@ class InferJob:
     prior: RunRecord | None  # run.json of an earlier attempt
     identity: dict[str, Any]
     hook: Prepare | None  # what the reader thread does to each unit's tensors
-    plan: Plan
+    plan: StreamPlan
     chunk_records: int
     created: int | None = None  # outputs' "created" (None: the run's first start)
     answering: Answering | None = None  # OpenAI batch jobs: what every line shares
@@ -252,7 +252,7 @@ def _weights_and_plan(
     run_dir: Path,
     identity: dict[str, Any],
     pinned: Pinned,
-) -> tuple[Prepare | None, Plan]:
+) -> tuple[Prepare | None, StreamPlan]:
     """The reader's weight hook and the memory plan: planned on the predicted sizes
     first (a budget too small is refused before the compressed copy is written), then
     on the real ones (:mod:`shoestring.infer.budget`)."""
@@ -270,7 +270,7 @@ def _weights_and_plan(
     return hook, real_plan(planner, needs)
 
 
-def _chunk_records(cfg: InferConfig, plan: Plan, work: Work) -> int:
+def _chunk_records(cfg: InferConfig, plan: StreamPlan, work: Work) -> int:
     """Records per chunk: a job batch's worth of sequences (or job.chunk_size, if less)."""
     per_record = max(1, max(len(s) for s in work.seqs))
     return max(1, min(cfg.job.chunk_size or plan.batch_size, plan.batch_size) // per_record)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from shoestring.infer.engine import StreamingCausalLM
-from shoestring.infer.plan import Plan
+from shoestring.infer.plan import StreamPlan
 
 
 def peak_rss() -> int:
@@ -41,7 +41,7 @@ def _proc_status(field: str) -> int | None:
     return None
 
 
-class Progress:
+class PromptBar:
     """A tqdm bar of prompts with prompts/hour and read MB/s, or plain lines."""
 
     def __init__(self, total: int, done: int, style: str, stream: TextIO) -> None:
@@ -121,7 +121,7 @@ class Stats:
 
 
 def summary(
-    engine: StreamingCausalLM, stats: Stats, plan: Plan, streamed: int, wall: float
+    engine: StreamingCausalLM, stats: Stats, plan: StreamPlan, streamed: int, wall: float
 ) -> dict[str, Any]:
     st = engine.streamer
     read = st.reader.bytes_read if st else 0

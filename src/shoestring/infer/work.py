@@ -20,7 +20,7 @@ from shoestring.data.specials import plain_prompt_ids
 from shoestring.infer.batchapi import Request
 from shoestring.infer.config import Mode
 from shoestring.infer.decode import Generated, Rules, Scored
-from shoestring.infer.inputs import Record
+from shoestring.infer.inputs import InputRecord
 from shoestring.infer.requests import Answering, Item, answer_lines, request_ids
 from shoestring.infer.sampleparams import Choice, Sampling
 from shoestring.infer.sampling import StopStrings
@@ -37,7 +37,7 @@ GREEDY = Sampling(max_tokens=32, temperature=0.0)
 class Work:
     """Tokenized job: one or more sequences per record (none for an error line)."""
 
-    records: Sequence[Record | Item]
+    records: Sequence[InputRecord | Item]
     seqs: list[list[list[int]]]  # per record: its sequences (prompt [+ completion] tokens)
     starts: list[list[int]]  # per record: index of the first completion token (score mode)
     eos_ids: set[int] = field(default_factory=set)
@@ -77,7 +77,7 @@ class Work:
         return sorted(range(len(self.limits)), key=lambda i: (self.limits[i], i))
 
 
-def _context(r: Record, tok: Any, template: str | None) -> list[int]:
+def _context(r: InputRecord, tok: Any, template: str | None) -> list[int]:
     """The prompt's tokens: a conversation rendered with the chat template (with the
     assistant header, as training rendered it), else the text with the tokenizer's
     special tokens."""
@@ -90,7 +90,7 @@ def _context(r: Record, tok: Any, template: str | None) -> list[int]:
 
 
 def tokenize(
-    records: list[Record],
+    records: list[InputRecord],
     tok: Any,
     mode: Mode,
     template: str | None = None,
@@ -132,7 +132,7 @@ def tokenize(
     )  # fmt: skip
 
 
-def _fits(r: Record, tokens: int, context: int | None, what: str) -> None:
+def _fits(r: InputRecord, tokens: int, context: int | None, what: str) -> None:
     if context is not None and tokens > context:
         raise ConfigError(
             f"io.input: line {r.line}: the prompt {what} is {tokens} tokens, more than "
@@ -191,7 +191,7 @@ def output_lines(
         return ("\n".join(lines) + "\n").encode()
     lines = []
     for r, res in zip((work.records[i] for i in records), results):
-        assert isinstance(r, Record)
+        assert isinstance(r, InputRecord)
         rec: dict[str, Any] = {"index": r.line - 1}
         if r.id is not None:
             rec["id"] = r.id
@@ -211,7 +211,7 @@ def _generated(g: Generated, tok: Any) -> dict[str, Any]:
     }
 
 
-def _scored(r: Record, res: list[Scored]) -> dict[str, Any]:
+def _scored(r: InputRecord, res: list[Scored]) -> dict[str, Any]:
     if r.completion is not None:
         s = res[0]
         return {"logprob": s.logprob, "tokens": s.tokens, "greedy": s.greedy}
