@@ -146,16 +146,6 @@ def _opening_turn_start(r: Record, tok: Any, template: str | None, tools: Any) -
     return opening[: at + len(header)]
 
 
-def _turn_starts(
-    r: Record, tok: Any, template: str | None, turns: Sequence[int], tools: Any
-) -> list[str]:
-    """``render(messages[:i], add_generation_prompt=True)`` for each assistant turn ``i``."""
-    messages = list(r.messages or ())
-    later = [i for i in turns if i > 0]
-    starts = iter(_render_many(tok, [messages[:i] for i in later], tools, template, True))
-    return [next(starts) if i > 0 else _opening_turn_start(r, tok, template, tools) for i in turns]
-
-
 def _not_prefix_stable(r: Record, message: int, what: str) -> DataError:
     return DataError(
         f"{r.source}: message {message}: chat template is not prefix-stable: {what}, so the "
@@ -163,19 +153,6 @@ def _not_prefix_stable(r: Record, message: int, what: str) -> DataError:
         "rewrite earlier turns, e.g. drop their reasoning, do this); use a prefix-stable "
         "template (data.chat_template FILE) or data.loss_on=all"
     )
-
-
-def _turn_ends(
-    r: Record, tok: Any, template: str | None, turns: Sequence[int], tools: Any
-) -> tuple[list[str], str]:
-    """``render(messages[:i + 1])`` for each assistant turn ``i``, and the whole
-    conversation (the last of them when an assistant message ends it)."""
-    messages = list(r.messages or ())
-    cuts = [i + 1 for i in turns]
-    if cuts[-1] != len(messages):
-        cuts.append(len(messages))
-    rendered = _render_many(tok, [messages[:n] for n in cuts], tools, template, False)
-    return rendered[: len(turns)], rendered[-1]
 
 
 def special_texts(tok: Any) -> tuple[str, ...]:
@@ -227,15 +204,6 @@ def _spans(
     return RenderedChat(full, tuple(spans))
 
 
-def _assistant_spans(
-    r: Record, tok: Any, template: str | None, turns: Sequence[int]
-) -> RenderedChat:
-    tools = _tools_arg(r.tools)
-    ends, full = _turn_ends(r, tok, template, turns, tools)
-    starts = _turn_starts(r, tok, template, turns, tools)
-    return _spans(r, turns, starts, ends, full, special_texts(tok))
-
-
 def _render_error(r: Record, e: Exception) -> DataError:
     return DataError(f"{r.source}: the chat template failed on this conversation: {e}")
 
@@ -251,16 +219,10 @@ def _assistant_turns(r: Record, loss_on: LossOn) -> list[int]:
 
 
 def render_chat(r: Record, tok: Any, spec: ChatSpec) -> RenderedChat:
-    """Render a conversation record and find the character spans that take loss."""
-    messages = list(r.messages or ())
-    if not messages:
-        raise DataError(f"{r.source}: 'messages' is empty")
+    """Render a conversation record and find the character spans that take loss, by its
+    prefix renders alone (the reference :func:`render_chats` equals, record by record)."""
     try:
-        if spec.loss_on == "all":
-            full = _render_many(tok, [messages], _tools_arg(r.tools), spec.chat_template, False)
-            return RenderedChat(full[0], ((0, len(full[0])),))
-        turns = _assistant_turns(r, spec.loss_on)
-        return _assistant_spans(r, tok, spec.chat_template, turns)
+        return _render_group(tok, spec, [_Renders.of(r, spec.loss_on)], None)[0]
     except DataError:
         raise
     except Exception as e:  # jinja2 errors, raise_exception() in templates, bad tools
