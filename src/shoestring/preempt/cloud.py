@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 from shoestring.config import ConfigError
 from shoestring.preempt.aws import HOP_LIMIT_HINT, AwsSpotSource
@@ -20,10 +21,10 @@ from shoestring.preempt.azure import AzureScheduledEventsSource
 from shoestring.preempt.flag import PreemptionFlag
 from shoestring.preempt.gcp import GcpPreemptedSource
 from shoestring.preempt.notice import Emit, NoticeSource, NoticeWatcher
+from shoestring.preempt.providers import PROVIDERS, Provider
 
 log = logging.getLogger("shoestring.preempt")
 
-PROVIDERS = ("aws", "gcp", "azure")
 #: All three services live at the link-local address (GCP also answers as
 #: metadata.google.internal; the address needs no DNS, which containers may lack).
 DEFAULT_BASE = "http://169.254.169.254"
@@ -88,15 +89,20 @@ def detect_cloud(
     return None
 
 
+#: Each provider's notice source, from the metadata service's base URL and poll period.
+SOURCES: dict[Provider, Callable[[str, float], NoticeSource]] = {
+    "aws": lambda base, poll_s: AwsSpotSource(base, interval_s=poll_s),
+    "gcp": lambda base, _poll_s: GcpPreemptedSource(base),
+    "azure": lambda base, poll_s: AzureScheduledEventsSource(base, interval_s=poll_s),
+}
+
+
 def make_source(provider: str, base: str = DEFAULT_BASE, poll_s: float = 1.0) -> NoticeSource:
     """The notice source of ``provider`` talking to the metadata service at ``base``."""
-    if provider == "aws":
-        return AwsSpotSource(base, interval_s=poll_s)
-    if provider == "gcp":
-        return GcpPreemptedSource(base)
-    if provider == "azure":
-        return AzureScheduledEventsSource(base, interval_s=poll_s)
-    raise ValueError(f"unknown cloud provider {provider!r} (one of {', '.join(PROVIDERS)})")
+    make = SOURCES.get(cast(Provider, provider))
+    if make is None:
+        raise ValueError(f"unknown cloud provider {provider!r} (one of {', '.join(PROVIDERS)})")
+    return make(base, poll_s)
 
 
 def resolve_provider(cloud: str, metadata_url: str = "", dmi_dir: Path = DMI_DIR) -> str | None:

@@ -29,7 +29,8 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-PROVIDERS = ("aws", "gcp", "azure")
+from shoestring.preempt.providers import PROVIDERS
+
 #: Seconds from notice to the machine going away, as each provider announces it.
 GRACE_S = {"aws": 120.0, "gcp": 30.0, "azure": 30.0}
 DEFAULT_ACTION = {"aws": "terminate", "gcp": "preempt", "azure": "Preempt"}

@@ -26,6 +26,7 @@ from shoestring.config import (
 from shoestring.data.records import Format as DataFormat
 from shoestring.data.records import LossOn, Truncate
 from shoestring.hub import hub_repo
+from shoestring.preempt.providers import Provider
 from shoestring.track.config import TrackConfig
 
 # --------------------------------------------------------------------------- choices
@@ -41,7 +42,7 @@ Quantize = Literal["none", "nf4", "int8"]
 IntervalMode = Literal["fixed", "auto"]
 AsyncMode = Literal["thread", "process", "off"]
 PreemptSignal = Literal["SIGUSR1", "SIGUSR2", "none"]
-Cloud = Literal["auto", "none", "aws", "gcp", "azure"]
+Cloud = Literal["auto", "none", Provider]
 Market = Literal["spot", "on_demand"]
 DistStrategy = Literal["ddp", "fsdp"]
 Backend = Literal["auto", "gloo", "nccl"]
