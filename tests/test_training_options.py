@@ -83,8 +83,11 @@ def test_longer_max_steps_on_resume_uses_the_new_schedule() -> None:
     # cosine schedule, not from the param group saved under the old one.
     import torch
 
-    from shoestring.train.learner import lr_lambda
+    from shoestring.train.learner import Learner, lr_lambda
     from shoestring.train.state import _load_schedule
+
+    def learner(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> Learner:
+        return Learner(None, torch.nn.Module(), {}, opt, sched, None)
 
     def make(total: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
@@ -98,11 +101,11 @@ def test_longer_max_steps_on_resume_uses_the_new_schedule() -> None:
     opt2, sched2 = make(12)
     opt2.load_state_dict(opt.state_dict())  # carries the old schedule's lr
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
-    _load_schedule({"scheduler": saved, "scaler": None}, sched2, None, 1)
+    _load_schedule({"scheduler": saved, "scaler": None}, learner(opt2, sched2))
     assert opt2.param_groups[0]["lr"] == 1e-3 * lr_lambda(2, 12, 0.1)(6)
     assert opt2.param_groups[0]["lr"] != opt.param_groups[0]["lr"]
     # Unchanged max_steps: the same value as before (exact resume is untouched).
     opt3, sched3 = make(8)
     opt3.load_state_dict(opt.state_dict())
-    _load_schedule({"scheduler": saved, "scaler": None}, sched3, None, 1)
+    _load_schedule({"scheduler": saved, "scaler": None}, learner(opt3, sched3))
     assert opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"]

@@ -23,6 +23,7 @@ from shoestring.checkpoint import Snapshot, make_snapshot
 from shoestring.checkpoint.manifest import CorruptCheckpoint, Manifest
 from shoestring.checkpoint.sharded import is_sharded
 from shoestring.config import ConfigError
+from shoestring.train.learner import Learner
 
 ADAPTER = "adapter.safetensors"
 OPTIMIZER = "optimizer.safetensors"
@@ -92,17 +93,14 @@ def _rng_restore(tensors: Mapping[str, torch.Tensor], doc: Mapping[str, Any]) ->
 
 def capture(
     progress: Progress,
-    params: Mapping[str, torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: Any,
+    learner: Learner,
     *,
     rank: int,
     config: Mapping[str, Any],
     meta: Mapping[str, Any],
 ) -> Snapshot:
     """Copy the complete training state to host memory (the blocking part of a save)."""
-    osd = optimizer.state_dict()
+    osd = learner.optimizer.state_dict()
     opt_tensors: dict[str, torch.Tensor] = {}
     opt_scalars: dict[str, Any] = {}
     for idx, st in osd["state"].items():
@@ -120,19 +118,17 @@ def capture(
             else:
                 opt_scalars[f"{idx}.{k}"] = v
     rng_tensors, rng_doc = _rng_capture()
-    sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     doc = {
         "progress": asdict(progress),
-        "param_names": list(params),
+        "param_names": learner.param_names,
         "optimizer": {"param_groups": osd["param_groups"], "scalars": opt_scalars},
-        "scheduler": sched,
-        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        **_schedule_docs(learner),
         "rng": {str(rank): rng_doc},
         "config": dict(config),
     }
     return make_snapshot(
         progress.step,
-        {ADAPTER: dict(params), OPTIMIZER: opt_tensors, rng_file(rank): rng_tensors},
+        {ADAPTER: dict(learner.params), OPTIMIZER: opt_tensors, rng_file(rank): rng_tensors},
         {STATE: doc},
         {**meta, "step": progress.step, "consumed": progress.consumed},
     )
@@ -141,14 +137,11 @@ def capture(
 def restore(
     tensors: Mapping[str, Mapping[str, torch.Tensor]],
     docs: Mapping[str, Any],
-    params: Mapping[str, torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: Any,
+    learner: Learner,
     *,
     rank: int,
 ) -> Progress:
-    doc = docs[STATE]
+    doc, params = docs[STATE], learner.params
     if list(params) != doc["param_names"]:
         missing = sorted(set(doc["param_names"]) ^ set(params))[:5]
         raise ConfigError(
@@ -166,8 +159,9 @@ def restore(
     for key, v in doc["optimizer"]["scalars"].items():
         idx, k = key.split(".", 1)
         _put(state.setdefault(int(idx), {}), k, v)
-    optimizer.load_state_dict({"state": state, "param_groups": doc["optimizer"]["param_groups"]})
-    _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
+    groups = doc["optimizer"]["param_groups"]
+    learner.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    _load_schedule(doc, learner)
     if rng_file(rank) in tensors:  # absent for ranks beyond the saved world size
         _rng_restore(tensors[rng_file(rank)], doc["rng"][str(rank)])
     return Progress(**doc["progress"])
@@ -193,13 +187,15 @@ def _dcp_options(**kw: Any) -> Any:
     return StateDictOptions(ignore_frozen_params=True, **kw)
 
 
-def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The sharded state of ``model`` (plain, DDP or FSDP2) and its optimizer, by FQN."""
+def dcp_state(learner: Learner) -> dict[str, Any]:
+    """The sharded state of the wrapped model (plain, DDP or FSDP2) and its optimizer,
+    by FQN."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
+    model, optimizer = learner.wrapped, learner.optimizer
     return {
         "model": _trainable_only(model, get_model_state_dict(model, options=_dcp_options())),
         "optim": get_optimizer_state_dict(model, optimizer, options=_dcp_options()),
@@ -221,12 +217,10 @@ def _trainable_only(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, 
 
 def rank_files(
     progress: Progress,
-    scheduler: Any,
-    scaler: Any,
+    learner: Learner,
     *,
     rank: int,
     world_size: int,
-    param_names: list[str],
     config: Mapping[str, Any],
 ) -> dict[str, bytes]:
     """This rank's own small files of a sharded checkpoint (rank 0 adds the trainer state)."""
@@ -239,9 +233,8 @@ def rank_files(
     if rank == 0:
         doc = {
             "progress": asdict(progress),
-            "param_names": param_names,
-            "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
-            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "param_names": learner.param_names,
+            **_schedule_docs(learner),
             "world_size": world_size,
             "config": dict(config),
         }
@@ -253,16 +246,7 @@ def rng_doc_file(rank: int) -> str:
     return f"rng_rank{rank}.json"
 
 
-def restore_sharded(
-    path: Any,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: Any,
-    *,
-    rank: int,
-    group: Any,
-) -> tuple[Progress, bool]:
+def restore_sharded(path: Any, learner: Learner, *, rank: int, group: Any) -> tuple[Progress, bool]:
     """Load a DCP checkpoint into ``model`` at any world size (also a single process).
 
     Returns the progress and whether this rank found its own RNG streams (it
@@ -279,13 +263,13 @@ def restore_sharded(
     )
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    path = Path(path)
-    state = dcp_state(model, optimizer)
+    path, model, optimizer = Path(path), learner.wrapped, learner.optimizer
+    state = dcp_state(learner)
     dcp_load(state, checkpoint_id=str(path), process_group=group, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"], options=_dcp_options(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"], options=_dcp_options())
     doc = json.loads((path / STATE).read_text())
-    _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
+    _load_schedule(doc, learner)
     own = (path / rng_file(rank)).is_file()
     if own:
         _rng_restore(
@@ -296,12 +280,7 @@ def restore_sharded(
 
 
 def restore_full(
-    tensors: Mapping[str, Mapping[str, torch.Tensor]],
-    docs: Mapping[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: Any,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]], docs: Mapping[str, Any], learner: Learner
 ) -> Progress:
     """Load a single-process checkpoint into a sharded (FSDP2) model: full tensors in,
     each rank keeps its shard."""
@@ -323,16 +302,28 @@ def restore_full(
         dict(g, params=[names[i] for i in g["params"]]) for g in doc["optimizer"]["param_groups"]
     ]
     full = _dcp_options(full_state_dict=True, strict=False)
+    model = learner.wrapped
     set_model_state_dict(model, dict(tensors[ADAPTER]), options=full)
     osd: Any = {"state": ostate, "param_groups": groups}  # keyed by FQN, as DCP expects
-    set_optimizer_state_dict(model, optimizer, osd, options=_dcp_options(full_state_dict=True))
-    _load_schedule(doc, scheduler, scaler, len(optimizer.param_groups))
+    options = _dcp_options(full_state_dict=True)
+    set_optimizer_state_dict(model, learner.optimizer, osd, options=options)
+    _load_schedule(doc, learner)
     return Progress(**doc["progress"])
 
 
-def _load_schedule(doc: Mapping[str, Any], scheduler: Any, scaler: Any, n_groups: int) -> None:
+def _schedule_docs(learner: Learner) -> dict[str, Any]:
+    """The scheduler's and the gradient scaler's state, as the trainer state holds them."""
+    scheduler, scaler = learner.scheduler, learner.scaler
+    return {
+        "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+    }
+
+
+def _load_schedule(doc: Mapping[str, Any], learner: Learner) -> None:
+    scheduler, scaler = learner.scheduler, learner.scaler
     sched = dict(doc["scheduler"])
-    sched["lr_lambdas"] = [None] * n_groups
+    sched["lr_lambdas"] = [None] * len(learner.optimizer.param_groups)
     scheduler.load_state_dict(sched)
     # The loaded param-group lr came from the old schedule; if train.max_steps changed
     # (a resume-safe key) the new schedule decides the next step's lr. Unchanged: same value.

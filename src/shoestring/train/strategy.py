@@ -156,16 +156,7 @@ class SingleDevice:
         meta: Mapping[str, Any],
     ) -> None:
         t0 = time.perf_counter()
-        snap = S.capture(
-            progress,
-            learner.params,
-            learner.optimizer,
-            learner.scheduler,
-            learner.scaler,
-            rank=0,
-            config=config,
-            meta=meta,
-        )
+        snap = S.capture(progress, learner, rank=0, config=config, meta=meta)
         req = SaveRequest.files(snap, capture_ms=_ms_since(t0))
         writer.submit(req, reason=reason, sync=sync)
 
@@ -177,15 +168,7 @@ class SingleDevice:
             import json
 
             check(json.loads((path / S.STATE).read_text())["config"])
-            return S.restore_sharded(
-                path,
-                learner.wrapped,
-                learner.optimizer,
-                learner.scheduler,
-                learner.scaler,
-                rank=self.rank,
-                group=self.checkpoint_group,
-            )
+            return S.restore_sharded(path, learner, rank=self.rank, group=self.checkpoint_group)
         names = [
             n for n in manifest.files if not n.startswith("rng_rank") or n == S.rng_file(self.rank)
         ]
@@ -202,15 +185,7 @@ class SingleDevice:
         return ok
 
     def _restore_files(self, tensors: Any, docs: Any, learner: Learner) -> S.Progress:
-        return S.restore(
-            tensors,
-            docs,
-            learner.params,
-            learner.optimizer,
-            learner.scheduler,
-            learner.scaler,
-            rank=self.rank,
-        )
+        return S.restore(tensors, docs, learner, rank=self.rank)
 
     def evaluates_here(self) -> bool:
         return True
@@ -285,15 +260,9 @@ class _Distributed(SingleDevice):
         meta: Mapping[str, Any],
     ) -> None:
         t0 = time.perf_counter()
-        state = S.dcp_state(learner.wrapped, learner.optimizer)
+        state = S.dcp_state(learner)
         own = S.rank_files(
-            progress,
-            learner.scheduler,
-            learner.scaler,
-            rank=self.rank,
-            world_size=self.world_size,
-            param_names=learner.param_names,
-            config=config,
+            progress, learner, rank=self.rank, world_size=self.world_size, config=config
         )
         req = SaveRequest.sharded(progress.step, state, own, meta, capture_ms=_ms_since(t0))
         writer.submit(req, reason=reason, sync=sync)
@@ -441,9 +410,7 @@ class FSDPStrategy(_Distributed):
 
     def _restore_files(self, tensors: Any, docs: Any, learner: Learner) -> S.Progress:
         # A single-process checkpoint: full tensors in, each rank keeps its shard.
-        return S.restore_full(
-            tensors, docs, learner.wrapped, learner.optimizer, learner.scheduler, learner.scaler
-        )
+        return S.restore_full(tensors, docs, learner)
 
     def eval_stop(self, flag: PreemptionFlag) -> Callable[[], bool]:
         # Every rank evaluates in lockstep (each forward needs every rank's shards):
