@@ -60,6 +60,52 @@ POINTS = frozenset(
 ACTIONS = frozenset({"kill", "enospc", "hang", "term", "skip", "extra"})
 
 
+@dataclass(frozen=True)
+class Skip:
+    """The call site leaves its collective out on this rank (``step.agree``)."""
+
+
+@dataclass(frozen=True)
+class Extra:
+    """The call site issues an additional, mis-shaped collective (``step.agree``)."""
+
+
+@dataclass(frozen=True)
+class Slow:
+    """A straggler: from the n-th hit on, the call site's work takes ``percent`` % longer."""
+
+    percent: int
+
+    def stretch(self, seconds: float) -> None:
+        """Sleep as long as ``percent`` % of ``seconds``, the work just done."""
+        time.sleep(seconds * self.percent / 100)
+
+
+@dataclass(frozen=True)
+class Delay:
+    """A degrading link: from the n-th hit on, each operation completes ``ms`` later."""
+
+    ms: int
+
+    def wait(self) -> None:
+        time.sleep(self.ms / 1000)
+
+
+#: What :meth:`FaultPlan.hit` hands back for the call site to act on.
+Action = Skip | Extra | Slow | Delay
+
+
+def _returned(action: str) -> Action:
+    """The typed action of a rule that the call site carries out."""
+    if action == "skip":
+        return Skip()
+    if action == "extra":
+        return Extra()
+    if action.startswith("slow"):
+        return Slow(int(action[4:]))
+    return Delay(int(action[5:]))
+
+
 @dataclass
 class _Rule:
     point: str
@@ -142,19 +188,20 @@ class FaultPlan:
             n = self._counts.get(point, 0) + 1
         return any(r.point == point and r.nth == n for r in self.rules)
 
-    def hit(self, point: str) -> str | None:
-        """Count a hit of ``point``; fire a rule that matches. Returns ``skip`` or
-        ``extra`` for the call site to act on, else ``None``."""
+    def hit(self, point: str) -> Action | None:
+        """Count a hit of ``point``; fire a rule that matches. Kills, full disks, hangs
+        and SIGTERMs happen here; a :data:`Action` is returned for the call site to carry
+        out (skip or add a collective, slow down), else ``None``."""
         with self._lock:
             n = self._counts[point] = self._counts.get(point, 0) + 1
         for r in self.rules:
             if r.action.startswith(("slow", "delay")) and r.point == point and n >= r.nth:
-                return r.action  # every hit from the nth on: the call site slows down
+                return _returned(r.action)  # every hit from the nth on: it slows down
             if r.point == point and r.nth == n:
                 if r.once and not self._claim(r):
                     continue
                 if r.action in ("skip", "extra"):
-                    return r.action
+                    return _returned(r.action)
                 if r.action == "hang":  # a stalled disk or network
                     time.sleep(3600)
                 if r.action == "enospc":

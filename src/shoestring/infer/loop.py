@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoestring.checkpoint.faults import Slow
 from shoestring.infer.clock import PassClock
 from shoestring.infer.decode import Generated, GenState, Scored, generate_from, score, start
 from shoestring.infer.engine import PassStopped
@@ -146,8 +147,8 @@ class ChunkLoop:
         """After each pass: count it, save the state if due, raise Preempted on a stop."""
         seconds = self.clock.end_pass(self.stats)
         act = self.job.faults.hit("step.forward")  # slowNN: a straggler, for preemption tests
-        if act and act.startswith("slow"):
-            time.sleep(seconds * int(act[4:]) / 100)
+        if isinstance(act, Slow):
+            act.stretch(seconds)
         if (
             self.state is not None
             and not self.flag.is_set()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shoestring.checkpoint.faults import Slow
 from shoestring.train import state as S
 from shoestring.train.device import peak_memory, to_device
 from shoestring.train.model import check_lora_gradients
@@ -57,8 +58,8 @@ def _forward_backward(
             out = t.objective.loss(learner.wrapped, learner.model, batch, n_items)
             loss = out.loss
         slow = t.run.faults.hit("step.forward")
-        if slow:  # injected straggler: this forward takes NN % longer
-            time.sleep((time.perf_counter() - t_fwd) * int(slow[4:]) / 100)
+        if isinstance(slow, Slow):  # injected straggler: this forward takes NN % longer
+            slow.stretch(time.perf_counter() - t_fwd)
         t.run.rec.work("forward", time.perf_counter() - t_fwd, batch["input_ids"].numel())
         # DDP/FSDP average gradients over ranks; each rank's share is a sum.
         learner.backward(loss * strategy.world_size if strategy.world_size > 1 else loss)

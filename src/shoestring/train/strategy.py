@@ -28,6 +28,7 @@ from shoestring.checkpoint import (
     Writer,
     load_files,
 )
+from shoestring.checkpoint.faults import Extra, Skip
 from shoestring.checkpoint.manifest import CorruptCheckpoint, Manifest
 from shoestring.checkpoint.sharded import ShardedWriter, is_sharded
 from shoestring.config import ConfigError
@@ -287,9 +288,9 @@ class _Distributed(SingleDevice):
             ]
         )
         fault = faults.hit("step.agree")
-        if fault == "skip":  # injected: this rank leaves the collective out
+        if isinstance(fault, Skip):  # injected: this rank leaves the collective out
             return float(loss)
-        if fault == "extra":  # injected: an additional, mis-shaped collective
+        if isinstance(fault, Extra):  # injected: an additional, mis-shaped collective
             dist.all_reduce(torch.zeros(3, dtype=torch.float64, device=self.device))
         dist.all_reduce(t)
         total, stop = t.tolist()

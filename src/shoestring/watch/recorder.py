@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from shoestring.checkpoint.faults import Delay
 from shoestring.fsio import atomic_write
 from shoestring.rundir import LIVE, RunDir
 
@@ -246,8 +247,8 @@ class Recorder:
 
             def done(f):  # type: ignore[no-untyped-def]
                 delay = self._faults.hit("comm.ddp") if self._faults is not None else None
-                if delay:  # injected slow link: this all-reduce completes MS ms later
-                    time.sleep(int(delay[5:]) / 1000)
+                if isinstance(delay, Delay):  # injected slow link: completes MS ms later
+                    delay.wait()
                 self._end(seq)
                 return f.value()
 
