@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NewType, cast
 
 from shoestring.config import (
     ConfigError,
@@ -576,6 +576,22 @@ def resolve_numerics(
     if model.dtype == "auto" and on_gpu:
         dtype = "bfloat16" if half == "bf16" else "float16"
     return Numerics(device=device, dtype=dtype, precision=precision)
+
+
+#: A config whose ``train.device``, ``train.precision`` and ``model.dtype`` are concrete
+#: (no ``auto``): what :func:`shoestring.train.device.resolve` returns and what the
+#: run's builders take, so an unresolved config cannot reach them.
+ResolvedConfig = NewType("ResolvedConfig", FinetuneConfig)
+
+
+def precision_of(cfg: ResolvedConfig) -> PrecisionName:
+    """``train.precision`` of a resolved config: bf16, fp16 or fp32."""
+    return cast(PrecisionName, cfg.train.precision)
+
+
+def dtype_of(cfg: ResolvedConfig) -> ComputeDtype:
+    """``model.dtype`` of a resolved config: float32, bfloat16 or float16."""
+    return cast(ComputeDtype, cfg.model.dtype)
 
 
 def eval_fraction(spec: str) -> float | None:

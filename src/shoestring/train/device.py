@@ -19,7 +19,12 @@ from typing import Any
 import torch
 
 from shoestring.config import ConfigError
-from shoestring.train.config import FinetuneConfig, PrecisionName, resolve_numerics
+from shoestring.train.config import (
+    FinetuneConfig,
+    PrecisionName,
+    ResolvedConfig,
+    resolve_numerics,
+)
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("shoestring.finetune")
@@ -88,7 +93,7 @@ def resolve_device(spec: str, local_rank: int, acc: Accelerator) -> str:
     return f"cuda:{index}"
 
 
-def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> FinetuneConfig:
+def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> ResolvedConfig:
     """``cfg`` with every ``auto`` of device, precision and base dtype made concrete
     (the dtype and precision rule is :func:`shoestring.train.config.resolve_numerics`,
     which ``shoestring plan`` uses too)."""
@@ -99,10 +104,12 @@ def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> FinetuneC
         _require_flash_attention(on_gpu)
     if not on_gpu and not acc.cpu_bf16 and (n.dtype != "float32" or n.precision != "fp32"):
         log.warning(CPU_16BIT_WARNING, n.dtype, n.precision)
-    return replace(
-        cfg,
-        train=replace(cfg.train, device=device, precision=n.precision),
-        model=replace(cfg.model, dtype=n.dtype),
+    return ResolvedConfig(
+        replace(
+            cfg,
+            train=replace(cfg.train, device=device, precision=n.precision),
+            model=replace(cfg.model, dtype=n.dtype),
+        )
     )
 
 

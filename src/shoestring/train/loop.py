@@ -23,7 +23,7 @@ from shoestring.events import read_tail
 from shoestring.rundir import hold, require_writable
 from shoestring.train import state as S
 from shoestring.train.chunkedloss import causal_lm
-from shoestring.train.config import FinetuneConfig
+from shoestring.train.config import FinetuneConfig, ResolvedConfig
 from shoestring.train.device import Accelerator, resolve
 from shoestring.train.evaluate import eval_loss, exact_match
 from shoestring.train.model import model_summary
@@ -48,10 +48,10 @@ HISTORY_BYTES = 16 << 20
 def finetune(cfg: FinetuneConfig, opts: RunOptions | None = None) -> int:
     """Run (or resume) a fine-tuning job; returns an exit code from :mod:`shoestring.exitcodes`."""
     opts = opts or RunOptions()
-    cfg = resolve(cfg, opts.accelerator or Accelerator.probe(), opts.dist.local_rank)
-    check_trackers(cfg.track)
-    with _one_job(cfg, opts):
-        return _finetune(cfg, opts)
+    resolved = resolve(cfg, opts.accelerator or Accelerator.probe(), opts.dist.local_rank)
+    check_trackers(resolved.track)
+    with _one_job(resolved, opts):
+        return _finetune(resolved, opts)
 
 
 @contextlib.contextmanager
@@ -67,7 +67,7 @@ def _one_job(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[None]:
         yield
 
 
-def _finetune(cfg: FinetuneConfig, opts: RunOptions) -> int:
+def _finetune(cfg: ResolvedConfig, opts: RunOptions) -> int:
     inputs = Inputs.prepare(cfg, opts.dist, opts.cache_dir, opts.hub_access())
     # Refuses before the run directory is touched or any weights load (rank 0 also
     # checks a named checkpoint's hashes, as the load does).

@@ -26,7 +26,7 @@ from shoestring.hf import fingerprint
 from shoestring.hub import ModelRef
 from shoestring.rundir import RunDir
 from shoestring.train import state as S
-from shoestring.train.config import FinetuneConfig
+from shoestring.train.config import FinetuneConfig, ResolvedConfig
 from shoestring.train.model import resolve_model_dir
 from shoestring.train.resume import check_base, check_compatible
 
@@ -115,7 +115,7 @@ def resume_candidate(
 
 
 def check_resume(
-    cfg: FinetuneConfig,
+    cfg: ResolvedConfig,
     mode: str,
     remote: RemoteStore | None,
     cache_dir: Path,
@@ -126,8 +126,8 @@ def check_resume(
     """Refuse, before any weights load, a resume that the load would refuse: the
     checkpoint is not a fine-tune's, its base model is not ``model.path``, or the
     config changed in a way that breaks an exact continuation (the messages are the
-    load's). ``cfg`` is resolved, as the load compares it; ``model`` is ``model.path``
-    resolved (None: the built-in model)."""
+    load's; the config is resolved, as the load compares it). ``model`` is
+    ``model.path`` resolved (None: the built-in model)."""
     found = resume_candidate(mode, cfg, remote, deep=deep)
     if found is None:
         return

@@ -29,7 +29,7 @@ from shoestring.fsio import atomic_write
 from shoestring.hub import HubAccess, ModelRef
 from shoestring.preempt import PreemptionFlag, SignalSource, cloud_watcher
 from shoestring.rundir import RunDir
-from shoestring.train.config import FinetuneConfig
+from shoestring.train.config import FinetuneConfig, ResolvedConfig
 from shoestring.train.dataset import DataInputs
 from shoestring.train.device import Accelerator
 from shoestring.train.model import check_stored_quantization, require_bitsandbytes, resolve_base
@@ -198,13 +198,12 @@ def _process_group(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[ProcessGro
 
 @contextlib.contextmanager
 def open_run(
-    cfg: FinetuneConfig,
+    cfg: ResolvedConfig,
     opts: RunOptions,
     remote: RemoteStore | None,
     model: ModelRef | None = None,
 ) -> Iterator[Run]:
-    """``cfg`` is resolved (no 'auto' device, precision or dtype left); ``model``: the
-    resolved base (recorded in run.json)."""
+    """``model``: the resolved base (recorded in run.json)."""
     out, dist = Path(cfg.output_dir), opts.dist
     flag = opts.flag or PreemptionFlag()
     with contextlib.ExitStack() as stack:

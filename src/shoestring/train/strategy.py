@@ -37,7 +37,7 @@ from shoestring.events import EventLog
 from shoestring.preempt import PreemptionFlag
 from shoestring.train import parallel
 from shoestring.train import state as S
-from shoestring.train.config import CheckpointConfig, FinetuneConfig
+from shoestring.train.config import CheckpointConfig, FinetuneConfig, ResolvedConfig, dtype_of
 from shoestring.train.export import export_adapter, export_merged, export_merged_from
 from shoestring.train.learner import Learner
 
@@ -455,8 +455,8 @@ def unloadable_as_corrupt(path: Path) -> Iterator[None]:
         raise CorruptCheckpoint(f"{path}: cannot load it: {type(e).__name__}: {e}") from e
 
 
-def make_strategy(cfg: FinetuneConfig, groups: ProcessGroups | None) -> Strategy:
-    """The strategy for this process; ``cfg`` is resolved (a concrete train.device)."""
+def make_strategy(cfg: ResolvedConfig, groups: ProcessGroups | None) -> Strategy:
+    """The strategy for this process, on its concrete ``train.device``."""
     device = torch.device(cfg.train.device)
     if groups is None:
         return SingleDevice(device)
@@ -472,7 +472,7 @@ def make_strategy(cfg: FinetuneConfig, groups: ProcessGroups | None) -> Strategy
         return FSDPStrategy(
             device,
             groups,
-            dtype=getattr(torch, cfg.model.dtype),  # resolved: float32 | bfloat16 | float16
+            dtype=getattr(torch, dtype_of(cfg)),
             quantize=cfg.lora.quantize,
             cpu_offload=cfg.distributed.cpu_offload,
         )

@@ -23,7 +23,7 @@ from shoestring.config import to_flat
 from shoestring.hf import fingerprint, load_tokenizer
 from shoestring.secrets import redact
 from shoestring.train.baseload import load_base
-from shoestring.train.config import FinetuneConfig, config_hash
+from shoestring.train.config import FinetuneConfig, ResolvedConfig, config_hash, precision_of
 from shoestring.train.dataset import DataContext, TrainData, load_train_data
 from shoestring.train.device import Precision, set_deterministic
 from shoestring.train.learner import Learner
@@ -35,10 +35,9 @@ from shoestring.train.run import Inputs, Run, data_cache_storage
 
 @dataclass
 class Trainer:
-    """One rank's fine-tuning job, built. ``cfg`` is resolved (concrete device,
-    precision and dtype)."""
+    """One rank's fine-tuning job, built."""
 
-    cfg: FinetuneConfig
+    cfg: ResolvedConfig
     run: Run
     model_dir: Path
     base_fp: str
@@ -119,7 +118,7 @@ def _data_context(cfg: FinetuneConfig, run: Run) -> DataContext:
     )
 
 
-def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
+def build_trainer(cfg: ResolvedConfig, run: Run, inputs: Inputs) -> Trainer:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     device = run.strategy.device
@@ -134,7 +133,7 @@ def build_trainer(cfg: FinetuneConfig, run: Run, inputs: Inputs) -> Trainer:
     tok = load_tokenizer(model_dir)
     data = load_train_data(cfg, inputs.data, inputs.batch, tok, _data_context(cfg, run))
     run.events.emit("load", phase="data", seconds=round(time.perf_counter() - t0, 3))
-    precision = Precision(cfg.train.precision, device)  # type: ignore[arg-type]
+    precision = Precision(precision_of(cfg), device)
     learner = _learner(cfg, run, model_dir, base_fp, precision)
     if cfg.dpo.precompute_ref and cfg.train.objective == "dpo":
         key, pad = inputs.data.key, tok.pad_token_id
