@@ -223,6 +223,25 @@ def test_fsdp_qlora_checkpoint_resumes_in_one_process(
 
 
 @pytest.mark.e2e
+def test_one_process_shards_over_a_mesh_of_one(
+    cli: CLI, tmp_path: Path, single_qlora: Path, fsdp_qlora: Path
+) -> None:
+    """``distributed.strategy fsdp`` in a plain process (no launcher): FSDP2 over a mesh
+    of one (what one GPU with ``distributed.cpu_offload`` needs), here resuming the
+    2-rank checkpoint of step 4: the same losses, a DCP checkpoint of its own."""
+    out = tmp_path / "run"
+    ck = fsdp_qlora / "checkpoints" / "step-00000004"
+    r = cli.run(out, *FSDP, "--resume", str(ck))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = read_events(out)
+    assert [e["strategy"] for e in ev if e["event"] == "run_start"] == ["fsdp"]
+    (res,) = resumes(out)
+    assert (res["from_step"], res["from_world_size"], res["world_size"]) == (4, 2, 1)
+    assert_losses_close(out, single_qlora, range(5, 9))
+    assert (out / "checkpoints" / "step-00000008" / "__0_0.distcp").is_file()
+
+
+@pytest.mark.e2e
 @pytest.mark.slow  # 2 -> 1 runs in CI
 def test_single_process_qlora_checkpoint_resumes_under_fsdp(
     cli: CLI, tmp_path: Path, single_qlora: Path, fsdp_qlora: Path

@@ -102,12 +102,18 @@ class ProcessGroups:
 
         if self.backend == "nccl":  # pragma: no cover - GPU only
             torch.cuda.set_device(self.env.local_rank)
+        # A process no launcher started (one rank sharding alone) meets no one: an
+        # in-memory store instead of env:// (no MASTER_ADDR, no port, no file).
+        alone = self.env.source == "single"
+        where: dict[str, Any] = {"init_method": self.env.init_method}
+        if alone:  # HashStore: torch.distributed's own, missing from its __all__
+            where = {"store": dist.HashStore()}  # type: ignore[attr-defined]
         dist.init_process_group(
             self.backend,
-            init_method=self.env.init_method,
             rank=self.env.rank,
             world_size=self.env.world_size,
             timeout=self.timeout,
+            **where,
         )
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
         return self

@@ -104,9 +104,10 @@ def workload_from_config(
         padded=not cfg.data.packing or cfg.model.attn_implementation != "flash_attention_2",
         loss_chunk_tokens=t.loss_chunk_tokens,
         offload_activations=t.offload_activations,
-        parallelism="single" if world_size == 1 else cfg.distributed.strategy,
+        parallelism=parallelism_of(cfg.distributed.strategy, world_size),
         world_size=world_size,
-        cpu_offload=cfg.distributed.cpu_offload and world_size > 1,
+        cpu_offload=cfg.distributed.cpu_offload
+        and parallelism_of(cfg.distributed.strategy, world_size) == "fsdp",
         reference_forward=t.objective == "dpo" and not cfg.dpo.precompute_ref,
         **numerics_fields(n),
     )
@@ -268,6 +269,14 @@ def resolve_request(
     return replace(base, workload=w, steps=req.steps or base.steps, gpus_per_host=_per_host(req))
 
 
+def parallelism_of(strategy: str, world_size: int) -> Parallelism:
+    """How finetune runs ``distributed.strategy`` at ``world_size``: FSDP2 also in one
+    process (a mesh of one); DDP of one rank is a plain process."""
+    if strategy == "fsdp":
+        return "fsdp"
+    return "single" if world_size == 1 else "ddp"
+
+
 def _layout(req: PlanRequest, w: Workload) -> dict[str, Any]:
     """--strategy / --world-size / --cpu-offload over the config's distributed.*."""
     if req.world_size > 1 and req.strategy == "single":
@@ -309,4 +318,4 @@ def check_layout(w: Workload) -> None:
             "with --strategy fsdp"
         )
     if w.cpu_offload and not fsdp:
-        raise ConfigError("--cpu-offload: needs --strategy fsdp (and --world-size > 1)")
+        raise ConfigError("--cpu-offload: needs --strategy fsdp")

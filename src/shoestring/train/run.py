@@ -182,8 +182,11 @@ def _prepare_dir(cfg: FinetuneConfig, out: Path, strategy: Strategy, model: Mode
 
 @contextlib.contextmanager
 def _process_group(cfg: FinetuneConfig, opts: RunOptions) -> Iterator[ProcessGroups | None]:
+    """The process groups of a distributed run; also of one process with
+    ``distributed.strategy fsdp`` (FSDP2 over a mesh of one: with its CPU offload, one
+    GPU trains a base whose shards live in host RAM). None for a plain process."""
     dist = opts.dist
-    if not dist.is_distributed:
+    if not (dist.is_distributed or cfg.distributed.strategy == "fsdp"):
         yield None
         return
     opts.faults.hit("start.init")  # a rank stuck before it joins the group
