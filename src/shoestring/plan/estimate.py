@@ -31,12 +31,12 @@ CUDA_CONTEXT_BYTES = 500 * MiB
 #: cuBLAS workspace, which torch takes from its caching allocator (so it is inside
 #: ``max_memory_allocated``) for the stream that runs the matmuls: 32 MiB is torch's
 #: default on sm90 (H100/H200); older GPUs get 8 MiB + 128 KiB, so this is an upper
-#: bound there. The 2026-12-04 H200 check left ~37 MiB unexplained on a 100 MB run.
+#: bound there (the H200 check behind it: docs/planner.md).
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 #: A CPU run's own code and data beyond its tensors (python, torch, transformers, peft,
-#: bitsandbytes, tokenizer, data cache, threads): measured 2026-12-06 as a Llama-2-7B
-#: QLoRA's peak anonymous RSS less the plan's tensors (6.57 - 6.12 GB); the imports alone
-#: are 0.32 GB. ``benchmarks/scale.py`` checks it on other shapes.
+#: bitsandbytes, tokenizer, data cache, threads): a 7B QLoRA's peak anonymous RSS less
+#: the plan's tensors (the measurement: docs/planner.md; ``benchmarks/scale.py`` checks
+#: it on other shapes).
 CPU_RUNTIME_BYTES = 448 * MiB
 #: Allocator fragmentation allowance on the dynamic (activation) part.
 FRAGMENTATION = 0.05

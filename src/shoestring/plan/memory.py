@@ -416,9 +416,8 @@ def load_transient_bytes(w: Workload) -> int:
     """Host memory a CPU run's load holds beyond the loaded weights, for a moment:
     transformers materializes a stored tensor (a copy out of the memory-mapped file)
     and its conversion to ``model.dtype`` side by side. The largest such tensor is the
-    embedding or the head (never quantized). Measured on Llama-2-7B / Llama-3-8B QLoRA
-    loads in float32 from bf16 shards (2026-12-06): 0.78 GB beyond the weights at 7B
-    (this term: 0.79 GB), 2.63 GB at 8B (this term: 3.15 GB). A GPU run's load
+    embedding or the head (never quantized); checked against 7B and 8B loads
+    (docs/planner.md, "host RAM"). A GPU run's load
     converts on the device one tensor at a time, inside the step peak; a stored dtype
     equal to ``model.dtype`` is mapped, not copied."""
     a = w.arch
