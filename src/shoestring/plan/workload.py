@@ -102,6 +102,7 @@ def workload_from_config(
         padded=not cfg.data.packing or cfg.model.attn_implementation != "flash_attention_2",
         loss_chunk_tokens=t.loss_chunk_tokens,
         offload_activations=t.offload_activations,
+        kernels=t.kernels,
         **numerics_fields(n),
     )
     return w, t.max_steps

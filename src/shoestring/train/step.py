@@ -20,6 +20,7 @@ import torch
 
 from shoestring.train import state as S
 from shoestring.train.chunkedloss import causal_lm_loss
+from shoestring.train.compiled import warm_up
 from shoestring.train.device import peak_memory, to_device
 from shoestring.train.model import check_lora_gradients
 from shoestring.train.offload import HostOffload
@@ -42,7 +43,8 @@ def _loss(t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor) -> 
     learner, chunk = t.learner, t.cfg.train.loss_chunk_tokens
     if chunk:
         return causal_lm_loss(learner.wrapped, learner.model, batch, n_items, chunk)
-    loss: torch.Tensor = learner.wrapped(**batch, num_items_in_batch=n_items).loss
+    module = t.compiled if t.compiled is not None else learner.wrapped
+    loss: torch.Tensor = module(**batch, num_items_in_batch=n_items).loss
     return loss
 
 
@@ -124,3 +126,26 @@ def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
         "batch_crc": zlib.crc32(struct.pack(f"<{len(idx)}q", *idx)),
         **peak_memory(t.device),
     }
+
+
+def compile_warm_up(t: Trainer, progress: S.Progress) -> dict[str, Any]:
+    """``train.compile``: compile forward and backward on the next step's first
+    micro-batch, outside any step's time; its gradients are dropped (train/compiled.py)."""
+    idx = t.data.order.indices(progress.consumed, t.data.batch.batch_size)
+    _, start, size = next(iter(t.data.batch.my_chunks()))
+    n_items = torch.tensor(sum(t.data.samples.label_tokens(i) for i in idx), device=t.device)
+    batch = to_device(
+        t.data.samples.collate(idx[start : start + size], t.tok.pad_token_id), t.device
+    )
+
+    def forward_backward() -> None:
+        with t.run.strategy.grad_sync(t.learner.wrapped, False):
+            with t.precision.autocast():
+                loss = _loss(t, batch, n_items)
+            loss.backward()
+
+    return warm_up(
+        forward_backward,
+        lambda: t.learner.optimizer.zero_grad(set_to_none=True),
+        eager=t.compiled is t.learner.wrapped,
+    )
