@@ -241,7 +241,10 @@ class TrainConfig:
         "torch.compile the training forward and backward (inductor, dynamic shapes: one "
         "graph for every batch length, so a resumed run computes with the same kernels). "
         "The compilation runs once before the first step, recorded as a 'compile' event "
-        "and kept out of step times and tokens/s; eval and generation stay eager.",
+        "and kept out of step times and tokens/s (its watchdog phase is 'compile': under "
+        "shoestring run, a compilation longer than --first-phase-timeout, minutes on a CPU, "
+        "needs a larger one); eval and generation stay eager. Not with "
+        "train.loss_chunk_tokens.",
     )
 
 
