@@ -5,9 +5,9 @@ with dynamic shapes: one graph for every batch length, so an uninterrupted run a
 resumed one, which meet the lengths in another order, compute with the same kernels.
 Compilation happens in :func:`warm_up`, before the first step of each process, on that
 step's own first micro-batch; its gradients are dropped, nothing else is touched (each
-micro-batch reseeds dropout), so the steps that follow are those an eager warm-up-free
-run of the same compiled graph would make. Its seconds are a ``compile`` event, never
-part of a step's time. Eval and generation use the eager module.
+micro-batch reseeds dropout), so the steps that follow are exactly those of the same
+run without the warm-up. Its seconds are a ``compile`` event, never part of a step's
+time. Eval and generation use the eager module.
 """
 
 from __future__ import annotations

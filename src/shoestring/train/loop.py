@@ -78,7 +78,8 @@ def _finetune(cfg: FinetuneConfig, opts: RunOptions) -> int:
                 if cfg.train.loss_chunk_tokens:  # a model it cannot chunk: refused before step 1
                     causal_lm(t.learner.model)
                 progress = resume(t, opts.resume)
-                if t.compiled is not None:  # its own phase, never inside a step's time
+                if t.compiled is not None and progress.step < cfg.train.max_steps:
+                    # its own phase, never inside a step's time
                     with run.rec.phase("compile"):
                         run.events.emit(
                             "compile", step=progress.step, **compile_warm_up(t, progress)
