@@ -213,6 +213,7 @@ def load_model(spec: dict[str, Any]) -> Any:
         task_type="CAUSAL_LM",
         bias="none",
     )
+    torch.manual_seed(spec["seed"])  # LoRA's A init: the same draw on every run
     return get_peft_model(model, lora)
 
 

@@ -82,6 +82,9 @@ def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
     blocking = checks["checkpoint_blocking"]
     assert blocking["status"] == "pass" and blocking["runs"]
     assert all(b["ratio_median"] > 0 for b in blocking["runs"].values())
+    parts = blocking["what_blocks"]  # (d): the blocking's parts, measured apart
+    assert parts["tensors"] > 0 and parts["bytes"] > 0
+    assert parts["stage_ms"] > 0 and parts["coalesced_ms"] > 0 and parts["capture_ms"] > 0
 
     assert checks["distributed"]["status"] == "skipped"
     assert checks["distributed"]["reason"] == "no CUDA"
