@@ -125,6 +125,12 @@ class Ctx:
             raise CheckError("time budget spent")
         return left
 
+    def cut_status(self, e: CheckError) -> str:
+        """``not_run`` when the budget stopped it (a timeout at the budget's end), else
+        ``fail``: a run that was still going when the time ran out did not fail."""
+        left = min(self.deadline, self.global_deadline) - time.monotonic()
+        return "not_run" if "budget" in str(e) or left <= 2 else "fail"
+
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
         env.update(
@@ -915,7 +921,7 @@ def check_promise_16gb(ctx: Ctx) -> dict[str, Any]:
         try:
             runs[label] = capped_run(ctx, label, name, prec)
         except CheckError as e:
-            runs[label] = {"status": "not_run" if "budget" in str(e) else "fail", "reason": str(e)}
+            runs[label] = {"status": ctx.cut_status(e), "reason": str(e)}
     bad = [k for k, r in runs.items() if r["status"] == "fail"]
     res: dict[str, Any] = {"status": "fail" if bad else "pass", "runs": runs}
     if bad:
@@ -1058,8 +1064,7 @@ def speed_variant(
         job = ours_side(ctx, f"peer-ours-{name}", spec, **train)
         figures = ours_figures(ctx, f"peer-ours-{name}", run_proc(ctx, *job[:2], ctx.remaining()))
     except CheckError as e:
-        status = "not_run" if "budget" in str(e) else "fail"
-        return {"status": status, "reason": str(e)}
+        return {"status": ctx.cut_status(e), "reason": str(e)}
     res = {
         "status": "pass",
         **figures,
@@ -1111,7 +1116,7 @@ def blocking_parts(ctx: Ctx) -> dict[str, Any]:
             60,
         )
     except CheckError as e:
-        return {"status": "not_run" if "budget" in str(e) else "fail", "reason": str(e)}
+        return {"status": ctx.cut_status(e), "reason": str(e)}
     res: dict[str, Any] = json.loads(out.read_text())
     if not ctx.cuda:
         res["note"] = "CPU smoke of the measurement: host copies, no bus; not the GPU answer"
