@@ -4,22 +4,35 @@ Checks (each isolated: a check that raises is recorded as ``fail`` with the erro
 next one runs; every subprocess has a timeout; each check has a time budget and the whole
 run a global one, after which the remaining checks are ``not_run``):
 
-* ``lora_bf16``: LoRA in bf16 on ``builtin:tiny`` and (unless ``--small``) a ~1B random-init
-  Llama (GQA) built here: tokens/s (median of the ``step`` events after the first 2), the
-  peak ``cuda_peak_bytes`` of the step events vs ``shoestring plan --json`` on the same
-  config (the planner's peak less the CUDA context, as ``plan_vs_cuda.py`` compares).
-* ``qlora_nf4``: the same with ``--lora.quantize nf4 --train.optimizer paged_adamw8bit``.
+In priority order (issue #26, v2), within 8 minutes on one H100/H200:
+
+* ``promise_16gb`` (a): QLoRA at Llama-3-8B and Llama-2-7B shapes (random init streamed
+  to safetensors shards here by ``realshape.py``, no download), seq 2048, micro-batch 1,
+  nf4, paged AdamW 8-bit, gradient checkpointing, the finetune process capped to a T4's
+  usable 15 GiB (``torch.cuda.set_per_process_memory_fraction``): fits (no OOM) and trains;
+  tokens/s; ``max_memory_allocated`` vs ``shoestring plan`` for that config (out of sample);
+  the 8B once in bf16 and once in fp16 with the gradient scaler (the T4 path). On CPU the
+  same code path trains the tiny model in nf4; the real shapes are ``not_run``.
+* ``peer_hf`` (b): ours vs Hugging Face Trainer + PEFT (+ bitsandbytes) through
+  ``hf_baseline.py`` on the same model (the 0.86B Llama in QLoRA on CUDA, the tiny one on
+  CPU), the same tokenized examples in the same order, batch, precision, sequence, LoRA,
+  optimizer and schedule: tokens/s and peak-memory ratios (ours / theirs), and the loss
+  curves within ``hf_baseline.TOLERANCE``; then ours with ``train.kernels liger``
+  (liger-kernel installed from ``--wheelhouse`` if need be, else ``not_run``) and with
+  ``train.compile true`` (its ``compile`` seconds apart), against ours without them.
+* ``infer`` (c): ``infer_cuda.py``'s checks (exactness vs transformers, streaming rate vs a
+  pinned host-to-device copy, int8/nf4), run by calling its ``run()`` in a child process.
+* ``checkpoint_blocking`` (d): periodic saves' ``blocking_ms`` vs the median ``step_ms``
+  of a 0.86B LoRA run saving every 5 steps (CUDA), or of the runs so far (CPU); and what
+  the blocking is made of (``ckpt_parts.py``: capture, the per-tensor copy-out, the
+  coalesced copy that would replace it, the bus floor).
 * ``sigkill_resume``: with ``train.deterministic``, N steps straight vs SIGKILL mid-run
   (``SHOESTRING_FAULTS=step.end@K:kill``) and a rerun that resumes: the final adapters'
   sha256 must be equal; records the ``resume`` event's ``steps_lost``.
-* ``checkpoint_blocking``: ``checkpoint`` events' ``blocking_ms`` vs the median ``step_ms``
-  of the same run, for every finetune run above.
-* ``distributed``: 2-process DDP and FSDP2 through ``shoestring run --nproc-per-node 2``
-  (needs 2 GPUs).
-* ``infer``: ``infer_cuda.py``'s checks (exactness vs transformers, streaming rate vs a
-  pinned host-to-device copy, int8/nf4), run by calling its ``run()`` in a child process.
 * ``nvml``: a finetune under ``shoestring run --metrics-interval 1``: a ``metrics`` event
   must carry per-GPU fields (NVML).
+* ``distributed``: 2-process DDP and FSDP2 through ``shoestring run --nproc-per-node 2``
+  (needs 2 GPUs).
 
 A status is ``pass`` (ran, and its functional assertions held: exit codes, equal hashes,
 identical greedy tokens), ``fail`` (with ``reason``), ``skipped`` (not applicable here,
@@ -32,9 +45,10 @@ On CPU (``--device cpu``) bf16 runs become fp32 (the JSON says so) and there is 
 Writes benchmarks/results/gpu-check-<date>.json (or ``--out FILE``) and prints it.
 Exit code 0 if no check failed, 1 otherwise.
 
-Usage (GPU box, one call, a few minutes):
-  .venv/bin/python benchmarks/gpu_check.py --out benchmarks/results/gpu-check-$(date +%F).json
-Smoke test (CPU, CI; well under 90 s on 2 cores):
+Usage (GPU box, one call, at most 8 minutes; benchmarks/README.md "GPU check" has the
+exact device command, with the liger-kernel wheel carried):
+  python benchmarks/gpu_check.py --wheelhouse wheelhouse --out $OUT/gpu-check.json
+Smoke test (CPU, CI; about 2 minutes on 2 busy cores, as v1):
   .venv/bin/python benchmarks/gpu_check.py --device cpu --small
 """
 
@@ -54,7 +68,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +82,18 @@ PLAN_TARGET = (-3.0, 5.0)
 BLOCKING_TARGET = 0.05
 #: name -> per-check time budget in seconds (CUDA, CPU). The CPU ones are caps for a
 #: busy 2-core CI box; the smoke run itself takes well under a minute on a quiet one.
+#: In priority order (the most valuable first): what the global budget cuts is the tail.
 BUDGETS: dict[str, tuple[float, float]] = {
-    "lora_bf16": (200, 90),
-    "qlora_nf4": (150, 90),
-    "sigkill_resume": (120, 120),
-    "checkpoint_blocking": (10, 10),
-    "distributed": (180, 10),
-    "infer": (200, 90),
-    "nvml": (90, 10),
+    "promise_16gb": (210, 90),
+    "peer_hf": (130, 150),
+    "infer": (60, 90),
+    "checkpoint_blocking": (45, 30),
+    "sigkill_resume": (40, 120),
+    "nvml": (20, 10),
+    "distributed": (10, 10),
 }
+#: A T4's usable memory: the (a) runs are capped to it with set_per_process_memory_fraction.
+T4_USABLE_BYTES = 15 * 2**30
 
 
 class CheckError(Exception):
@@ -96,6 +113,7 @@ class Ctx:
     runs: dict[str, Path] = field(default_factory=dict)  # finished finetune output dirs
     big_model: Path | None = None
     big_model_error: str = ""  # a failed build is not retried by the next check
+    wheelhouse: Path | None = None  # local wheels (liger-kernel) for a machine offline
 
     @property
     def cuda(self) -> bool:
@@ -106,6 +124,12 @@ class Ctx:
         if left <= 1:
             raise CheckError("time budget spent")
         return left
+
+    def cut_status(self, e: CheckError) -> str:
+        """``not_run`` when the budget stopped it (a timeout at the budget's end), else
+        ``fail``: a run that was still going when the time ran out did not fail."""
+        left = min(self.deadline, self.global_deadline) - time.monotonic()
+        return "not_run" if "budget" in str(e) or left <= 2 else "fail"
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SHOESTRING_")}
@@ -200,6 +224,7 @@ def probe(device: str) -> dict[str, Any]:
         "     'device_count': torch.cuda.device_count() if torch.cuda.is_available() else 0}\n"
         f"if {device == 'cuda'} and d['cuda_available']:\n"
         "    d['device_name'] = torch.cuda.get_device_name(0)\n"
+        "    d['total_memory'] = torch.cuda.get_device_properties(0).total_memory\n"
         "try:\n    import pynvml; d['pynvml'] = True\n"
         "except ImportError:\n    d['pynvml'] = False\n"
         "print(json.dumps(d))\n"
@@ -560,38 +585,6 @@ def ensure_big_model(ctx: Ctx) -> Path:
 # --------------------------------------------------------------------------- checks
 
 
-def train_check(ctx: Ctx, prefix: str, **cfg_kw: Any) -> dict[str, Any]:
-    """tiny (and ~1B unless --small) runs; pass iff every run passed."""
-    runs: dict[str, Any] = {}
-    shapes: list[tuple[str, Callable[[], Shape]]] = [("tiny", lambda: tiny_shape(ctx))]
-    if not ctx.small:
-        shapes.append(("1b", lambda: big_shape(ctx, ensure_big_model(ctx))))
-    for label, make in shapes:
-        try:
-            runs[label] = train_run(ctx, f"{prefix}-{label}", make(), ctx.remaining(), **cfg_kw)
-        except CheckError as e:
-            runs[label] = {"status": "fail", "reason": str(e)}
-        except Exception as e:  # noqa: BLE001 - one model failing leaves the other measured
-            runs[label] = {"status": "fail", "reason": f"{type(e).__name__}: {e}"}
-    bad = [k for k, r in runs.items() if r["status"] != "pass"]
-    res: dict[str, Any] = {
-        "status": "fail" if bad else "pass",
-        "precision": precision(ctx),
-        "runs": runs,
-    }
-    if bad:
-        res["reason"] = "; ".join(f"{k}: {runs[k].get('reason', '')[:300]}" for k in bad)
-    return res
-
-
-def check_lora_bf16(ctx: Ctx) -> dict[str, Any]:
-    return train_check(ctx, "lora")
-
-
-def check_qlora_nf4(ctx: Ctx) -> dict[str, Any]:
-    return train_check(ctx, "qlora", quantize="nf4", optimizer="paged_adamw8bit")
-
-
 def resume_plan(ctx: Ctx) -> tuple[Shape, int]:
     """The deterministic run and the step whose end is SIGKILLed."""
     if ctx.small:
@@ -692,22 +685,6 @@ def blocking_of(out: Path) -> dict[str, Any] | None:
     if final:
         res["final_blocking_ms"] = final[-1]
     return res
-
-
-def check_checkpoint_blocking(ctx: Ctx) -> dict[str, Any]:
-    if not ctx.runs:
-        return {"status": "not_run", "reason": "no finetune run finished before this check"}
-    runs = {name: b for name, out in ctx.runs.items() if (b := blocking_of(out)) is not None}
-    if not runs:
-        return {
-            "status": "fail",
-            "reason": f"no checkpoint event with blocking_ms in {', '.join(ctx.runs)}",
-        }
-    return {
-        "status": "pass",
-        "target": f"median blocking_ms / median step_ms < {BLOCKING_TARGET}",
-        "runs": runs,
-    }
 
 
 def check_distributed(ctx: Ctx) -> dict[str, Any]:
@@ -852,14 +829,308 @@ def check_nvml(ctx: Ctx) -> dict[str, Any]:
     return {**res, "status": "pass"}
 
 
+# --------------------------------------------------------------------------- (a) the 16 GB promise
+
+#: The (a) runs, most valuable first: (label, realshape name, precision).
+PROMISE_RUNS = (
+    ("llama3-8b-bf16", "llama3-8b", "bf16"),
+    ("llama3-8b-fp16", "llama3-8b", "fp16"),  # the T4 path: fp16 autocast + gradient scaler
+    ("llama2-7b-bf16", "llama2-7b", "bf16"),
+)
+#: ``python -c CAPPED finetune ...``: the finetune process capped to a T4's usable memory.
+CAPPED = (
+    "import sys, torch\n"
+    "torch.cuda.set_per_process_memory_fraction(float(sys.argv[1]))\n"
+    "from shoestring.cli import main\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
+
+
+def promise_config(ctx: Ctx, model: Path, prec: str) -> dict[str, Any]:
+    """QLoRA at Llama-3 shapes as the README promises it: seq 2048, micro-batch 1, nf4,
+    paged AdamW 8-bit, gradient checkpointing."""
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}[prec]
+    return {
+        "model": {"path": str(model), "dtype": dtype, "gradient_checkpointing": True},
+        "data": {"max_length": 2048, "eval": "", "packing": True},
+        "train": {
+            "max_steps": 6,
+            "batch_size": 2,
+            "micro_batch_size": 1,
+            "warmup_steps": 2,
+            "optimizer": "paged_adamw8bit",
+            "device": "cuda",
+            "precision": prec,
+        },
+        "eval": {"every_steps": 0},
+        "lora": {"quantize": "nf4", "cache_quantized": False},
+        "checkpoint": {"every_steps": 0},
+        "preempt": {"cloud": "none"},
+        "plan": {"enforce": False},
+    }
+
+
+def build_realshape(ctx: Ctx, name: str) -> Path:
+    """A random-init real-shape model streamed to safetensors shards here (no download)."""
+    out = ctx.work / f"{name}.path"
+    run_python(
+        ctx,
+        "import realshape; from pathlib import Path\n"
+        f"p = realshape.materialize({name!r}, Path({str(ctx.work / 'models')!r}))\n"
+        f"open({str(out)!r}, 'w').write(str(p))",
+        ctx.work / f"build-{name}.log",
+        240,
+    )
+    return Path(out.read_text().strip())
+
+
+def capped_run(ctx: Ctx, label: str, name: str, prec: str) -> dict[str, Any]:
+    t0 = time.monotonic()
+    model = build_realshape(ctx, name)
+    built_s = round(time.monotonic() - t0, 1)
+    cfg_path = write_config(ctx, label, promise_config(ctx, model, prec))
+    fraction = T4_USABLE_BYTES / ctx.probe["total_memory"]
+    out = ctx.work / label
+    cmd = [PY, "-c", CAPPED, f"{fraction:.6f}", *finetune_cmd(cfg_path, out)[3:]]
+    rc = run_proc(ctx, cmd, ctx.work / f"{label}.log", ctx.remaining())
+    res: dict[str, Any] = {"model": name, "precision": prec, "build_s": built_s,
+                           "cap_bytes": T4_USABLE_BYTES, "memory_fraction": fraction,
+                           "exit_code": rc}  # fmt: skip
+    if rc != 0:
+        log = tail(ctx.work / f"{label}.log")
+        oom = "OutOfMemoryError" in log or "out of memory" in log
+        return {**res, "status": "fail", "fits": not oom, "reason": f"exited {rc}: {log}"}
+    events = read_events(out)
+    res.update(fits=True, as_run=as_run(events), **step_figures(events))
+    res["memory"] = memory_vs_plan(ctx, label, cfg_path, res)
+    return {**res, "status": "pass"}
+
+
+def check_promise_16gb(ctx: Ctx) -> dict[str, Any]:
+    """(a) 8B/7B-shape QLoRA under a T4's 15 GiB, bf16 and fp16; on CPU the same code
+    path on the tiny model (the cap and the real shapes: not run)."""
+    runs: dict[str, Any] = {}
+    if not ctx.cuda or ctx.small:
+        why = "no CUDA" if not ctx.cuda else "--small"
+        runs = {label: {"status": "not_run", "reason": why} for label, _, _ in PROMISE_RUNS}
+        runs["tiny-nf4"] = train_run(
+            ctx, "promise-tiny", tiny_shape(ctx), ctx.remaining(),
+            quantize="nf4", optimizer="paged_adamw8bit",
+        )  # fmt: skip
+    for label, name, prec in PROMISE_RUNS if ctx.cuda and not ctx.small else ():
+        try:
+            runs[label] = capped_run(ctx, label, name, prec)
+        except CheckError as e:
+            runs[label] = {"status": ctx.cut_status(e), "reason": str(e)}
+    bad = [k for k, r in runs.items() if r["status"] == "fail"]
+    res: dict[str, Any] = {"status": "fail" if bad else "pass", "runs": runs}
+    if bad:
+        res["reason"] = "; ".join(f"{k}: {runs[k].get('reason', '')[:300]}" for k in bad)
+    return res
+
+
+# --------------------------------------------------------------------------- (b) vs HF + PEFT
+
+
+def peer_workload(ctx: Ctx) -> dict[str, Any]:
+    """The side-by-side workload: the 0.86B model in QLoRA on CUDA, the tiny one on CPU."""
+    import hf_baseline
+
+    if ctx.cuda and not ctx.small:
+        return hf_baseline.peer_spec(model=str(ensure_big_model(ctx)))
+    model = ctx.work / "tiny.path"
+    run_python(
+        ctx,
+        "from pathlib import Path\nfrom shoestring.train.config import ModelConfig\n"
+        "from shoestring.train.model import resolve_model_dir\n"
+        f"p = resolve_model_dir(ModelConfig(), Path({str(ctx.work / 'cache')!r}))\n"
+        f"open({str(model)!r}, 'w').write(str(p))",
+        ctx.work / "tiny-model.log",
+        120,
+    )
+    cuda = ctx.cuda
+    return hf_baseline.peer_spec(
+        model=model.read_text().strip(), steps=6, batch=2, seq=32, quantize="none",
+        optimizer="adamw", precision="bf16" if cuda else "fp32", gradient_checkpointing=False,
+        device=ctx.device, threads=0 if cuda else 1, lr=2e-3,
+    )  # fmt: skip
+
+
+def ours_side(ctx: Ctx, name: str, spec: dict[str, Any], **train: Any) -> Job:
+    import hf_baseline
+
+    cfg = write_config(ctx, name, hf_baseline.our_config(spec, **train))
+    return finetune_cmd(cfg, ctx.work / name), ctx.work / f"{name}.log", ctx.env()
+
+
+def ours_figures(ctx: Ctx, name: str, rc: int) -> dict[str, Any]:
+    if rc != 0:
+        raise CheckError(f"ours ({name}) exited {rc}: {tail(ctx.work / f'{name}.log')}")
+    events = read_events(ctx.work / name)
+    figures = step_figures(events)
+    figures["losses"] = [e["loss"] for e in of_kind(events, "step")]
+    compiled = of_kind(events, "compile")
+    if compiled:
+        figures["compile_s"] = compiled[0]["seconds"]
+    return figures
+
+
+def side_by_side(ours: dict[str, Any], theirs: dict[str, Any], prec: str) -> dict[str, Any]:
+    import hf_baseline
+
+    res: dict[str, Any] = {"tokens_per_s_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"]}
+    if "cuda_peak_bytes" in ours and "cuda_peak_bytes" in theirs:
+        res["peak_memory_ratio"] = ours["cuda_peak_bytes"] / theirs["cuda_peak_bytes"]
+    res["loss_curves"] = hf_baseline.curves_agree(ours["losses"], theirs["losses"], prec)
+    return res
+
+
+def check_peer_hf(ctx: Ctx) -> dict[str, Any]:
+    """(b) ours vs HF Trainer + PEFT on the same model, data, order, batch, precision and
+    sequence; then ours with train.kernels liger and with train.compile."""
+    import hf_baseline
+
+    spec = peer_workload(ctx)
+    spec["data"] = str(hf_baseline.write_data(
+        ctx.work / "peer.jsonl", spec["steps"] * spec["batch"], spec["seq"], spec["seed"]
+    ))  # fmt: skip
+    (ctx.work / "peer-spec.json").write_text(json.dumps(spec))
+    theirs_json = ctx.work / "peer-hf.json"
+    hf: Job = (
+        [PY, str(BENCH / "hf_baseline.py"), "--spec", str(ctx.work / "peer-spec.json"),
+         "--out", str(theirs_json)],
+        ctx.work / "peer-hf.log", ctx.env(),
+    )  # fmt: skip
+    # On CPU both sides share the cores (1 thread each): a smoke test, not a timing.
+    rc_ours, rc_hf = run_pair(ctx, ours_side(ctx, "peer-ours", spec), hf, parallel=not ctx.cuda)
+    ours = ours_figures(ctx, "peer-ours", rc_ours)
+    if rc_hf != 0:
+        raise CheckError(f"HF Trainer side exited {rc_hf}: {tail(ctx.work / 'peer-hf.log')}")
+    theirs = json.loads(theirs_json.read_text())
+    res: dict[str, Any] = {
+        "workload": {k: v for k, v in spec.items() if k not in ("model", "data")},
+        "ours": ours,
+        "hf_trainer_peft": theirs,
+        "ours_vs_hf": side_by_side(ours, theirs, spec["precision"]),
+    }
+    if not ctx.cuda:
+        res["note"] = "CPU smoke: both sides ran side by side on shared cores; not a timing"
+    res["variants"] = {
+        "kernels_liger": speed_variant(ctx, spec, ours, "liger", kernels="liger"),
+        "compile": speed_variant(ctx, spec, ours, "compile", compile=True),
+    }
+    return {**res, **peer_verdict(res)}
+
+
+def peer_verdict(res: dict[str, Any]) -> dict[str, Any]:
+    problems = []
+    if not res["ours_vs_hf"]["loss_curves"]["agree"]:
+        problems.append(f"loss curves disagree: {res['ours_vs_hf']['loss_curves']}")
+    for name, v in res["variants"].items():
+        if v["status"] == "fail":
+            problems.append(f"{name}: {v['reason'][:300]}")
+    return {"status": "fail", "reason": "; ".join(problems)} if problems else {"status": "pass"}
+
+
+def liger_ready(ctx: Ctx) -> str:
+    """'' when liger-kernel imports (installed from --wheelhouse if need be), else why not."""
+    probe_code = [PY, "-c", "import liger_kernel"]
+    if subprocess.run(probe_code, capture_output=True, timeout=120).returncode == 0:
+        return ""
+    if ctx.wheelhouse is None:
+        return "liger-kernel not installed (pass --wheelhouse DIR holding its wheel)"
+    log = ctx.work / "pip-liger.log"
+    pip = [PY, "-m", "pip", "install", "--no-index", "--find-links", str(ctx.wheelhouse),
+           "liger-kernel"]  # fmt: skip
+    if run_proc(ctx, pip, log, 120) != 0:
+        return f"liger-kernel not installed: pip from {ctx.wheelhouse} failed: {tail(log, 600)}"
+    return ""
+
+
+def speed_variant(
+    ctx: Ctx, spec: dict[str, Any], plain: dict[str, Any], name: str, **train: Any
+) -> dict[str, Any]:
+    """Ours with one speed lever on: figures and ratios against ours without it."""
+    if not ctx.cuda:
+        why = {
+            "liger": "no CUDA (liger-kernel is Triton; refused on CPU by design)",
+            "compile": "no CUDA: inductor compiles for minutes on CPU; the CPU path is "
+            "tests/test_speed_knobs.py (slow: SIGKILL resume of a compiled run)",
+        }[name]
+        return {"status": "not_run", "reason": why}
+    if name == "liger" and (missing := liger_ready(ctx)):
+        return {"status": "not_run", "reason": missing}
+    try:
+        job = ours_side(ctx, f"peer-ours-{name}", spec, **train)
+        figures = ours_figures(ctx, f"peer-ours-{name}", run_proc(ctx, *job[:2], ctx.remaining()))
+    except CheckError as e:
+        return {"status": ctx.cut_status(e), "reason": str(e)}
+    res = {
+        "status": "pass",
+        **figures,
+        "vs_ours_plain": side_by_side(figures, plain, spec["precision"]),
+    }
+    if not res["vs_ours_plain"]["loss_curves"]["agree"]:
+        res.update(status="fail", reason="loss curve differs from ours without it")
+    return res
+
+
+# --------------------------------------------------------------------------- (d) blocking
+
+
+def check_checkpoint_blocking(ctx: Ctx) -> dict[str, Any]:
+    """(d) Periodic saves' blocking vs the step, at 0.86B on CUDA (LoRA bf16, a save every
+    5 steps), over the tiny runs so far on CPU."""
+    if ctx.cuda and not ctx.small:
+        shape = replace(big_shape(ctx, ensure_big_model(ctx)), every=5)
+        run = train_run(ctx, "blocking-1b", shape, ctx.remaining())
+        if run["status"] != "pass":
+            return {"status": "fail", "reason": run.get("reason", ""), "run": run}
+    if not ctx.runs:
+        return {"status": "not_run", "reason": "no finetune run finished before this check"}
+    runs = {name: b for name, out in ctx.runs.items() if (b := blocking_of(out)) is not None}
+    if not runs:
+        return {
+            "status": "fail",
+            "reason": f"no checkpoint event with blocking_ms in {', '.join(ctx.runs)}",
+        }
+    return {
+        "status": "pass",
+        "target": f"median blocking_ms / median step_ms < {BLOCKING_TARGET}",
+        "what_blocks": blocking_parts(ctx),
+        "runs": runs,
+    }
+
+
+def blocking_parts(ctx: Ctx) -> dict[str, Any]:
+    """``ckpt_parts.py`` on the device: capture vs per-tensor copy-out vs one coalesced
+    copy vs the bus, on the 0.86B run's state shapes (tiny ones with --small)."""
+    out = ctx.work / "ckpt-parts.json"
+    try:
+        run_python(
+            ctx,
+            "import json, torch, ckpt_parts\n"
+            f"r = ckpt_parts.measure(torch.device({ctx.device!r}), {ctx.small or not ctx.cuda})\n"
+            f"open({str(out)!r}, 'w').write(json.dumps(r))",
+            ctx.work / "ckpt-parts.log",
+            60,
+        )
+    except CheckError as e:
+        return {"status": ctx.cut_status(e), "reason": str(e)}
+    res: dict[str, Any] = json.loads(out.read_text())
+    if not ctx.cuda:
+        res["note"] = "CPU smoke of the measurement: host copies, no bus; not the GPU answer"
+    return res
+
+
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
-    "lora_bf16": check_lora_bf16,
-    "qlora_nf4": check_qlora_nf4,
-    "sigkill_resume": check_sigkill_resume,
-    "checkpoint_blocking": check_checkpoint_blocking,
-    "distributed": check_distributed,
+    "promise_16gb": check_promise_16gb,
+    "peer_hf": check_peer_hf,
     "infer": check_infer,
+    "checkpoint_blocking": check_checkpoint_blocking,
+    "sigkill_resume": check_sigkill_resume,
     "nvml": check_nvml,
+    "distributed": check_distributed,
 }
 
 
@@ -922,13 +1193,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget-s",
         type=float,
         default=None,
-        help="global time budget in seconds (default 420 on CUDA, 300 with --small "
+        help="global time budget in seconds (default 470 on CUDA, 300 with --small "
         "on CPU); checks not started by then are not_run",
     )
     p.add_argument("--work", help="keep the scratch dir here (default: a temp dir, removed)")
+    p.add_argument(
+        "--wheelhouse",
+        help="folder of wheels to pip install liger-kernel from (no index) when it is not "
+        "importable; without it the liger variant is not_run",
+    )
     args = p.parse_args(argv)
     if args.budget_s is None:
-        args.budget_s = 420.0 if args.device == "cuda" else (300.0 if args.small else 900.0)
+        args.budget_s = 470.0 if args.device == "cuda" else (300.0 if args.small else 900.0)
     unknown = set(args.checks.split(",")) - set(CHECKS)
     if unknown:
         p.error(f"--checks: unknown {', '.join(sorted(unknown))}")
@@ -944,6 +1220,7 @@ def run_all(args: argparse.Namespace, work: Path, t0: float) -> dict[str, Any]:
         work=work,
         probe=info,
         global_deadline=t0 + args.budget_s,
+        wheelhouse=Path(args.wheelhouse).resolve() if args.wheelhouse else None,
     )
     wanted = args.checks.split(",")
     checks: dict[str, Any] = {}
@@ -969,6 +1246,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
+    sys.modules.setdefault("gpu_check", sys.modules[__name__])  # one module for the helpers
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the cleanup below runs
     try:
         report = run_all(args, work, t0)

@@ -31,7 +31,7 @@ from math import ceil
 from typing import Literal
 
 from shoestring.plan.arch import LINEARS, Arch
-from shoestring.train.config import ComputeDtype, DeviceKind, Optimizer, Quantize
+from shoestring.train.config import ComputeDtype, DeviceKind, Kernels, Optimizer, Quantize
 
 Method = Literal["full", "lora", "qlora"]
 #: How the ranks share the work (``distributed.strategy``; ``single``: one process).
@@ -82,6 +82,9 @@ class Workload:
     #: ``train.objective dpo`` without ``dpo.precompute_ref``: each micro-batch also runs
     #: a no-grad forward of the base with the adapter disabled (the reference).
     reference_forward: bool = False
+    #: ``train.kernels``: 'liger' fuses the head and the loss (no whole logits), SwiGLU
+    #: (the SiLU output is recomputed) and RMSNorm (its input saved in its own dtype).
+    kernels: Kernels = "none"
 
     @property
     def quant(self) -> Quantize:
@@ -96,6 +99,10 @@ class Workload:
     @property
     def adapted(self) -> tuple[str, ...]:
         return () if self.method == "full" else self.lora_targets
+
+    @property
+    def fused(self) -> bool:
+        return self.kernels == "liger"
 
     @property
     def offloads(self) -> bool:
@@ -248,8 +255,8 @@ def _linear(
 
 def _norm(w: Workload, t: _Tally, x_rg: bool, T: int) -> bool:
     """HF RMSNorm: fp32 input and rsqrt saved; the normalized tensor too if the weight trains."""
-    if x_rg:
-        t.add("norms", T * w.arch.hidden * 4 + T * 4)
+    if x_rg:  # liger's RMSNorm saves its input as it comes, with the fp32 rstd
+        t.add("norms", T * w.arch.hidden * (w.e if w.fused else 4) + T * 4)
     if w.method == "full":
         t.add("norms", T * w.arch.hidden * w.e)
         return True
@@ -290,7 +297,7 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
     f = a.intermediate
     if g:
         t.add("mlp", T * f * e)  # silu input
-    if u:
+    if u and not w.fused:  # liger's SwiGLU recomputes it from the gate output
         t.add("mlp", T * f * e)  # silu output, for d(product)/d(up)
     if g:
         t.add("mlp", T * f * e)  # up output, for d(product)/d(silu)
@@ -301,6 +308,11 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
 def _head(w: Workload, t: _Tally, T: int) -> None:
     """What the LM head and the loss save."""
     a, e = w.arch, w.e
+    if w.fused:
+        # liger's fused linear cross-entropy computes the hidden states' gradient during
+        # the forward, chunk by chunk, and saves it whole; beside it the shifted labels.
+        t.add("head", T * a.hidden * e + T * 8)
+        return
     if w.loss_chunk_tokens:
         # Checkpointed chunks: autograd keeps only their inputs, views of the final
         # hidden states and of the shifted int64 labels, and the divisor
@@ -316,7 +328,10 @@ def _logits(w: Workload, T: int) -> int:
     """The loss's transient in backward (plus one dequantized weight for 4/8-bit)."""
     a, e = w.arch, w.e
     c = min(w.loss_chunk_tokens, T)
-    if c:
+    if w.fused:
+        # One chunk's logits (its gradient written in place), in the compute dtype.
+        peak = liger_chunk_tokens(T, a.vocab, a.hidden) * a.vocab * e
+    elif c:
         # One chunk at a time: its recomputed fp32 log-probs, their gradient and the
         # fp32 logits' gradient; beside them the hidden states' gradient being gathered
         # (whole, twice, when the chunks' parts are concatenated).
@@ -331,13 +346,22 @@ def _logits(w: Workload, T: int) -> int:
     return peak
 
 
+def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """Positions per chunk of liger-kernel's fused linear cross-entropy (0.8.5,
+    ``fused_linear_cross_entropy_forward``): the logits of a chunk are bounded by the
+    hidden states' size, ``next_power_of_2(ceil(BT / ceil(V / H)))``, at most BT."""
+    inc_factor = -(-vocab // hidden)
+    per = -(-tokens // inc_factor)
+    return min(1 << (per - 1).bit_length(), tokens)
+
+
 def _restored(w: Workload, T: int, per_layer: int) -> tuple[int, int]:
     """With offload, what backward copies back to the device on top of the loss's and
     the layers' transients (upper bounds: a backward node frees what it restored).
     Returns (extra for the loss, the layers' transient)."""
     a, e = w.arch, w.e
-    if w.loss_chunk_tokens:
-        loss = T * a.hidden * e + T * 8  # the chunks' inputs, for their recompute
+    if w.loss_chunk_tokens or w.fused:
+        loss = T * a.hidden * e + T * 8  # the chunks' inputs (liger: the input gradient)
     else:
         loss = T * a.vocab * 4 + T * 8  # the log-softmax and the labels
     # Checkpointing: a layer's input comes back for its recompute, whose saves stay on

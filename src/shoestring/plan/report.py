@@ -105,7 +105,8 @@ def _header(plan: Plan) -> list[str]:
         f"gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}"
         f"{', padded' if w.padded else ', packed'}"
         + (f", loss in chunks of {w.loss_chunk_tokens} tokens" if w.loss_chunk_tokens else "")
-        + (", activations offloaded to host RAM" if w.offload_activations else ""),
+        + (", activations offloaded to host RAM" if w.offload_activations else "")
+        + (", liger kernels (fused linear cross-entropy)" if w.fused else ""),
         f"device   cpu: {g.name} {g.memory_bytes / GiB:.1f} GiB"
         if plan.on_cpu
         else f"gpu      {g.name}: {g.memory_bytes / GiB:.1f} GiB",

@@ -109,6 +109,7 @@ def workload_from_config(
         cpu_offload=cfg.distributed.cpu_offload
         and parallelism_of(cfg.distributed.strategy, world_size) == "fsdp",
         reference_forward=t.objective == "dpo" and not cfg.dpo.precompute_ref,
+        kernels=t.kernels,
         **numerics_fields(n),
     )
     return w, t.max_steps

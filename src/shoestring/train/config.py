@@ -51,6 +51,8 @@ GgufType = Literal["f16", "bf16", "q8_0"]
 GgufExport = Literal["none", "f16", "bf16", "q8_0"]
 #: ``train.objective``: supervised fine-tuning, or preference tuning on chosen/rejected pairs.
 Objective = Literal["sft", "dpo", "orpo"]
+#: ``train.kernels``: fused training kernels patched into the model (train/kernels.py).
+Kernels = Literal["none", "liger"]
 
 # --------------------------------------------------------------------------- the tree
 
@@ -238,6 +240,24 @@ class TrainConfig:
         "hooks, weights excluded, each storage copied once. Trades PCIe traffic for GPU "
         "memory; shoestring plan moves the activation term to host RAM. On a CPU run "
         "activations already live in host RAM: nothing changes.",
+    )
+    kernels: Kernels = knob(
+        "none",
+        "Fused training kernels: 'liger' patches liger-kernel's RMSNorm, SwiGLU, RoPE and "
+        "fused linear cross-entropy (the head and the loss in chunks: the vocabulary-sized "
+        "logits are never whole; shoestring plan counts it) into Llama, Qwen2 and Mistral "
+        "models. CUDA only; pip install 'shoestring[kernels]'. Not with "
+        "train.loss_chunk_tokens (both replace the loss). 'none': transformers' modules.",
+    )
+    compile: bool = knob(
+        False,
+        "torch.compile the training forward and backward (inductor, dynamic shapes: one "
+        "graph for every batch length, so a resumed run computes with the same kernels). "
+        "The compilation runs once before the first step, recorded as a 'compile' event "
+        "and kept out of step times and tokens/s (its watchdog phase is 'compile': under "
+        "shoestring run, a compilation longer than --first-phase-timeout, minutes on a CPU, "
+        "needs a larger one); eval and generation stay eager. Not with "
+        "train.loss_chunk_tokens.",
     )
 
 

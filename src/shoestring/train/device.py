@@ -19,12 +19,14 @@ from typing import Any
 import torch
 
 from shoestring.config import ConfigError
+from shoestring.train.compiled import check_compile
 from shoestring.train.config import (
     FinetuneConfig,
     PrecisionName,
     ResolvedConfig,
     resolve_numerics,
 )
+from shoestring.train.kernels import check_kernels
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger("shoestring.finetune")
@@ -102,6 +104,8 @@ def resolve(cfg: FinetuneConfig, acc: Accelerator, local_rank: int) -> ResolvedC
     n = resolve_numerics(cfg.model, cfg.train, "cuda" if on_gpu else "cpu", acc.bf16)
     if cfg.model.attn_implementation == "flash_attention_2":
         _require_flash_attention(on_gpu)
+    check_kernels(cfg.train, on_gpu)
+    check_compile(cfg.train)
     if not on_gpu and not acc.cpu_bf16 and (n.dtype != "float32" or n.precision != "fp32"):
         log.warning(CPU_16BIT_WARNING, n.dtype, n.precision)
     return ResolvedConfig(

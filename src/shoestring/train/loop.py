@@ -33,7 +33,7 @@ from shoestring.train.resume import resume
 from shoestring.train.resumecheck import check_resume
 from shoestring.train.run import Inputs, RunOptions, open_run
 from shoestring.train.saves import SavePolicy
-from shoestring.train.step import train_step
+from shoestring.train.step import compile_warm_up, train_step
 from shoestring.train.tracking import check_trackers, tracking
 from shoestring.train.trainer import Trainer, build_trainer
 
@@ -80,6 +80,12 @@ def _finetune(cfg: ResolvedConfig, opts: RunOptions) -> int:
                 if cfg.train.loss_chunk_tokens:  # a model it cannot chunk: refused before step 1
                     causal_lm(t.learner.model)
                 progress = resume(t, opts.resume)
+                if t.compiled is not None and progress.step < cfg.train.max_steps:
+                    # its own phase, never inside a step's time
+                    with run.rec.phase("compile"):
+                        run.events.emit(
+                            "compile", step=progress.step, **compile_warm_up(t, progress)
+                        )
             saves = _save_policy(t, progress.step)
             with tracking(t, progress.step if t.saved_step >= 0 else None) as tracked:
                 display = begin(t, progress)

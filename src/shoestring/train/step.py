@@ -20,6 +20,7 @@ import torch
 
 from shoestring.checkpoint.faults import Slow
 from shoestring.train import state as S
+from shoestring.train.compiled import warm_up
 from shoestring.train.device import peak_memory, to_device
 from shoestring.train.model import check_lora_gradients
 from shoestring.train.objective import Output, mean_metrics
@@ -46,6 +47,12 @@ def _saved_tensors(t: Trainer) -> AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
+def _module(t: Trainer) -> torch.nn.Module:
+    """What a step's forward calls: the compiled view (``train.compile``), else the
+    model as the strategy wrapped it."""
+    return t.compiled if t.compiled is not None else t.learner.wrapped
+
+
 def _forward_backward(
     t: Trainer, batch: dict[str, torch.Tensor], n_items: torch.Tensor, last: bool
 ) -> Output:
@@ -55,7 +62,7 @@ def _forward_backward(
     t_fwd = time.perf_counter()
     with strategy.grad_sync(learner.wrapped, last), _saved_tensors(t):
         with t.precision.autocast():
-            out = t.objective.loss(learner.wrapped, learner.model, batch, n_items)
+            out = t.objective.loss(_module(t), learner.model, batch, n_items)
             loss = out.loss
         slow = t.run.faults.hit("step.forward")
         if isinstance(slow, Slow):  # injected straggler: this forward takes NN % longer
@@ -137,3 +144,26 @@ def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
         "batch_crc": zlib.crc32(struct.pack(f"<{len(idx)}q", *idx)),
         **peak_memory(t.device),
     }
+
+
+def compile_warm_up(t: Trainer, progress: S.Progress) -> dict[str, Any]:
+    """``train.compile``: compile forward and backward on the next step's first
+    micro-batch, outside any step's time; its gradients are dropped (train/compiled.py)."""
+    idx = t.data.order.indices(progress.consumed, t.data.batch.batch_size)
+    _, start, size = next(iter(t.data.batch.my_chunks()))
+    n_items = t.objective.normalizer(t.data.samples, idx, t.device)
+    batch = to_device(
+        t.data.samples.collate(idx[start : start + size], t.tok.pad_token_id), t.device
+    )
+
+    def forward_backward() -> None:
+        with t.run.strategy.grad_sync(t.learner.wrapped, False):
+            with t.precision.autocast():
+                loss = t.objective.loss(_module(t), t.learner.model, batch, n_items).loss
+            loss.backward()
+
+    return warm_up(
+        forward_backward,
+        lambda: t.learner.optimizer.zero_grad(set_to_none=True),
+        eager=t.compiled is t.learner.wrapped,
+    )

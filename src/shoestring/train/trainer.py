@@ -23,9 +23,11 @@ from shoestring.config import to_flat
 from shoestring.hf import fingerprint, load_tokenizer
 from shoestring.secrets import redact
 from shoestring.train.baseload import load_base
+from shoestring.train.compiled import compile_module
 from shoestring.train.config import FinetuneConfig, ResolvedConfig, config_hash, precision_of
 from shoestring.train.dataset import DataContext, TrainData, load_train_data
 from shoestring.train.device import Precision, set_deterministic
+from shoestring.train.kernels import apply_kernels, check_family
 from shoestring.train.learner import Learner
 from shoestring.train.model import apply_lora, resolve_model_dir
 from shoestring.train.objective import SFT, Objective, make_objective
@@ -53,6 +55,8 @@ class Trainer:
     tracker_ids: Callable[[], dict[str, str]] = dict  # tracker runs to continue on resume
     base_source: dict[str, str] = field(default_factory=dict)  # a Hub id's commit, a URL's digest
     objective: Objective = field(default_factory=SFT)  # what a step minimizes
+    #: ``train.compile``: the compiled view of ``learner.wrapped`` the steps call.
+    compiled: torch.nn.Module | None = None
 
     @property
     def device(self) -> torch.device:
@@ -97,9 +101,12 @@ def _plan_check(cfg: FinetuneConfig, run: Run, model_dir: Path) -> None:
 def _learner(
     cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str, precision: Precision
 ) -> Learner:
+    check_family(cfg.train.kernels, model_dir)  # a family liger cannot patch: before loading
     t0 = time.perf_counter()
     loaded = load_base(cfg, run, model_dir, base_fp)
     seconds = round(time.perf_counter() - t0, 3)
+    if cfg.train.kernels != "none":
+        run.events.emit("kernels", **apply_kernels(cfg.train.kernels, loaded.model))
     model = apply_lora(loaded.model, cfg.lora, cfg.train.seed, cfg.model.gradient_checkpointing)
     model.train()
     wrapped = run.strategy.wrap(model, getattr(run.rec, "ddp_comm_hook", None))
@@ -151,4 +158,5 @@ def build_trainer(cfg: ResolvedConfig, run: Run, inputs: Inputs) -> Trainer:
         config_hash(cfg),
         base_source=inputs.model.record() if inputs.model is not None else {},
         objective=make_objective(cfg),
+        compiled=compile_module(learner.wrapped) if cfg.train.compile else None,
     )
