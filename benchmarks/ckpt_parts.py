@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from shoestring.checkpoint.writer import HostBuffers  # noqa: E402
 from shoestring.train import state as S  # noqa: E402
+from shoestring.train.learner import Learner  # noqa: E402
 
 #: The 0.86B Llama of gpu_check (hidden 2048, 16 layers, GQA 16/4, FFN 5632), LoRA r16.
 BIG = {"hidden": 2048, "layers": 16, "kv": 512, "ffn": 5632, "r": 16}
@@ -103,9 +104,10 @@ def measure(device: torch.device, small: bool, repeat: int = 7) -> dict[str, Any
         p.grad = torch.randn_like(p)
     opt.step()  # moments exist, as after a training step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    learner = Learner(None, torch.nn.Module(), params, opt, sched, None)
 
     def capture() -> Any:
-        return S.capture(S.Progress(), params, opt, sched, None, rank=0, config={}, meta={})
+        return S.capture(S.Progress(), learner, rank=0, config={}, meta={})
 
     snap = capture()
     on_device = {f: {k: t for k, t in d.items() if t.device == device}

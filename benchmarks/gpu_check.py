@@ -26,9 +26,12 @@ In priority order (issue #26, v2), within 8 minutes on one H100/H200:
   of a 0.86B LoRA run saving every 5 steps (CUDA), or of the runs so far (CPU); and what
   the blocking is made of (``ckpt_parts.py``: capture, the per-tensor copy-out, the
   coalesced copy that would replace it, the bus floor).
-* ``sigkill_resume``: with ``train.deterministic``, N steps straight vs SIGKILL mid-run
-  (``SHOESTRING_FAULTS=step.end@K:kill``) and a rerun that resumes: the final adapters'
-  sha256 must be equal; records the ``resume`` event's ``steps_lost``.
+* ``sigkill_resume``: with ``train.deterministic``, N steps straight vs a SIGKILL right
+  after the first checkpoint is committed, while the training thread is on a later step
+  (``SHOESTRING_FAULTS=ckpt.after_rename@1:kill``: a kill at a step's end could land
+  before a slow save committed, and the rerun would start over) and a rerun that
+  resumes: the final adapters' sha256 must be equal; records the ``resume`` event's
+  ``steps_lost``.
 * ``nvml``: a finetune under ``shoestring run --metrics-interval 1``: a ``metrics`` event
   must carry per-GPU fields (NVML).
 * ``distributed``: 2-process DDP and FSDP2 through ``shoestring run --nproc-per-node 2``
@@ -585,18 +588,18 @@ def ensure_big_model(ctx: Ctx) -> Path:
 # --------------------------------------------------------------------------- checks
 
 
-def resume_plan(ctx: Ctx) -> tuple[Shape, int]:
-    """The deterministic run and the step whose end is SIGKILLed."""
+def resume_plan(ctx: Ctx) -> Shape:
+    """The deterministic run (SIGKILLed once its first checkpoint is committed)."""
     if ctx.small:
-        return Shape("builtin:tiny", steps=8, batch=4, seq=32, every=3), 6
-    return Shape("builtin:tiny", steps=20, batch=16, seq=64, every=5), 13
+        return Shape("builtin:tiny", steps=8, batch=4, seq=32, every=3)
+    return Shape("builtin:tiny", steps=20, batch=16, seq=64, every=5)
 
 
 def check_sigkill_resume(ctx: Ctx) -> dict[str, Any]:
-    shape, kill_at = resume_plan(ctx)
+    shape = resume_plan(ctx)
     cfg = write_config(ctx, "resume", finetune_config(ctx, shape, deterministic=True))
     det = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if ctx.cuda else {}
-    fault = f"step.end@{kill_at}:kill"
+    fault = "ckpt.after_rename@1:kill"
     ref, out = ctx.work / "resume-ref", ctx.work / "resume-kill"
     # On CPU the uninterrupted and the faulted run share the cores (1 thread each); on a
     # GPU they run one after the other, so their checkpoint timings stay clean.

@@ -84,7 +84,9 @@ def test_messages_packed_cached_sigkill_resume_is_bit_exact(
     assert ev["cache"] == "built" and ev["formats"] == {str(data): "messages"}
     assert ev["rows"] < ev["samples"]  # packed: several chats per row
     out = tmp_path / "run"
-    r = cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
+    # Killed right after the step-4 checkpoint commits (a kill at a step end could come
+    # before a save on a loaded machine had committed, and the rerun would start over).
+    r = cli.run(out, *args, env={"SHOESTRING_FAULTS": "ckpt.after_rename@1:kill"})
     assert r.returncode == -signal.SIGKILL
     assert _data_event(out)["cache"] == "hit"  # the second start tokenizes nothing
     r = cli.run(out, *args)
