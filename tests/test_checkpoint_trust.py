@@ -89,6 +89,7 @@ def test_retention_and_cleanup_never_act_through_a_symlink(tmp_path: Path) -> No
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # the fallback: ...that_does_not_load_falls_back (CI time)
 def test_a_verified_checkpoint_lacking_a_required_file_falls_back(cli: CLI, tmp_path: Path) -> None:
     """A manifest that verifies but does not list adapter.safetensors (a hand-edited or
     foreign checkpoint) used to crash-loop with KeyError; now it is invalid and the

@@ -96,6 +96,7 @@ def test_messages_packed_cached_sigkill_resume_is_bit_exact(
     assert state_digest(out, 12) == state_digest(ref, 12)
 
 
+@pytest.mark.slow  # cache keys per option: tests/test_token_cache.py (CI time)
 def test_changed_max_length_or_template_rebuilds_the_cache(
     cli: CLI, chat_model: Path, tmp_path: Path
 ) -> None:

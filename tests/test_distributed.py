@@ -93,6 +93,7 @@ def test_ddp_matches_single_process(ddp_ref: Path, single_ref: Path) -> None:
     assert (ddp_ref / "final" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow  # a lost rank's restart: tests/test_multinode.py, test_watchdog.py (CI time)
 def test_killed_rank_is_restarted_and_result_is_byte_identical(
     cli: CLI, tmp_path: Path, ddp_ref: Path
 ) -> None:
@@ -172,6 +173,7 @@ def test_warning_signal_to_run_checkpoints_every_rank_and_resumes(
     )
 
 
+@pytest.mark.slow  # 2 -> 1 also in tests/test_fsdp_qlora.py (DCP) (CI time)
 def test_resume_two_ranks_to_one(cli: CLI, tmp_path: Path, ddp_ref: Path, single_ref: Path) -> None:
     out = tmp_path / "run"
     # Both ranks die after step 9; the synchronous step-8 checkpoint is the newest.

@@ -147,9 +147,9 @@ def _events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-#: CI runs exact float32, int8 compression and an adapter; the other modes repeat one of
+#: CI runs exact float32 and an adapter; the other modes repeat one of
 #: those paths with another dtype, codec or KV width.
-REPEATS = {"bf16", "nf4", "kv8"}
+REPEATS = {"bf16", "nf4", "kv8", "int8"}  # int8: also tests/test_infer_job.py (CI time)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,15 @@ def test_reference_is_deterministic(cli: CLI, tmp_path: Path, reference: dict[st
     assert state_digest(tmp_path / "again", 12) == reference
 
 
-@pytest.mark.parametrize("mode", ["thread", "process", pytest.param("off", marks=pytest.mark.slow)])
+# The process writer is also covered by tests/test_writers.py; CI runs the thread mode e2e.
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "thread",
+        pytest.param("process", marks=pytest.mark.slow),
+        pytest.param("off", marks=pytest.mark.slow),
+    ],
+)
 def test_sigkill_without_notice_then_resume_is_bit_exact(
     cli: CLI, tmp_path: Path, mode: str, reference: dict[str, str]
 ) -> None:

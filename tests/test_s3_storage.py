@@ -317,6 +317,7 @@ def test_publish_and_retention(scenarios: dict[str, Future[Outcome]], s3_server:
     assert sha256(o.out / ADAPTER) == reference_sha(scenarios)
 
 
+@pytest.mark.slow  # tests/test_launch.py's fresh machine resumes from the bucket (CI time)
 def test_resume_from_remote_on_empty_disk(
     scenarios: dict[str, Future[Outcome]], s3_server: S3Server
 ) -> None:
