@@ -103,6 +103,7 @@ def test_rerun_after_completion_loses_nothing(
     assert state_digest(out, 12) == reference
 
 
+@pytest.mark.slow  # refusal: tests/test_early_errors.py; the new schedule: test_training_options
 def test_changed_config_refuses_resume_but_max_steps_may_change(cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
     r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "step.end@6:kill"})
@@ -124,6 +125,7 @@ def test_resume_never_refuses_to_clobber(cli: CLI, tmp_path: Path) -> None:
     assert r.returncode == exitcodes.USAGE and "already has checkpoints" in r.stderr
 
 
+@pytest.mark.slow  # bf16 autocast is the GPU path (gpu_check sigkill_resume); CPU runs fp32
 def test_bf16_autocast_deterministic_run_resumes_bit_exact(
     cli: CLI, tmp_path: Path, reference: dict[str, str]
 ) -> None:

@@ -7,6 +7,8 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
+
 from conftest import CLI, FAST, read_events, state_digest
 
 
@@ -20,6 +22,7 @@ def test_gradient_checkpointing_matches_plain_run(
     assert state_digest(out, 12) == reference
 
 
+@pytest.mark.slow  # packing + resume: tests/test_data_e2e.py; accumulation + resume: DDP/FSDP tests
 def test_packing_text_data_with_grad_accum_resumes_exactly(cli: CLI, tmp_path: Path) -> None:
     data = tmp_path / "text.jsonl"
     words = ["spot", "gpu", "cheap", "resume", "adapter", "token", "shard", "bucket"]
