@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from shoestring.config import ConfigError
 from shoestring.data.records import IGNORE_INDEX, Example
+from shoestring.track.metrics import PREFERENCE_FIELDS
 from shoestring.train.chunkedloss import causal_lm_loss
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.device import to_device
@@ -36,15 +37,7 @@ Batch = dict[str, torch.Tensor]
 
 #: The metrics of a preference step or eval, in the order of :attr:`Output.sums`.
 #: ``logps/accuracies``: pairs whose chosen answer the policy itself finds likelier.
-PREFERENCE_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/margins",
-    "rewards/accuracies",
-    "logps/chosen",
-    "logps/rejected",
-    "logps/accuracies",
-)
+PREFERENCE_METRICS = PREFERENCE_FIELDS  # the trackers' list: one spelling of the names
 
 
 @dataclass(frozen=True)
