@@ -12,12 +12,14 @@ interrupted (but still checkpoint).
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shoestring.gpus import CATALOG, detect_gpu_name
-from shoestring.report.timeline import Timeline, load
+from shoestring.report.timeline import SUPERVISOR_RANK, Event, Timeline, stream
 
 
 @dataclass(frozen=True)
@@ -93,78 +95,161 @@ class Ledger:
         )
 
 
-def _spans_and_restarts(tl: Timeline) -> tuple[dict[int, tuple[float, float]], float]:
-    """Each attempt's (start, end), and the seconds of restart overhead: a later attempt's
-    process start -> its first step; one that never stepped (killed while loading) was
-    restart overhead for its whole span."""
-    by_attempt: dict[int, list[float]] = {}
-    first_step: dict[int, float] = {}
-    for e in tl.events:
-        by_attempt.setdefault(e.attempt, []).extend((e.ts, e.until))
-        if e.kind == "step" and e.attempt not in first_step:
-            first_step[e.attempt] = e.ts
-    spans = {a: (min(ts), max(ts)) for a, ts in by_attempt.items()}
-    for att in tl.attempts:  # the supervisor's records bound an attempt exactly
-        lo, hi = spans.get(att.index, (att.start, att.end or att.start))
-        spans[att.index] = (min(lo, att.start), max(hi, att.end or hi))
-    restart = sum(
-        (first_step[a] if a in first_step else spans[a][1]) - spans[a][0]
-        for a in spans
-        if a > min(spans)
-    )
-    return spans, restart
+@dataclass
+class LedgerFold:
+    """What the ledger sums, fed one record at a time in any order: :func:`compute` feeds
+    it a loaded timeline, the end-of-run ledger streams the logs through it (a long run's
+    history is never held whole). Each attempt spans its first to its last record;
+    restart overhead is a later attempt's process start -> its first step (its whole
+    span if it never stepped); lost steps are priced at rank 0's median step time."""
+
+    spans: dict[int, list[float]] = field(default_factory=dict)
+    first_step: dict[int, float] = field(default_factory=dict)
+    step_ms: array[float] = field(default_factory=lambda: array("d"))  # rank 0's
+    run_start: Event | None = None  # the latest by rank 0 or the supervisor
+    any_run_start: Event | None = None
+    ranks: set[int] = field(default_factory=set)
+    last_step: int = 0
+    recomputed: int = 0
+    failures: int = 0  # resumes that had to redo steps
+    blocked_ms: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    rank0_saved: bool = False
+    preempted: set[int] = field(default_factory=set)
+
+    def add(self, e: Event) -> None:
+        span = self.spans.setdefault(e.attempt, [e.ts, e.until])
+        span[0], span[1] = min(span[0], e.ts), max(span[1], e.until)
+        if e.rank >= 0:
+            self.ranks.add(e.rank)
+        fold = _FOLDS.get(e.kind)
+        if fold is not None:
+            fold(self, e)
+
+    def _run_start(self, e: Event) -> None:
+        if self.any_run_start is None or e.ts >= self.any_run_start.ts:
+            self.any_run_start = e
+        if e.rank in (0, SUPERVISOR_RANK) and (self.run_start is None or e.ts >= self.run_start.ts):
+            self.run_start = e
+
+    def _step(self, e: Event) -> None:
+        self.last_step = max(self.last_step, int(e.get("step", 0)))
+        if e.ts < self.first_step.get(e.attempt, float("inf")):
+            self.first_step[e.attempt] = e.ts
+        ms = e.get("step_ms")
+        if (
+            e.rank == 0
+            and isinstance(ms, (int, float))
+            and not isinstance(ms, bool)
+            and ms == ms
+            and ms
+        ):
+            self.step_ms.append(float(ms))
+
+    def _resume(self, e: Event) -> None:
+        lost = int(e.get("steps_lost") or 0)
+        if e.rank == 0:
+            self.recomputed += lost
+            self.failures += 1 if lost else 0  # a preemption with notice loses nothing
+
+    def _checkpoint(self, e: Event) -> None:
+        self.blocked_ms[e.rank == 0] += float(e.get("blocking_ms") or 0)
+        self.rank0_saved |= e.rank == 0
+
+    def _preempt(self, e: Event) -> None:
+        self.preempted.add(e.attempt)
+
+    def _attempt_end(self, e: Event) -> None:
+        if e.get("exit_code") in (75, 76):  # died before it could log its ``preempt``
+            self.preempted.add(e.attempt)
+
+    @property
+    def restart_s(self) -> float:
+        if not self.spans:
+            return 0.0
+        first = min(self.spans, key=lambda a: (self.spans[a][0], a))
+        return sum(
+            self.first_step.get(a, hi) - lo for a, (lo, hi) in self.spans.items() if a != first
+        )
+
+    @property
+    def world_size(self) -> int:
+        rs = self.run_start or self.any_run_start
+        ws = int(rs.get("world_size") or 1) if rs else 1
+        return max([ws] + [r + 1 for r in self.ranks])
+
+    def price(self) -> Price:
+        """The run's own price: the device, market and rate its ``run_start`` names."""
+        rs = self.run_start or self.any_run_start
+        if rs is None:
+            return price_for("unknown", "spot", 0.0)
+        return price_for(
+            str(rs.get("device") or "unknown"),
+            str(rs.get("market") or "spot"),
+            float(rs.get("usd_per_hour") or 0),
+        )
+
+    def ledger(self, price: Price | None = None) -> Ledger:
+        price = price or self.price()
+        devices = self.world_size
+        h = devices / 3600  # device-hours per second of wall time
+        wall = sum(hi - lo for lo, hi in self.spans.values())
+        med_step_s = statistics.median(self.step_ms) / 1e3 if self.step_ms else 0.0
+        blocked = self.blocked_ms[True] if self.rank0_saved else self.blocked_ms[False]
+        device_hours, recompute_h = wall * h, self.recomputed * med_step_s * h
+        restart_h, ckpt_h = self.restart_s * h, blocked / 1e3 * h
+        rate, od_rate = price.usd_per_hour, price.on_demand_usd_per_hour
+        return Ledger(
+            device=price.device,
+            devices=devices,
+            market=price.market,
+            attempts=max(len(self.spans), 1),
+            preemptions=len(self.preempted),
+            failures=self.failures,
+            steps=self.last_step,
+            steps_recomputed=self.recomputed,
+            wall_hours=wall / 3600,
+            device_hours=device_hours,
+            recompute_hours=recompute_h,
+            restart_hours=restart_h,
+            checkpoint_hours=ckpt_h,
+            usd=None if rate is None else device_hours * rate,
+            on_demand_usd=None
+            if od_rate is None
+            else (device_hours - recompute_h - restart_h) * od_rate,
+            price_source=price.source,
+        )
+
+
+_FOLDS: dict[str, Callable[[LedgerFold, Event], None]] = {
+    "run_start": LedgerFold._run_start,
+    "step": LedgerFold._step,
+    "resume": LedgerFold._resume,
+    "checkpoint": LedgerFold._checkpoint,
+    "preempt": LedgerFold._preempt,
+    "attempt_end": LedgerFold._attempt_end,
+}
+
+
+def fold(events: Iterable[Event]) -> LedgerFold:
+    f = LedgerFold()
+    for e in events:
+        f.add(e)
+    return f
 
 
 def compute(tl: Timeline, price: Price | None = None) -> Ledger:
-    """The ledger of a run directory's timeline."""
-    rs = tl.run_start
-    devices = tl.world_size
-    if price is None:
-        device = str(rs.get("device") or "unknown") if rs else "unknown"
-        market = str(rs.get("market") or "spot") if rs else "spot"
-        price = price_for(device, market, float(rs.get("usd_per_hour") or 0) if rs else 0.0)
-    spans, restart = _spans_and_restarts(tl)
-    wall = sum(hi - lo for lo, hi in spans.values())
-    step_ms = [s.step_ms for s in tl.steps().get(0, []) if s.step_ms]
-    med_step_s = statistics.median(step_ms) / 1e3 if step_ms else 0.0
-    recomputed = sum(int(e.get("steps_lost") or 0) for e in tl.of("resume") if e.rank == 0)
-    blocked = sum(float(e.get("blocking_ms") or 0) for e in tl.checkpoints()) / 1e3
-    preempted = {e.attempt for e in tl.preemptions()}
-    # A failure that cost work: a resume that had to redo steps (a kill without notice, a
-    # crash, a hang); a preemption with notice resumes with nothing lost.
-    failures = sum(1 for e in tl.of("resume") if e.rank == 0 and int(e.get("steps_lost") or 0))
-    h = 1 / 3600
-    device_hours = wall * h * devices
-    recompute_h = recomputed * med_step_s * h * devices
-    restart_h = restart * h * devices
-    ckpt_h = blocked * h * devices
-    usd = od = None
-    if price.usd_per_hour is not None:
-        usd = device_hours * price.usd_per_hour
-    if price.on_demand_usd_per_hour is not None:
-        od = (device_hours - recompute_h - restart_h) * price.on_demand_usd_per_hour
-    return Ledger(
-        device=price.device,
-        devices=devices,
-        market=price.market,
-        attempts=max(len(spans), 1),
-        preemptions=len(preempted),
-        failures=failures,
-        steps=tl.last_step(),
-        steps_recomputed=recomputed,
-        wall_hours=wall * h,
-        device_hours=device_hours,
-        recompute_hours=recompute_h,
-        restart_hours=restart_h,
-        checkpoint_hours=ckpt_h,
-        usd=usd,
-        on_demand_usd=od,
-        price_source=price.source,
-    )
+    """The ledger of a loaded timeline (``shoestring report``)."""
+    return fold(tl.events).ledger(price)
+
+
+def stream_ledger(run_dir: Path, price: Price | None = None) -> Ledger:
+    """The ledger of every attempt in ``run_dir`` so far, streamed from its logs one
+    record at a time (memory independent of the history's length)."""
+    return fold(stream(run_dir)).ledger(price)
 
 
 def run_ledger(run_dir: Path) -> tuple[dict[str, Any], str]:
-    """The ledger of every attempt in ``run_dir`` so far: the ``cost`` event's fields and
-    its one-line summary (the trainer's end-of-run hook)."""
-    led = compute(load(run_dir))
+    """The ``cost`` event's fields and its one-line summary (the trainer's end-of-run
+    hook)."""
+    led = stream_ledger(run_dir)
     return led.to_json(), led.one_line()

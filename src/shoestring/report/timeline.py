@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import json
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,29 +262,37 @@ def event_files(run_dir: Path) -> list[Path]:
 def read_lines(path: Path) -> tuple[list[dict[str, Any]], SourceFile]:
     """Parse one JSONL file; count (and skip) lines that are not a JSON object."""
     src = SourceFile(path)
-    recs: list[dict[str, Any]] = []
+    return list(records(path, src)), src
+
+
+def records(path: Path, src: SourceFile, containing: bytes = b"") -> Iterator[dict[str, Any]]:
+    """The records of one JSONL file, a line at a time (never the whole file in memory);
+    lines that are not an event record are counted in ``src`` and skipped. With
+    ``containing``, only lines holding those bytes are parsed (a cheap first pass)."""
     try:
-        raw = path.read_bytes()
+        f = open(path, "rb")
     except OSError:
-        return recs, src
-    for line in raw.decode("utf-8", "replace").splitlines():
-        if not line.strip():
-            continue
-        src.lines += 1
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            src.skipped += 1
-            continue
-        if (
-            not isinstance(rec, dict)
-            or "event" not in rec
-            or not isinstance(rec.get("ts"), (int, float))
-        ):
-            src.skipped += 1
-            continue
-        recs.append(rec)
-    return recs, src
+        return
+    with f:
+        for line in f:
+            if containing and containing not in line:
+                continue
+            if not line.strip():
+                continue
+            src.lines += 1
+            try:
+                rec = json.loads(line.decode("utf-8", "replace"))
+            except json.JSONDecodeError:
+                src.skipped += 1
+                continue
+            if (
+                not isinstance(rec, dict)
+                or "event" not in rec
+                or not isinstance(rec.get("ts"), (int, float))
+            ):
+                src.skipped += 1
+                continue
+            yield rec
 
 
 #: The records a process writes first, in this order, before its first step.
@@ -305,7 +313,7 @@ def load_phase_text(r: Mapping[str, Any]) -> str:
     return f"{r.get('phase', '?')} {float(r.get('seconds') or 0):.1f} s{detail}"
 
 
-def _happened(r: dict[str, Any]) -> float:
+def _happened(r: Mapping[str, Any]) -> float:
     """When a record's moment was: its time, except ``start``, which stands for the
     process start it carries (interpreter, imports and loading count in the attempt)."""
     ts = float(r["ts"])
@@ -313,8 +321,50 @@ def _happened(r: dict[str, Any]) -> float:
     return min(ts, float(began)) if isinstance(began, (int, float)) else ts
 
 
+class AttemptIndex:
+    """Which attempt each record belongs to. With a supervisor, its ``attempt_start``
+    records bound the attempts by time. Without one, a process logs ``start``, ``resume``
+    (if it loaded a checkpoint), then ``run_start`` (logs before 2026-12-06 have no
+    ``start``): ``start`` always begins a rank's next attempt (a process killed while
+    loading ends one without a ``run_start``); the others begin one unless an opener came
+    before them. Records are given in each rank's written order."""
+
+    def __init__(self, supervisor_starts: Iterable[tuple[float, int]]) -> None:
+        self._starts = sorted(supervisor_starts)
+        self._times = [t for t, _ in self._starts]
+        self._count: dict[int, int] = {}
+        self._opened: dict[int, bool] = {}
+
+    @property
+    def supervised(self) -> bool:
+        return bool(self._starts)
+
+    def of(self, r: Mapping[str, Any], rank: int) -> int:
+        if self._starts:
+            i = bisect.bisect_right(self._times, float(r["ts"])) - 1
+            return self._starts[max(i, 0)][1]
+        if r["event"] in ATTEMPT_OPENERS:
+            if r["event"] == "start" or not self._opened.get(rank, False):
+                self._count[rank] = self._count.get(rank, -1) + 1
+            self._opened[rank] = r["event"] != "run_start"
+        return max(self._count.get(rank, 0), 0)
+
+
+def _is_supervisor_start(r: Mapping[str, Any]) -> bool:
+    return r["event"] == "attempt_start" and _int(r.get("rank")) == SUPERVISOR_RANK
+
+
+def _event(r: Mapping[str, Any], index: AttemptIndex) -> Event:
+    rank = _int(r.get("rank"))
+    rank = 0 if rank is None else rank
+    data = {k: v for k, v in r.items() if k not in ("_order", "_ts")}
+    return Event(
+        ts=_happened(r), kind=str(r["event"]), rank=rank, attempt=index.of(r, rank), data=data
+    )
+
+
 def load(run_dir: str | Path) -> Timeline:
-    """Read every event log of ``run_dir`` into one :class:`Timeline`."""
+    """Read every event log of ``run_dir`` into one :class:`Timeline`, merged by time."""
     run_dir = Path(run_dir)
     tl = Timeline(run_dir)
     raw: list[dict[str, Any]] = []
@@ -325,35 +375,30 @@ def load(run_dir: str | Path) -> Timeline:
             r.setdefault("rank", 0)
             raw.append({**r, "_order": (i, seq), "_ts": _happened(r)})
     raw.sort(key=lambda r: (r["_ts"], r["_order"]))
-    starts = sorted(
-        (float(r["ts"]), int(r.get("attempt", 0)))
-        for r in raw
-        if r["event"] == "attempt_start" and _int(r.get("rank")) == SUPERVISOR_RANK
+    index = AttemptIndex(
+        (float(r["ts"]), int(r.get("attempt", 0))) for r in raw if _is_supervisor_start(r)
     )
-    run_starts: dict[int, int] = {}
-    opened: dict[int, bool] = {}
-    for r in raw:
-        rank = _int(r.get("rank"))
-        rank = 0 if rank is None else rank
-        if starts:
-            i = bisect.bisect_right([t for t, _ in starts], float(r["ts"])) - 1
-            attempt = starts[max(i, 0)][1]
-        else:
-            # A process logs ``start``, ``resume`` (if it loaded a checkpoint), then
-            # ``run_start`` (logs before 2026-12-06 have no ``start``): ``start`` always
-            # begins an attempt (a process killed while loading ends one without a
-            # ``run_start``); the others begin one unless an opener came before them.
-            if r["event"] in ATTEMPT_OPENERS:
-                if r["event"] == "start" or not opened.get(rank, False):
-                    run_starts[rank] = run_starts.get(rank, -1) + 1
-                opened[rank] = r["event"] != "run_start"
-            attempt = max(run_starts.get(rank, 0), 0)
-        data = {k: v for k, v in r.items() if k not in ("_order", "_ts")}
-        tl.events.append(
-            Event(ts=r["_ts"], kind=str(r["event"]), rank=rank, attempt=attempt, data=data)
-        )
-    tl.attempts = _attempts(tl.events, bool(starts))
+    tl.events = [_event(r, index) for r in raw]
+    tl.attempts = _attempts(tl.events, index.supervised)
     return tl
+
+
+def stream(run_dir: str | Path) -> Iterator[Event]:
+    """Every record of ``run_dir``'s logs as an :class:`Event`, file by file in written
+    order (not merged by time), holding one record at a time: for folds over a long
+    history (the end-of-run cost ledger). Two passes: the supervisor's attempt bounds
+    first (only lines that name ``attempt_start`` are parsed), then everything."""
+    files = event_files(Path(run_dir))
+    starts = [
+        (float(r["ts"]), int(r.get("attempt", 0)))
+        for path in files
+        for r in records(path, SourceFile(path), containing=b"attempt_start")
+        if _is_supervisor_start(r)
+    ]
+    index = AttemptIndex(starts)
+    for path in files:
+        for r in records(path, SourceFile(path)):
+            yield _event(r, index)
 
 
 def _attempts(events: list[Event], supervised: bool) -> list[Attempt]:

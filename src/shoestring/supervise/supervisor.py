@@ -304,11 +304,10 @@ class Supervisor:
         """The run's cost ledger over all attempts, one line on stderr."""
         if self.cfg.run_dir is None or not (RunDir(self.cfg.run_dir).events).exists():
             return
-        from shoestring.report.ledger import compute
-        from shoestring.report.timeline import load
+        from shoestring.report.ledger import stream_ledger
 
         try:
-            log.info("%s", compute(load(self.cfg.run_dir)).one_line())
+            log.info("%s", stream_ledger(self.cfg.run_dir).one_line())
         except Exception as e:  # noqa: BLE001 - the ledger must not change the exit code
             log.warning("cost ledger unavailable: %s", e)
 
