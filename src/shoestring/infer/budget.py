@@ -94,7 +94,7 @@ class Planner:
         lengths = Lengths(
             [len(s) for seqs in work.seqs for s in seqs] or [1],  # (all errors)
             new,
-            any(c.temperature > 0 or c.logprobs >= 0 for c in work.choices),
+            work.samples,
         )
         return cls(MemoryBudget.parse(memory), shape, lengths, memory, pinned)
 

@@ -33,6 +33,16 @@ InputKind = Literal["lines", "openai"]
 GREEDY = Sampling(max_tokens=32, temperature=0.0)
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """How one record is continued: at most ``max_tokens`` new tokens, drawn as
+    ``choice`` says, ended early by any of the ``stop`` strings."""
+
+    max_tokens: int
+    choice: Choice
+    stop: tuple[str, ...] = ()
+
+
 @dataclass
 class Work:
     """Tokenized job: one or more sequences per record (none for an error line)."""
@@ -43,9 +53,7 @@ class Work:
     eos_ids: set[int] = field(default_factory=set)
     pad_id: int = 0
     kind: InputKind = "lines"
-    limits: list[int] = field(default_factory=list)  # per record: most new tokens
-    choices: list[Choice] = field(default_factory=list)  # per record
-    stops: list[tuple[str, ...]] = field(default_factory=list)  # per record
+    continuations: list[Continuation] = field(default_factory=list)  # per record
 
     def sequences(self, records: Sequence[int]) -> list[tuple[int, int]]:
         """(record, sequence) of every sequence of ``records``, in order."""
@@ -53,11 +61,12 @@ class Work:
 
     def rules(self, flat: list[tuple[int, int]], tok: Any, stop_at_eos: bool) -> Rules:
         """How each of the sequences ``flat`` is continued and when it ends."""
-        choices = [self.choices[i] for i, _ in flat]
-        plain = all(c.temperature == 0 and c.logprobs < 0 for c in choices)
-        stops = [StopStrings(tok, self.stops[i]) if self.stops[i] else None for i, _ in flat]
+        conts = [self.continuations[i] for i, _ in flat]
+        choices = [c.choice for c in conts]
+        plain = not any(_draws(c) for c in choices)
+        stops = [StopStrings(tok, c.stop) if c.stop else None for c in conts]
         return Rules(
-            [self.limits[i] for i, _ in flat],
+            [c.max_tokens for c in conts],
             frozenset(self.eos_ids if stop_at_eos else ()),
             None if plain else choices,
             stops if any(stops) else None,
@@ -65,16 +74,26 @@ class Work:
 
     @property
     def most_new_tokens(self) -> int:
-        return max(self.limits, default=0)
+        return max((c.max_tokens for c in self.continuations), default=0)
+
+    @property
+    def samples(self) -> bool:
+        """Does any record draw at random or ask for log-probs (else: plain greedy)?"""
+        return any(_draws(c.choice) for c in self.continuations)
 
     def schedule(self) -> list[int] | None:
         """The order chunks take the records: by length limit (shortest first, then
         input order), so a chunk's requests end together and a chunk of short ones
         takes few passes, instead of each chunk running to the longest limit in the
         file. None when every limit is the same (input order)."""
-        if len(set(self.limits)) <= 1:
+        limits = [c.max_tokens for c in self.continuations]
+        if len(set(limits)) <= 1:
             return None
-        return sorted(range(len(self.limits)), key=lambda i: (self.limits[i], i))
+        return sorted(range(len(limits)), key=lambda i: (limits[i], i))
+
+
+def _draws(c: Choice) -> bool:
+    return c.temperature > 0 or c.logprobs >= 0
 
 
 def _context(r: InputRecord, tok: Any, template: str | None) -> list[int]:
@@ -123,13 +142,9 @@ def tokenize(
         seqs.append([ctx + c for c in conts])
         starts.append([len(ctx)] * len(conts))
     eos, pad = _stops(any(r.messages is not None for r in records), tok, template)
-    n = len(records)
-    return Work(
-        records, seqs, starts, eos, pad, "lines",
-        [sampling.max_tokens if mode == "generate" else 0] * n,
-        [sampling.choice(seed, f"line:{r.line}") for r in records],
-        [()] * n,
-    )  # fmt: skip
+    most = sampling.max_tokens if mode == "generate" else 0
+    conts = [Continuation(most, sampling.choice(seed, f"line:{r.line}")) for r in records]
+    return Work(records, seqs, starts, eos, pad, "lines", conts)
 
 
 def _fits(r: InputRecord, tokens: int, context: int | None, what: str) -> None:
@@ -156,9 +171,14 @@ def tokenize_requests(
         eos,
         pad,
         "openai",
-        [r.sampling.max_tokens if r else 0 for r in reqs],
-        [r.sampling.choice(seed, r.custom_id) if r else Choice() for r in reqs],
-        [r.sampling.stop if r else () for r in reqs],
+        [
+            Continuation(
+                r.sampling.max_tokens, r.sampling.choice(seed, r.custom_id), r.sampling.stop
+            )
+            if r
+            else Continuation(0, Choice())
+            for r in reqs
+        ],
     )
 
 
