@@ -485,10 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     command = args[0] if args else ""
     try:
-        return dispatch(args, dict(os.environ))
+        code = dispatch(args, dict(os.environ))
+        sys.stdout.flush()  # here, where a reader that left is caught below
+        return code
     except ConfigError as e:
         print(redact_text(f"shoestring {command}: error: {e}"), file=sys.stderr)
         return exitcodes.USAGE
+    except BrokenPipeError:  # `shoestring plan | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+        return exitcodes.FAILED
     except Exception as e:  # noqa: BLE001 - a clear one-line error, traceback on request
         from shoestring.checkpoint import CheckpointSaveError
         from shoestring.data.records import DataError
