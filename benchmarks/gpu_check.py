@@ -1272,7 +1272,8 @@ def run_phases(
         try:
             codes = run_jobs(ctx, [jobs[k] for k in labels], True, ctx.remaining())
         except CheckError as e:
-            done |= {k: {"status": ctx.cut_status(e), "reason": str(e)} for k in labels}
+            why = f"{' + '.join(labels)} side by side: {e}" if len(labels) > 1 else str(e)
+            done |= {k: {"status": ctx.cut_status(e), "reason": why} for k in labels}
             later = [k for phase in phases[i + 1 :] for k in phase]
             return done | {k: {"status": "not_run", "reason": "time budget spent"} for k in later}
         done |= dict(zip(labels, codes, strict=True))
@@ -1341,7 +1342,8 @@ def fsdp_losses(runs: dict[str, dict[str, Any]], prec: str) -> dict[str, Any]:
     for label in FSDP_PLANS:
         ran = {k: runs[k] for k in (label, "single")}
         if not_passed := [k for k, r in ran.items() if r["status"] != "pass"]:
-            res[label] = {"status": "not_run", "reason": f"{', '.join(not_passed)} did not pass"}
+            why = ", ".join(f"{k} {ran[k]['status']}" for k in not_passed)
+            res[label] = {"status": "not_run", "reason": why}
         else:
             res[label] = losses_agree(ran[label]["losses"], ran["single"]["losses"], prec)
     return res
