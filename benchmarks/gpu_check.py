@@ -36,6 +36,14 @@ In priority order (issue #26, v2), within 8 minutes on one H100/H200:
   must carry per-GPU fields (NVML).
 * ``distributed``: 2-process DDP and FSDP2 through ``shoestring run --nproc-per-node 2``
   (needs 2 GPUs).
+* ``fsdp_qlora`` (e), last (it runs only if time is left): ``distributed.strategy fsdp``
+  in one process (FSDP2 over a mesh of one) on the 0.86B Llama in nf4 (the tiny model on
+  CPU), deterministic, AdamW: without and with ``distributed.cpu_offload`` (refused on
+  CPU: ``not_run``), tokens/s and ``max_memory_allocated`` against ``shoestring plan
+  --strategy fsdp --world-size 1 [--cpu-offload]`` (the prediction is recorded on CPU
+  too); the losses against the same config in one plain process (``FSDP_LOSS_RTOL``);
+  and the FSDP run SIGKILLed at ``ckpt.after_rename@1`` and rerun: resumed, final adapter
+  byte-identical (not with ``--small``: CI time).
 
 A status is ``pass`` (ran, and its functional assertions held: exit codes, equal hashes,
 identical greedy tokens), ``fail`` (with ``reason``), ``skipped`` (not applicable here,
@@ -94,6 +102,7 @@ BUDGETS: dict[str, tuple[float, float]] = {
     "sigkill_resume": (40, 120),
     "nvml": (20, 10),
     "distributed": (10, 10),
+    "fsdp_qlora": (90, 90),
 }
 #: A T4's usable memory: the (a) runs are capped to it with set_per_process_memory_fraction.
 T4_USABLE_BYTES = 15 * 2**30
@@ -427,28 +436,35 @@ def finetune(
 Job = tuple[list[str], Path, dict[str, str]]
 
 
+def run_jobs(ctx: Ctx, jobs: list[Job], parallel: bool, cap: float = 120) -> list[int]:
+    """Commands side by side or one after the other: their exit codes. When one cannot
+    be waited for (its timeout, the budget), the others still running are killed."""
+    if not parallel:
+        return [run_proc(ctx, *job[:2], cap, job[2]) for job in jobs]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs += [start_proc(ctx, *job) for job in jobs]
+        return [wait_proc(ctx, p, job[1], cap) for p, job in zip(procs, jobs, strict=True)]
+    finally:
+        for p in procs:
+            if p in LIVE:
+                kill_group(p)
+
+
 def run_pair(ctx: Ctx, a: Job, b: Job, parallel: bool, cap: float = 120) -> tuple[int, int]:
     """Two commands, side by side or one after the other: their exit codes."""
-    if not parallel:
-        return run_proc(ctx, *a[:2], cap, a[2]), run_proc(ctx, *b[:2], cap, b[2])
-    pa = start_proc(ctx, *a)
-    try:
-        pb = start_proc(ctx, *b)
-        rb = wait_proc(ctx, pb, b[1], cap)
-    finally:
-        ra = wait_proc(ctx, pa, a[1], cap)
+    ra, rb = run_jobs(ctx, [a, b], parallel, cap)
     return ra, rb
 
 
-def plan_peak(ctx: Ctx, name: str, cfg_path: Path) -> dict[str, Any]:
-    """``shoestring plan --config CFG --json``: its peak and breakdown (it exits 1 on no fit)."""
-    log = ctx.work / f"{name}-plan.json"
-    rc = run_proc(
-        ctx,
-        [PY, "-m", "shoestring", "plan", "--config", str(cfg_path), "--json", "--gpu", "H200"],
-        log,
-        120,
-    )
+def plan_job(ctx: Ctx, name: str, cfg_path: Path, *flags: str) -> Job:
+    """``shoestring plan --config CFG --json [FLAGS]`` for an H200, its log ``NAME-plan.json``."""
+    cmd = [PY, "-m", "shoestring", "plan", "--config", str(cfg_path), "--json", "--gpu", "H200"]
+    return [*cmd, *flags], ctx.work / f"{name}-plan.json", ctx.env()
+
+
+def read_plan(log: Path, rc: int) -> dict[str, Any]:
+    """A plan job's peak, breakdown and host bytes (``plan`` exits 1 on no fit)."""
     if rc not in (0, 1):
         raise CheckError(f"shoestring plan exited {rc}: {tail(log)}")
     text = log.read_text()
@@ -456,8 +472,23 @@ def plan_peak(ctx: Ctx, name: str, cfg_path: Path) -> dict[str, Any]:
     return {
         "peak_bytes": plan["peak_bytes"],
         "breakdown": plan["breakdown"],
+        "host_bytes": plan.get("host_bytes") or {},
         "workload_device": plan["workload"].get("device"),
     }
+
+
+def plan_peak(ctx: Ctx, name: str, cfg_path: Path) -> dict[str, Any]:
+    """``shoestring plan --config CFG --json``: its peak and breakdown."""
+    cmd, log, env = plan_job(ctx, name, cfg_path)
+    return read_plan(log, run_proc(ctx, cmd, log, 120, env))
+
+
+#: A CUDA run whose step events have no ``max_memory_allocated``.
+NO_PEAK = {
+    "status": "fail",
+    "reason": "step events carry no cuda_peak_bytes "
+    "(the trainer must emit torch.cuda.max_memory_allocated on CUDA)",
+}
 
 
 def memory_vs_plan(ctx: Ctx, name: str, cfg_path: Path, figures: dict[str, Any]) -> dict[str, Any]:
@@ -465,14 +496,14 @@ def memory_vs_plan(ctx: Ctx, name: str, cfg_path: Path, figures: dict[str, Any])
     if not ctx.cuda:
         return {"status": "not_run", "reason": "no CUDA"}
     if "cuda_peak_bytes" not in figures:
-        return {
-            "status": "fail",
-            "reason": "step events carry no cuda_peak_bytes "
-            "(the trainer must emit torch.cuda.max_memory_allocated on CUDA)",
-        }
+        return dict(NO_PEAK)
+    return measured_vs_plan(plan_peak(ctx, name, cfg_path), figures["cuda_peak_bytes"])
+
+
+def measured_vs_plan(plan: dict[str, Any], measured: int) -> dict[str, Any]:
+    """``max_memory_allocated`` vs a plan's allocated terms: error, ratio, target."""
     from plan_vs_cuda import peak_error
 
-    plan = plan_peak(ctx, name, cfg_path)
     if plan["workload_device"] != "cuda":
         return {
             "status": "fail",
@@ -481,11 +512,12 @@ def memory_vs_plan(ctx: Ctx, name: str, cfg_path: Path, figures: dict[str, Any])
         }
     res: dict[str, Any] = {
         "status": "pass",
-        "measured_max_allocated": figures["cuda_peak_bytes"],
+        "measured_max_allocated": measured,
         "plan_peak_bytes": plan["peak_bytes"],
         "plan_breakdown": plan["breakdown"],
     }
-    res.update(peak_error(plan["breakdown"], figures["cuda_peak_bytes"]))
+    res.update(peak_error(plan["breakdown"], measured))
+    res["measured_over_predicted"] = measured / res["peak_predicted_allocated"]
     res["target"] = f"error in [{PLAN_TARGET[0]:+.0f} %, {PLAN_TARGET[1]:+.0f} %]"
     res["target_met"] = PLAN_TARGET[0] <= res["peak_err_pct"] <= PLAN_TARGET[1]
     return res
@@ -595,47 +627,68 @@ def resume_plan(ctx: Ctx) -> Shape:
     return Shape("builtin:tiny", steps=20, batch=16, seq=64, every=5)
 
 
+#: Where the SIGKILL lands: right after the first checkpoint is committed, while the
+#: training thread is on a later step (a kill at a step's end could land before a slow
+#: async save committed, and the rerun would start over: commit bb58d85).
+KILL_FAULT = "ckpt.after_rename@1:kill"
+
+
+def deterministic_env(ctx: Ctx) -> dict[str, str]:
+    """What ``train.deterministic`` needs from the environment (cuBLAS, on CUDA)."""
+    return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if ctx.cuda else {}
+
+
+def killed_job(ctx: Ctx, name: str, cfg: Path) -> Job:
+    """``cfg`` run into work/NAME, SIGKILLed at :data:`KILL_FAULT`."""
+    env = ctx.env(SHOESTRING_FAULTS=KILL_FAULT, **deterministic_env(ctx))
+    return finetune_cmd(cfg, ctx.work / name), ctx.work / f"{name}.log", env
+
+
+def resume_killed(ctx: Ctx, name: str, cfg: Path, rc_kill: int, ref: Path) -> dict[str, Any]:
+    """Rerun the :func:`killed_job` NAME: it must resume and end on ``ref``'s final
+    adapter, byte for byte; records the ``resume`` event's ``steps_lost``."""
+    out = ctx.work / name
+    rc_resume, _ = finetune(ctx, name, cfg, 120, out=out, env=ctx.env(**deterministic_env(ctx)))
+    ctx.runs[name] = out
+    resumes = of_kind(read_events(out), "resume")
+    res: dict[str, Any] = {
+        "fault": KILL_FAULT,
+        "killed_exit_code": rc_kill,
+        "resume_exit_code": rc_resume,
+        "resumed": bool(resumes),
+    }
+    if resumes:
+        res.update(from_step=resumes[-1].get("from_step"), steps_lost=resumes[-1].get("steps_lost"))
+    res.update(compare_adapters(ref, out))
+    return {**res, **verdict_resume(res, rc_kill, rc_resume)}
+
+
 def check_sigkill_resume(ctx: Ctx) -> dict[str, Any]:
     shape = resume_plan(ctx)
     cfg = write_config(ctx, "resume", finetune_config(ctx, shape, deterministic=True))
-    det = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if ctx.cuda else {}
-    fault = "ckpt.after_rename@1:kill"
-    ref, out = ctx.work / "resume-ref", ctx.work / "resume-kill"
+    ref = ctx.work / "resume-ref"
     # On CPU the uninterrupted and the faulted run share the cores (1 thread each); on a
     # GPU they run one after the other, so their checkpoint timings stay clean.
     rc_ref, rc_kill = run_pair(
         ctx,
-        (finetune_cmd(cfg, ref), ctx.work / "resume-ref.log", ctx.env(**det)),
-        (
-            finetune_cmd(cfg, out),
-            ctx.work / "resume-kill.log",
-            ctx.env(SHOESTRING_FAULTS=fault, **det),
-        ),
+        (finetune_cmd(cfg, ref), ctx.work / "resume-ref.log", ctx.env(**deterministic_env(ctx))),
+        killed_job(ctx, "resume-kill", cfg),
         parallel=not ctx.cuda,
     )
     if rc_ref != 0:
         raise CheckError(f"uninterrupted run exited {rc_ref}: {tail(ctx.work / 'resume-ref.log')}")
     ctx.runs["resume-ref"] = ref
-    rc_resume, _ = finetune(ctx, "resume-kill", cfg, 120, out=out, env=ctx.env(**det))
-    ctx.runs["resume-kill"] = out
-    resumes = of_kind(read_events(out), "resume")
     res: dict[str, Any] = {
         "steps": shape.steps,
         "checkpoint_every": shape.every,
-        "fault": fault,
-        "killed_exit_code": rc_kill,
-        "resume_exit_code": rc_resume,
-        "resumed": bool(resumes),
         "as_run": as_run(read_events(ref)),
+        **resume_killed(ctx, "resume-kill", cfg, rc_kill, ref),
     }
-    if resumes:
-        res.update(from_step=resumes[-1].get("from_step"), steps_lost=resumes[-1].get("steps_lost"))
-    res.update(compare_adapters(ref, out))
     try:  # the cost of train.deterministic: compare with lora_bf16's builtin run (same batch)
         res["uninterrupted_figures"] = step_figures(read_events(ref))
     except CheckError as e:
         res["uninterrupted_figures"] = {"not_measured": str(e)}
-    return {**res, **verdict_resume(res, rc_kill, rc_resume)}
+    return res
 
 
 def compare_adapters(ref: Path, out: Path) -> dict[str, Any]:
@@ -1126,6 +1179,246 @@ def blocking_parts(ctx: Ctx) -> dict[str, Any]:
     return res
 
 
+# --------------------------------------------------------------------------- (e) FSDP2 + QLoRA
+
+#: (e)'s finetune runs, most valuable first: label -> the ``distributed`` section
+#: (``single``: one process, no FSDP, the losses' reference).
+FSDP_RUNS: dict[str, dict[str, Any]] = {
+    "fsdp": {"strategy": "fsdp"},
+    "fsdp_cpu_offload": {"strategy": "fsdp", "cpu_offload": True},
+    "single": {},
+}
+#: The planner's per-rank prediction for each FSDP run: (job label, plan flags).
+FSDP_PLANS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "fsdp": ("plan", ("--strategy", "fsdp", "--world-size", "1")),
+    "fsdp_cpu_offload": (
+        "plan_cpu_offload",
+        ("--strategy", "fsdp", "--world-size", "1", "--cpu-offload"),
+    ),
+}
+#: FSDP2 over a mesh of one vs one process, the largest per-step relative loss gap. The
+#: math is the same (one rank's reduce-scatter is a copy): fp32 on CPU agrees to ~1e-6
+#: (tests/test_fsdp_qlora.py's LOSS_RTOL is 1e-4); under bf16 autocast on CUDA the
+#: sharded modules' kernels may run in another order.
+FSDP_LOSS_RTOL = {"fp32": 1e-4, "bf16": 1e-2}
+#: A job's outcome: its exit code, or the status and reason of a job that did not end.
+Outcome = int | dict[str, Any]
+
+
+def fsdp_name(label: str) -> str:
+    return f"fsdpq-{label}"
+
+
+def fsdp_shape(ctx: Ctx) -> Shape:
+    """The 0.86B Llama on CUDA (6 steps of 4 x 512 packed tokens, a checkpoint every 3);
+    the tiny model on CPU (a smoke of the same code)."""
+    if ctx.cuda and not ctx.small:
+        return Shape(str(ensure_big_model(ctx)), steps=6, batch=4, seq=512, every=3, packing=True)
+    return Shape("builtin:tiny", steps=4, batch=2, seq=32, every=2)
+
+
+def fsdp_quantize() -> tuple[str, str]:
+    """nf4 where bitsandbytes is installed (its CPU kernels run the tiny model too), else
+    plain LoRA under FSDP2, and why."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "none", "bitsandbytes not installed: nf4 skipped, plain LoRA under FSDP2"
+    return "nf4", ""
+
+
+def fsdp_jobs(ctx: Ctx, shape: Shape, quantize: str) -> dict[str, Job]:
+    """The runs of :data:`FSDP_RUNS` (deterministic, AdamW: FSDP2 refuses bitsandbytes'
+    8-bit optimizers), the FSDP run SIGKILLed once (``kill``) and the plans."""
+    base = finetune_config(ctx, shape, quantize=quantize, deterministic=True)
+    det = ctx.env(**deterministic_env(ctx))
+    jobs: dict[str, Job] = {}
+    cfgs: dict[str, Path] = {}
+    for label, dist in FSDP_RUNS.items():
+        name = fsdp_name(label)
+        cfgs[label] = write_config(ctx, name, {**base, "distributed": dist} if dist else base)
+        jobs[label] = finetune_cmd(cfgs[label], ctx.work / name), ctx.work / f"{name}.log", det
+    jobs["kill"] = killed_job(ctx, fsdp_name("kill"), cfgs["fsdp"])
+    for label, (job, flags) in FSDP_PLANS.items():
+        jobs[job] = plan_job(ctx, fsdp_name(label), cfgs[label], *flags)
+    return jobs
+
+
+def fsdp_schedule(ctx: Ctx) -> tuple[list[list[str]], dict[str, str]]:
+    """Phases of jobs run side by side, and the jobs left out with why. On CUDA one run
+    at a time (clean timings and peaks; the plans, CPU only, beside the first); on CPU
+    every job at once on the shared cores, the SIGKILL resume not with --small."""
+    if ctx.cuda:
+        phases = [["fsdp", "plan", "plan_cpu_offload"], ["fsdp_cpu_offload"], ["single"], ["kill"]]
+        return phases, {}
+    why = "refused on CPU (nothing to offload): distributed.cpu_offload is the GPU path"
+    left_out = {"fsdp_cpu_offload": why, "plan_cpu_offload": why}
+    if not ctx.small:
+        return [["fsdp", "single", "kill", "plan"]], left_out
+    left_out["kill"] = (
+        "--small (CI time: two more processes); --device cpu without --small runs it, and "
+        "tests/test_fsdp_qlora.py restarts a killed FSDP2 + nf4 job byte-identically"
+    )
+    return [["fsdp", "single", "plan"]], left_out
+
+
+def run_phases(
+    ctx: Ctx, jobs: dict[str, Job], phases: list[list[str]], left_out: dict[str, str]
+) -> dict[str, Outcome]:
+    """The phases in turn, each one's jobs side by side: label -> :data:`Outcome`. Once
+    the budget (or a timeout) cuts a phase, its jobs and the later ones did not end."""
+    done: dict[str, Outcome] = {k: {"status": "not_run", "reason": r} for k, r in left_out.items()}
+    for i, labels in enumerate(phases):
+        try:
+            codes = run_jobs(ctx, [jobs[k] for k in labels], True, ctx.remaining())
+        except CheckError as e:
+            why = f"{' + '.join(labels)} side by side: {e}" if len(labels) > 1 else str(e)
+            done |= {k: {"status": ctx.cut_status(e), "reason": why} for k in labels}
+            later = [k for phase in phases[i + 1 :] for k in phase]
+            return done | {k: {"status": "not_run", "reason": "time budget spent"} for k in later}
+        done |= dict(zip(labels, codes, strict=True))
+    return done
+
+
+def fsdp_prediction(ctx: Ctx, label: str, outcome: Outcome) -> dict[str, Any]:
+    """The plan of an FSDP run's config (per rank, world size 1), or why there is none."""
+    if isinstance(outcome, dict):
+        return outcome
+    try:
+        plan = read_plan(ctx.work / f"{fsdp_name(label)}-plan.json", outcome)
+    except CheckError as e:
+        return {"status": "fail", "reason": str(e)}
+    return {"status": "pass", **plan}
+
+
+def fsdp_memory(ctx: Ctx, plan: dict[str, Any], figures: dict[str, Any]) -> dict[str, Any]:
+    """``max_memory_allocated`` vs the planner's per-rank prediction (present on CPU too)."""
+    if plan["status"] != "pass":
+        return {"status": plan["status"], "reason": f"plan: {plan['reason']}"}
+    pred = {"plan_peak_bytes": plan["peak_bytes"], "plan_host_bytes": plan["host_bytes"]}
+    if not ctx.cuda:
+        return {**pred, "status": "not_run", "reason": "no CUDA: no max_memory_allocated"}
+    if "cuda_peak_bytes" not in figures:
+        return {**pred, **NO_PEAK}
+    return {**pred, **measured_vs_plan(plan, figures["cuda_peak_bytes"])}
+
+
+def fsdp_run(ctx: Ctx, label: str, outcome: Outcome, plan: dict[str, Any] | None) -> dict[str, Any]:
+    """One run's figures (tokens/s, ``cuda_peak_bytes``, losses) and, for an FSDP run,
+    its memory against the plan; ``fail`` on a non-zero exit."""
+    if isinstance(outcome, dict):
+        return outcome
+    name = fsdp_name(label)
+    try:
+        res: dict[str, Any] = {"status": "pass", **ours_figures(ctx, name, outcome)}
+    except CheckError as e:
+        return {"status": "fail", "exit_code": outcome, "reason": str(e)}
+    ctx.runs[name] = ctx.work / name
+    res["as_run"] = as_run(read_events(ctx.work / name))
+    if plan is not None:
+        res["memory"] = fsdp_memory(ctx, plan, res)
+        if res["memory"]["status"] == "fail":
+            res.update(status="fail", reason="memory: " + res["memory"]["reason"])
+    return res
+
+
+def losses_agree(ours: list[float], ref: list[float], prec: str) -> dict[str, Any]:
+    """Per-step loss gap of an FSDP run to the single-process one (same steps, same data)."""
+    if not ours or len(ours) != len(ref):
+        return {"agree": False, "reason": f"{len(ours)} losses vs {len(ref)}"}
+    rel = [abs(a - b) / abs(b) for a, b in zip(ours, ref, strict=True)]
+    tol = FSDP_LOSS_RTOL[prec]
+    return {
+        "steps_compared": len(rel),
+        "max_rel_diff": max(rel),
+        "tolerance_max_rel": tol,
+        "agree": max(rel) <= tol,
+    }
+
+
+def fsdp_losses(runs: dict[str, dict[str, Any]], prec: str) -> dict[str, Any]:
+    """Each FSDP run's losses against the single-process run's."""
+    res: dict[str, Any] = {}
+    for label in FSDP_PLANS:
+        ran = {k: runs[k] for k in (label, "single")}
+        if not_passed := [k for k, r in ran.items() if r["status"] != "pass"]:
+            why = ", ".join(f"{k} {ran[k]['status']}" for k in not_passed)
+            res[label] = {"status": "not_run", "reason": why}
+        else:
+            res[label] = losses_agree(ran[label]["losses"], ran["single"]["losses"], prec)
+    return res
+
+
+def fsdp_resume(ctx: Ctx, done: dict[str, Outcome], cfg: Path) -> dict[str, Any]:
+    """The SIGKILLed FSDP run rerun: resumed, and byte-identical to the uninterrupted one."""
+    rc_kill, rc_ref = done["kill"], done["fsdp"]
+    if isinstance(rc_kill, dict):
+        return rc_kill
+    if rc_ref != 0:
+        return {"status": "not_run", "reason": "the uninterrupted FSDP run did not pass"}
+    try:
+        return resume_killed(ctx, fsdp_name("kill"), cfg, rc_kill, ctx.work / fsdp_name("fsdp"))
+    except CheckError as e:
+        return {"status": ctx.cut_status(e), "reason": str(e)}
+
+
+def check_fsdp_qlora(ctx: Ctx) -> dict[str, Any]:
+    """(e) FSDP2 over a mesh of one (one process) on a 4-bit base: without and with
+    ``distributed.cpu_offload``, against the planner and the single-process losses,
+    and resumed after a SIGKILL."""
+    shape, (quantize, skipped) = fsdp_shape(ctx), fsdp_quantize()
+    jobs = fsdp_jobs(ctx, shape, quantize)
+    done = run_phases(ctx, jobs, *fsdp_schedule(ctx))
+    runs: dict[str, Any] = {}
+    for label in FSDP_RUNS:
+        plan = (
+            fsdp_prediction(ctx, label, done[FSDP_PLANS[label][0]]) if label in FSDP_PLANS else None
+        )
+        runs[label] = fsdp_run(ctx, label, done[label], plan)
+    prec = precision(ctx)["used"]
+    res: dict[str, Any] = {
+        "workload": fsdp_workload(ctx, shape, quantize, skipped),
+        "runs": runs,
+        "losses_vs_single": fsdp_losses(runs, prec),
+        "sigkill_resume": fsdp_resume(ctx, done, ctx.work / f"{fsdp_name('fsdp')}.yaml"),
+    }
+    return {**res, **fsdp_verdict(res)}
+
+
+def fsdp_workload(ctx: Ctx, shape: Shape, quantize: str, skipped: str) -> dict[str, Any]:
+    res: dict[str, Any] = {
+        "model": shape.model if shape.model.startswith("builtin:") else "llama-0.86b-random",
+        **{k: getattr(shape, k) for k in ("steps", "batch", "seq", "packing", "every")},
+        "quantize": quantize,
+        "optimizer": "adamw",
+        "precision": precision(ctx)["used"],
+        "deterministic": True,
+        "mesh": "one process, world size 1 (FSDP2 over a mesh of one, in-memory store)",
+    }
+    if skipped:
+        res["nf4_skipped"] = skipped
+    if not ctx.cuda:
+        res["note"] = "CPU smoke: the runs shared the cores; not a timing"
+    return res
+
+
+def fsdp_verdict(res: dict[str, Any]) -> dict[str, Any]:
+    runs = res["runs"]
+    problems = [f"{k}: {r['reason'][:300]}" for k, r in runs.items() if r["status"] == "fail"]
+    problems += [
+        f"{k}'s losses differ from the single-process run's: {c}"
+        for k, c in res["losses_vs_single"].items()
+        if c.get("agree") is False
+    ]
+    if res["sigkill_resume"]["status"] == "fail":
+        problems.append(f"sigkill_resume: {res['sigkill_resume']['reason'][:300]}")
+    if problems:
+        return {"status": "fail", "reason": "; ".join(problems)}
+    if runs["fsdp"]["status"] != "pass":
+        return {"status": runs["fsdp"]["status"], "reason": runs["fsdp"]["reason"]}
+    return {"status": "pass"}
+
+
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "promise_16gb": check_promise_16gb,
     "peer_hf": check_peer_hf,
@@ -1134,6 +1427,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "sigkill_resume": check_sigkill_resume,
     "nvml": check_nvml,
     "distributed": check_distributed,
+    "fsdp_qlora": check_fsdp_qlora,
 }
 
 

@@ -46,6 +46,7 @@ def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
         "sigkill_resume",
         "nvml",
         "distributed",
+        "fsdp_qlora",  # (e): only with time left
     ]
     for name, c in checks.items():
         assert c["status"] in STATUSES, name
@@ -95,3 +96,22 @@ def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
     assert infer["status"] == "pass"
     assert infer["exactness"]["greedy_identical"] == infer["exactness"]["prompts"]
     assert "h2d_bytes_per_s" not in infer
+
+    fsdp = checks["fsdp_qlora"]  # (e): FSDP2 over a mesh of one on the nf4 base (CPU kernels)
+    assert fsdp["status"] == "pass", fsdp.get("reason")
+    steps = fsdp["workload"]["steps"]
+    assert fsdp["workload"]["quantize"] == "nf4" and "nf4_skipped" not in fsdp["workload"]
+    sharded, single = fsdp["runs"]["fsdp"], fsdp["runs"]["single"]
+    assert (sharded["as_run"]["strategy"], sharded["as_run"]["world_size"]) == ("fsdp", 1)
+    assert single["as_run"]["strategy"] == "single"
+    assert sharded["tokens_per_s"] > 0 and len(sharded["losses"]) == len(single["losses"]) == steps
+    # the same math in one process: the losses agree step by step (measured: equal)
+    gaps = [abs(a - b) / abs(b) for a, b in zip(sharded["losses"], single["losses"])]
+    assert max(gaps) <= 1e-4 and sharded["losses"][-1] != sharded["losses"][0]
+    assert fsdp["losses_vs_single"]["fsdp"]["agree"]
+    assert fsdp["losses_vs_single"]["fsdp"]["steps_compared"] == steps
+    memory = sharded["memory"]  # the planner's per-rank prediction; measured only on CUDA
+    assert memory["plan_peak_bytes"] > 0
+    assert memory["status"] == "not_run" and "measured_max_allocated" not in memory
+    assert fsdp["runs"]["fsdp_cpu_offload"]["status"] == "not_run"  # refused on CPU
+    assert fsdp["sigkill_resume"]["status"] == "not_run"  # --small: CI time
