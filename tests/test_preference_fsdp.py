@@ -32,7 +32,13 @@ from shoestring.data.records import Example
 from shoestring.data.tokenize import TokenizeSpec
 from shoestring.train.device import Precision
 from shoestring.train.objective import DPO, ORPO, eval_preferences
-from shoestring.train.reflogps import VALUES, Layout, Ranks, compute_reference
+from shoestring.train.reflogps import (
+    VALUES,
+    Layout,
+    Ranks,
+    cached_reference,
+    compute_reference,
+)
 from shoestring.train.samples import PairSamples
 
 TOL = 1e-5
@@ -191,6 +197,24 @@ def test_precomputed_reference_under_fsdp2_and_in_eval(
         for k, v in live.items():
             assert abs(read[k] - v) < TOL, (k, read[k], v)
         assert live["rewards/chosen"] != 0.0
+
+
+def test_a_committed_reference_is_read_only_when_every_rank_has_it(tmp_path: Path) -> None:
+    """A rank alone must not skip the computation its peers' FSDP2 forwards need."""
+    calls: list[int] = []
+
+    def compute() -> np.ndarray:
+        calls.append(1)
+        return np.arange(4, dtype=np.float64) - 9.5
+
+    path = tmp_path / "data" / "ref-x"
+    first = cached_reference(path, 4, compute)
+    assert calls == [1]
+    # This rank holds a verified copy, a peer has none (another node's cache): compute.
+    again = cached_reference(path, 4, compute, all_agree=lambda ok: False)
+    assert calls == [1, 1] and np.array_equal(again, first)
+    assert np.array_equal(cached_reference(path, 4, compute, all_agree=lambda ok: ok), first)
+    assert calls == [1, 1]
 
 
 def test_ranks_split_the_reference_batches_once_in_equal_rounds() -> None:
