@@ -280,7 +280,8 @@ class DpoConfig:
         False,
         "DPO: compute the reference log-probs once (adapter disabled, eval mode) and keep "
         "them with the tokenized data cache (keyed by data, base model, dtype, precision; "
-        "sha256-verified) instead of a reference forward every step.",
+        "sha256-verified) instead of a reference forward every step; the held-out pairs "
+        "evaluation reads get theirs too (eval then runs no reference forward).",
     )
 
 

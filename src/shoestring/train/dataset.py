@@ -19,6 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from shoestring.config import ConfigError
 from shoestring.data.cache import CacheWriter, TokenCache, cache_key, open_or_build
 from shoestring.data.chat import CHAT_SPANS, load_template
@@ -190,6 +193,9 @@ class TrainData:
     batch: BatchPlan
     samples_count: int  # tokenized training samples (before packing)
     summary: dict[str, Any]  # the ``data`` event's fields, logged after ``run_start``
+    #: ``dpo.precompute_ref``: the reference log-probs of ``eval_examples`` (then cut to
+    #: the pairs evaluation reads, see :mod:`shoestring.train.reflogps`).
+    eval_ref: npt.NDArray[np.float64] | None = None
 
 
 @dataclass(frozen=True)

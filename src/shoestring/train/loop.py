@@ -27,7 +27,7 @@ from shoestring.train.config import FinetuneConfig, ResolvedConfig
 from shoestring.train.device import Accelerator, resolve
 from shoestring.train.evaluate import eval_loss, exact_match
 from shoestring.train.model import model_summary
-from shoestring.train.objective import eval_preferences
+from shoestring.train.objective import eval_preferences, held_out_pairs
 from shoestring.train.progress import ProgressDisplay
 from shoestring.train.resume import resume
 from shoestring.train.resumecheck import check_resume
@@ -134,9 +134,16 @@ def evaluate(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
     stop = t.run.strategy.eval_stop(t.run.flag)
     if t.objective.metrics:  # preference pairs: the objective's loss and reward metrics
         with t.precision.autocast():
-            pairs = t.data.eval_examples[: 2 * c.max_samples or None]
+            pairs = held_out_pairs(t.data.eval_examples, c.max_samples)
             res = eval_preferences(
-                t.objective, model, pairs, c.batch_size, t.tok.pad_token_id, stop, t.device
+                t.objective,
+                model,
+                pairs,
+                c.batch_size,
+                t.tok.pad_token_id,
+                stop,
+                t.device,
+                ref=t.data.eval_ref,
             )
         return _eval_done(t, step, tag, res, t0)
     with t.precision.autocast():

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
@@ -281,6 +283,11 @@ def mean_metrics(names: Sequence[str], sums: torch.Tensor, pairs: int) -> dict[s
     return {n: v / max(pairs, 1) for n, v in zip(names, sums.tolist(), strict=True)}
 
 
+def held_out_pairs(examples: list[Example], max_samples: int) -> list[Example]:
+    """The held-out examples evaluation reads: the first ``max_samples`` pairs (0: all)."""
+    return examples[: 2 * max_samples or None]
+
+
 @torch.no_grad()
 def eval_preferences(
     objective: Objective,
@@ -290,10 +297,13 @@ def eval_preferences(
     pad_id: int,
     should_stop: Callable[[], bool],
     device: Any = None,
+    ref: npt.NDArray[np.float64] | None = None,
 ) -> dict[str, float] | None:
     """The objective's loss and metrics over held-out pairs (examples ``2i``, ``2i + 1``),
-    ``batch_size`` pairs at a time, in eval mode; None when stopped."""
-    pairs = PairSamples(examples)
+    ``batch_size`` pairs at a time, in eval mode; None when stopped. ``ref``: the
+    examples' precomputed reference log-probs (DPO then runs no reference forward)."""
+    assert ref is None or len(ref) == len(examples), "one reference log-prob per example"
+    pairs = PairSamples(examples, ref)
     n = len(pairs)
     if not n:
         return None

@@ -8,8 +8,19 @@ file's sha256, rename). The key covers what the numbers depend on: the tokenized
 key, the base model's fingerprint, its dtype, quantization and attention kernel, the
 compute precision, the device kind and the batching. A copy whose sha256 does not
 verify is removed and computed again; a resume reads the same bytes, so the run stays
-bit-exact after a kill. Ranks that find no copy each compute it (an FSDP forward needs
-every rank) and the first to take the lock commits it.
+bit-exact after a kill.
+
+With several ranks the choice is collective: the copy is used only when every rank
+has one that verifies; otherwise the ranks compute the values together, each batch
+once (batch ``b`` on rank ``b % world_size``, every rank running as many forwards as the
+busiest one: an FSDP2 forward all-gathers from every rank), and one float64 sum
+all-reduce gives every rank the same bytes (each slot has one contributor: exact). The
+first rank to take the lock commits them; every rank then trains on rank 0's values.
+
+The held-out pairs that evaluation reads (``eval.max_samples``) get theirs the same
+way, under a key over their tokens (``data`` = ``eval-<sha256>``) and batched as
+evaluation batches them (``eval.batch_size`` pairs, in the key): evaluation then runs no
+reference forward and reports what it would have computed with one.
 """
 
 from __future__ import annotations
@@ -18,8 +29,8 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +39,12 @@ import numpy.typing as npt
 import torch
 
 from shoestring.data.cache import cache_key
+from shoestring.data.records import Example
 from shoestring.dircommit import commit_dir, held_lock, staging_dir, uncommit
 from shoestring.train.config import FinetuneConfig
 from shoestring.train.dataset import TrainData, cache_root
 from shoestring.train.device import Precision, to_device
-from shoestring.train.objective import reference_logps
+from shoestring.train.objective import held_out_pairs, reference_logps
 from shoestring.train.samples import ExampleStore, PairSamples, collate_padded
 
 log = logging.getLogger("shoestring.data")
@@ -47,7 +59,32 @@ VALUES = "ref_logps.npy"
 Values = npt.NDArray[np.float64]
 
 
-def reference_key(cfg: FinetuneConfig, data_key: str, base_fp: str, device: str) -> str:
+@dataclass(frozen=True)
+class Layout:
+    """Which examples share a reference forward (padding to the longest row changes the
+    last bits). Training: fixed chunks of :data:`REF_BATCH` examples (the numbers must
+    not depend on the run's batch). Evaluation (``pairs``): its own batches of that many
+    pairs, the chosen rows first, as it collates them, so the values are the ones its
+    reference forward would compute, bit for bit on the same device."""
+
+    pairs: int = 0
+
+    @property
+    def key(self) -> int | str:
+        return f"pairs-{self.pairs}" if self.pairs else REF_BATCH
+
+    def batches(self, count: int) -> list[list[int]]:
+        """The example indices of each reference forward over ``count`` examples."""
+        if not self.pairs:
+            return [list(range(s, min(s + REF_BATCH, count))) for s in range(0, count, REF_BATCH)]
+        n = count // 2
+        spans = (range(s, min(s + self.pairs, n)) for s in range(0, n, self.pairs))
+        return [[2 * p for p in ps] + [2 * p + 1 for p in ps] for ps in spans]
+
+
+def reference_key(
+    cfg: FinetuneConfig, data_key: str, base_fp: str, device: str, layout: Layout = Layout()
+) -> str:
     return "ref-" + cache_key(
         {
             "ref_format": REF_FORMAT,
@@ -58,23 +95,59 @@ def reference_key(cfg: FinetuneConfig, data_key: str, base_fp: str, device: str)
             "attn": cfg.model.attn_implementation,
             "precision": cfg.train.precision,
             "device": device,
-            "batch": REF_BATCH,
+            "batch": layout.key,
         }
     )
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """Who computes which batch: this process's rank among ``world_size``."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def batches(self, count: int) -> list[int | None]:
+        """This rank's batches, in rounds that every rank runs together; None: a round
+        with nothing left here (the rank repeats a forward and keeps nothing)."""
+        rounds = -(-count // self.world_size)
+        own = [r * self.world_size + self.rank for r in range(rounds)]
+        return [b if b < count else None for b in own]
+
+    def combine(self, values: Values, device: torch.device) -> Values:
+        """Every rank's slots into one array, the same bytes on every rank (through
+        ``device``: NCCL reduces only CUDA tensors)."""
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.from_numpy(values).to(device)
+        dist.all_reduce(t)
+        combined: Values = t.cpu().numpy()
+        return combined
+
+
 def compute_reference(
-    model: Any, store: ExampleStore, pad_id: int, device: torch.device, precision: Precision
+    model: Any,
+    store: ExampleStore,
+    pad_id: int,
+    device: torch.device,
+    precision: Precision,
+    ranks: Ranks = Ranks(),
+    layout: Layout = Layout(),
 ) -> Values:
-    """Every example's summed answer log-prob under the reference, in store order."""
+    """Every example's summed answer log-prob under the reference, in store order
+    (this rank's batches; with ``ranks``, combined over the ranks)."""
     out = np.zeros(len(store), dtype=np.float64)
-    for start in range(0, len(store), REF_BATCH):
-        rows = range(start, min(start + REF_BATCH, len(store)))
+    batches = layout.batches(len(store))
+    for b in ranks.batches(len(batches)):
+        rows = batches[-1 if b is None else b]
         batch = to_device(collate_padded([store[i] for i in rows], pad_id), device)
         with precision.autocast():
             logps = reference_logps(model, batch)
-        out[start : start + len(rows)] = logps.double().cpu().numpy()
-    return out
+        if b is not None:
+            out[rows] = logps.double().cpu().numpy()
+    return ranks.combine(out, device)
 
 
 def _sha256(path: Path) -> str:
@@ -104,12 +177,17 @@ def _commit(path: Path, values: Values) -> None:
         commit_dir(tmp, path, MANIFEST, (json.dumps(manifest, sort_keys=True) + "\n").encode())
 
 
-def cached_reference(path: Path, count: int, compute: Callable[[], Values]) -> Values:
-    """The values committed at ``path``, or ``compute()`` committed there first."""
-    if (path / MANIFEST).is_file():
-        values = _open(path, count)
-        if values is not None:
-            return values
+def cached_reference(
+    path: Path,
+    count: int,
+    compute: Callable[[], Values],
+    all_agree: Callable[[bool], bool] = bool,
+) -> Values:
+    """The values committed at ``path`` when every rank (``all_agree``) has a copy that
+    verifies, else ``compute()`` (every rank calls it) committed there first."""
+    found = _open(path, count) if (path / MANIFEST).is_file() else None
+    if all_agree(found is not None) and found is not None:
+        return found
     values = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     with held_lock(path.parent / f"{path.name}.lock"):
@@ -121,22 +199,60 @@ def cached_reference(path: Path, count: int, compute: Callable[[], Values]) -> V
     return values
 
 
-def with_reference(
-    cfg: FinetuneConfig,
-    run: Any,
-    data: TrainData,
-    model: Any,
-    base_fp: str,
-    precision: Precision,
-    data_key: str,
-    pad_id: int,
-) -> TrainData:
-    """``data`` whose pairs carry their precomputed reference log-probs."""
+def examples_digest(examples: Sequence[Example]) -> str:
+    """sha256 over the examples' token ids and labels: what their log-probs depend on."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex.input_ids, ex.labels]).encode() + b"\n")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ReferenceJob:
+    """What every reference computation of a run shares: where, on what, with what."""
+
+    cfg: FinetuneConfig
+    run: Any
+    model: Any
+    base_fp: str
+    precision: Precision
+    pad_id: int
+
+    def values(
+        self, store: ExampleStore, data_key: str, layout: Layout = Layout()
+    ) -> tuple[Values, str]:
+        """``store``'s reference log-probs (committed or computed) and their folder name."""
+        strategy = self.run.strategy
+        device, ranks = strategy.device, Ranks(strategy.rank, strategy.world_size)
+        key = reference_key(self.cfg, data_key, self.base_fp, device.type, layout)
+        path = cache_root(self.run.opts.cache_dir) / key
+
+        def compute() -> Values:
+            return compute_reference(
+                self.model, store, self.pad_id, device, self.precision, ranks, layout
+            )
+
+        values = cached_reference(path, len(store), compute, strategy.all_agree)
+        return strategy.share(values), path.name  # rank 0's bytes on every rank
+
+
+def with_reference(job: ReferenceJob, data: TrainData, data_key: str) -> TrainData:
+    """``data`` whose training pairs, and the held-out pairs evaluation reads, carry
+    their precomputed reference log-probs."""
     assert isinstance(data.samples, PairSamples), "dpo.precompute_ref needs pairs"
-    store, device = data.samples.store, run.strategy.device
-    path = cache_root(run.opts.cache_dir) / reference_key(cfg, data_key, base_fp, device.type)
-    values = cached_reference(
-        path, len(store), lambda: compute_reference(model, store, pad_id, device, precision)
+    store = data.samples.store
+    values, name = job.values(store, data_key)
+    summary = {**data.summary, "reference_logps": name}
+    held_out = held_out_pairs(data.eval_examples, job.cfg.eval.max_samples)
+    eval_ref = None
+    if held_out:
+        eval_ref, summary["eval_reference_logps"] = job.values(
+            held_out, "eval-" + examples_digest(held_out), Layout(pairs=job.cfg.eval.batch_size)
+        )
+    return replace(
+        data,
+        samples=PairSamples(store, values),
+        eval_examples=held_out,
+        eval_ref=eval_ref,
+        summary=summary,
     )
-    summary = {**data.summary, "reference_logps": path.name}
-    return replace(data, samples=PairSamples(store, values), summary=summary)

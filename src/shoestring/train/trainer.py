@@ -31,7 +31,7 @@ from shoestring.train.kernels import apply_kernels, check_family
 from shoestring.train.learner import Learner
 from shoestring.train.model import apply_lora, resolve_model_dir
 from shoestring.train.objective import SFT, Objective, make_objective
-from shoestring.train.reflogps import with_reference
+from shoestring.train.reflogps import ReferenceJob, with_reference
 from shoestring.train.run import Inputs, Run, data_cache_storage
 
 
@@ -143,8 +143,8 @@ def build_trainer(cfg: ResolvedConfig, run: Run, inputs: Inputs) -> Trainer:
     precision = Precision(precision_of(cfg), device)
     learner = _learner(cfg, run, model_dir, base_fp, precision)
     if cfg.dpo.precompute_ref and cfg.train.objective == "dpo":
-        key, pad = inputs.data.key, tok.pad_token_id
-        data = with_reference(cfg, run, data, learner.model, base_fp, precision, key, pad)
+        job = ReferenceJob(cfg, run, learner.model, base_fp, precision, tok.pad_token_id)
+        data = with_reference(job, data, inputs.data.key)
     return Trainer(
         cfg,
         run,
