@@ -242,3 +242,48 @@ def test_an_adapter_is_merged_in_row_blocks_to_the_same_bits(
         delta.merge_("model.layers.0.mlp.up_proj.weight", w)
         assert torch.equal(w, whole)
     assert delta.scratch("model.layers.0.mlp.up_proj.weight", shape, torch.float32) <= 4 << 20
+
+
+def _least_budget(needs: object, engine: object, depth: int) -> tuple[int, str]:
+    """The smallest budget the plan accepts for one sequence of the test's input, with the
+    runtime fixed (bisected on :func:`make_plan` itself), and where it prepares there."""
+    from shoestring.config import ConfigError
+    from shoestring.infer.config import MemoryConfig
+    from shoestring.infer.engine import kv_bytes_per_token, kv_scratch_per_token
+    from shoestring.infer.plan import Budget, Lengths, ModelShape, make_plan
+
+    config, runtime = engine.config, 400_000_000  # type: ignore[attr-defined]
+    f32 = torch.float32
+    shape = ModelShape(
+        config, 4, kv_bytes_per_token(config, f32), kv_scratch_per_token(config, f32)
+    )
+    lengths, memory = Lengths([12] * 64, 8), MemoryConfig(prefetch_depth=depth)
+    lo, hi = runtime, runtime + 10**9  # refused at lo, accepted at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            make_plan(Budget(mid, runtime), needs, shape, lengths, memory)  # type: ignore[arg-type]
+            hi = mid
+        except ConfigError:
+            lo = mid
+    plan = make_plan(Budget(hi, runtime), needs, shape, lengths, memory)  # type: ignore[arg-type]
+    return hi, plan.prepare_at
+
+
+def test_compression_needs_a_smaller_budget_than_exact(setup: tuple[Path, Path, Path]) -> None:
+    """Before, every read-ahead slot held a compressed unit *and* its dequantized copy:
+    int8 on an fp32 checkpoint needed ~2.5 exact units at depth 1, exact 2. (The weights'
+    predicted needs: the plan that refuses before the compressed copy is written.)"""
+    from shoestring.infer.engine import StreamingCausalLM
+    from shoestring.infer.weights import weight_needs
+
+    for depth in (1, 2):
+        least = {}
+        for scheme in (None, "int8", "nf4"):
+            engine = StreamingCausalLM(setup[0], device=torch.device("cpu"), dtype=torch.float32)
+            needs = weight_needs(engine, scheme, None)  # type: ignore[arg-type]
+            least[scheme] = _least_budget(needs, engine, depth)
+        print(f"least budgets at depth {depth}: {least}")
+        assert least[None][1] == "ahead"  # nothing to prepare: the same plan as ever
+        for scheme in ("int8", "nf4"):
+            assert least[scheme][0] < least[None][0] and least[scheme][1] == "on_compute"
