@@ -242,3 +242,102 @@ def test_an_adapter_is_merged_in_row_blocks_to_the_same_bits(
         delta.merge_("model.layers.0.mlp.up_proj.weight", w)
         assert torch.equal(w, whole)
     assert delta.scratch("model.layers.0.mlp.up_proj.weight", shape, torch.float32) <= 4 << 20
+
+
+def _least_budget(needs: object, engine: object, depth: int) -> tuple[int, str]:
+    """The smallest budget the plan accepts for one sequence of the test's input, with the
+    runtime fixed (bisected on :func:`make_plan` itself, with writing a compressed copy
+    checked as the job does), and where it prepares there."""
+    from shoestring.config import ConfigError
+    from shoestring.infer.config import MemoryConfig
+    from shoestring.infer.engine import kv_bytes_per_token, kv_scratch_per_token
+    from shoestring.infer.plan import Budget, Lengths, ModelShape, check_setup, make_plan
+
+    config, runtime = engine.config, 400_000_000  # type: ignore[attr-defined]
+    f32 = torch.float32
+    shape = ModelShape(
+        config, 4, kv_bytes_per_token(config, f32), kv_scratch_per_token(config, f32)
+    )
+    lengths, memory = Lengths([12] * 64, 8), MemoryConfig(prefetch_depth=depth)
+    lo, hi = runtime, runtime + 10**9  # refused at lo, accepted at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            make_plan(Budget(mid, runtime), needs, shape, lengths, memory)  # type: ignore[arg-type]
+            check_setup(Budget(mid, runtime), needs.build)  # type: ignore[attr-defined]
+            hi = mid
+        except ConfigError:
+            lo = mid
+    plan = make_plan(Budget(hi, runtime), needs, shape, lengths, memory)  # type: ignore[arg-type]
+    return hi, plan.prepare_at
+
+
+def test_compression_needs_a_smaller_budget_than_exact(setup: tuple[Path, Path, Path]) -> None:
+    """Before, every read-ahead slot held a compressed unit *and* its dequantized copy:
+    int8 on an fp32 checkpoint needed ~2.5 exact units at depth 1, exact 2. (The weights'
+    predicted needs: the plan that refuses before the compressed copy is written.)"""
+    from shoestring.infer.engine import StreamingCausalLM
+    from shoestring.infer.weights import weight_needs
+
+    for depth in (1, 2):
+        least = {}
+        for scheme in (None, "int8", "nf4"):
+            engine = StreamingCausalLM(setup[0], device=torch.device("cpu"), dtype=torch.float32)
+            needs = weight_needs(engine, scheme, None)  # type: ignore[arg-type]
+            least[scheme] = _least_budget(needs, engine, depth)
+        print(f"least budgets at depth {depth}: {least}")
+        assert least[None][1] == "ahead"  # nothing to prepare: the same plan as ever
+        for scheme in ("int8", "nf4"):
+            assert least[scheme][0] < least[None][0] and least[scheme][1] == "on_compute"
+
+
+def _least_from_refusal(err: str) -> int:
+    """The least budget a refusal implies: its parts but the slack (each to 0.1 MB),
+    over the 31/32 of a budget the plan spends before its slack."""
+    parts = re.search(
+        r"\(([\d.,]+) MB runtime \+ ([\d.,]+) MB read-ahead \+ ([\d.,]+) MB preparing a unit "
+        r"\+ ([\d.,]+) MB activations \+ ([\d.,]+) MB KV cache",
+        err,
+    )
+    assert parts is not None, err[-2000:]
+    return int(sum(float(p.replace(",", "")) * 1e6 for p in parts.groups()) * 32 / 31)
+
+
+@pytest.mark.parametrize(
+    "scheme,below",
+    [
+        # Three processes (~17 s quiet): over CI's time; the plan's side is CI's
+        # test_compression_needs_a_smaller_budget_than_exact, the engine's
+        # test_preparing_on_compute_gives_the_same_bits_as_preparing_ahead.
+        pytest.param("int8", 3_000_000, marks=pytest.mark.slow(reason="3 processes, ~17 s")),
+        pytest.param("nf4", 1_200_000, marks=pytest.mark.slow(reason="3 processes, ~17 s")),
+    ],
+)
+def test_a_budget_too_small_for_exact_runs_compressed(
+    setup: tuple[Path, Path, Path], refused: Ran, tmp_path: Path, scheme: str, below: int
+) -> None:
+    """At a budget just under exact's least (its refusal says what that is), exact is
+    refused and ``--compress`` runs, within the budget: the ring holds compressed bytes
+    and the one unit computing is dequantized just before (``prepare_at`` on_compute).
+    The runtime is reserved above what either measures, so both plan on the same."""
+    model, _, inp = setup
+    few = tmp_path / "in.jsonl"
+    few.write_text("".join(inp.read_text().splitlines(keepends=True)[:4]))
+    reserve = ("--memory.runtime_reserve", str(_runtime(refused.err) + (32 << 20)))
+    exact = _run(model, few, tmp_path / "e0.jsonl", TOO_SMALL, *reserve)
+    assert exact.rc == 2 and "the read-ahead holds 2 units as read" in exact.err
+    budget = _least_from_refusal(exact.err) - below
+    ran = _run(model, few, tmp_path / "c.jsonl", budget, *reserve, "--compress", scheme)
+    assert ran.rc == 0, ran.err[-2000:]
+    plan = _events(ran.out)[0]["plan"]
+    # it streams the decoder layers (units 1-8; the head's norm may be resident)
+    assert plan["prepare_at"] == "on_compute" and not set(plan["resident"]) & set(range(1, 9))
+    print(f"peak_rss {scheme} under exact's least: {ran.peak / 1e6:.1f} MB of {budget / 1e6:.1f}")
+    assert ran.peak <= budget and "WARNING" not in ran.err
+    exact = _run(model, few, tmp_path / "e.jsonl", budget, *reserve)
+    assert exact.rc == 2 and "is too small for this model" in exact.err
+
+
+def test_the_refusal_of_a_compressed_model_says_what_the_read_ahead_holds(refused: Ran) -> None:
+    assert "the read-ahead holds 2 units as read" in refused.err
+    assert "and one unit dequantized or cast to the compute dtype just before" in refused.err

@@ -348,3 +348,33 @@ def test_fast_dequantize_is_bitwise_the_plain_formula(scheme: str) -> None:
         assert torch.equal(
             dequantize(parts, torch.empty(700, 192, dtype=dtype), rows=256), plain.to(dtype)
         )
+
+
+@pytest.mark.parametrize(
+    "scheme,dtype,tie", [("int8", torch.float32, False), ("nf4", torch.bfloat16, True)]
+)
+def test_preparing_on_compute_gives_the_same_bits_as_preparing_ahead(
+    scheme: str, dtype: torch.dtype, tie: bool, tmp_path: Path
+) -> None:
+    """The ring holds compressed bytes only and the consumer dequantizes (and casts)
+    each unit into one shared scratch just before compute: same tensors as the reader
+    thread's prepare-ahead, so the same logits and tokens, to the bit (a tied head, a
+    bf16 cast of the embedding and the norms share that scratch with the layers)."""
+    from shoestring.infer.quant import build_compressed, use_compressed
+
+    model = build_random_model(tmp_path / "m", seed=3, tie=tie)
+    prompts = _prompts(5, seed=4)
+    out = {}
+    for at in ("ahead", "on_compute"):
+        eng = StreamingCausalLM(model, device=CPU, dtype=dtype)
+        prepare, _ = use_compressed(eng, build_compressed(eng, tmp_path / "w", scheme, "t"))
+        eng.start(resident=0, depth=1, prepare=prepare, prepare_at=at)  # type: ignore[arg-type]
+        try:
+            logits = prompt_logits(eng, prompts)
+            gen = generate(eng, prompts, max_new_tokens=4, eos_ids=set(), pad_id=0, micro_tokens=16)
+            out[at] = (logits, [o.tokens for o in gen], eng.streamer.prepare_s)
+        finally:
+            eng.close()
+    (ahead, tokens, _), (now, now_tokens, prepare_s) = out["ahead"], out["on_compute"]
+    assert all(torch.equal(a, b) for a, b in zip(ahead, now)) and tokens == now_tokens
+    assert prepare_s > 0  # the consumer did prepare them

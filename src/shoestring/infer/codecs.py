@@ -52,13 +52,23 @@ QUANTIZE_SCRATCH = 16 << 20
 _QUANTIZE_PER_ELEMENT = {"int8": 16, "nf4": 80}
 
 
-def quantize(w: torch.Tensor, scheme: Scheme, rows: int = 0) -> dict[str, torch.Tensor]:
+def quantize_scratch(largest: int, cols: int) -> int:
+    """The temporaries :func:`quantize` is given while a copy is written whose largest
+    tensor is ``largest`` bytes as read, its widest row ``cols``: no more than that
+    tensor (a small model's copy must fit where streaming it does), nor than
+    :data:`QUANTIZE_SCRATCH`, and at least one nf4 row."""
+    return max(min(QUANTIZE_SCRATCH, largest), cols * _QUANTIZE_PER_ELEMENT["nf4"])
+
+
+def quantize(
+    w: torch.Tensor, scheme: Scheme, rows: int = 0, scratch: int = QUANTIZE_SCRATCH
+) -> dict[str, torch.Tensor]:
     """Compressed parts of one 2-D weight, keyed by suffix ('q8'/'s' or 'q4'/'a').
 
     Works ``rows`` rows at a time (0: as many as keep the temporaries within
-    :data:`QUANTIZE_SCRATCH`; every row is coded on its own, so the block size does
-    not change the result)."""
-    rows = rows or max(1, QUANTIZE_SCRATCH // (w.shape[1] * _QUANTIZE_PER_ELEMENT[scheme]))
+    ``scratch`` bytes, at least one row; every row is coded on its own, so the block
+    size does not change the result)."""
+    rows = rows or max(1, scratch // (w.shape[1] * _QUANTIZE_PER_ELEMENT[scheme]))
     if w.shape[0] > rows:
         parts = [_quantize(w[i : i + rows], scheme) for i in range(0, w.shape[0], rows)]
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}

@@ -43,7 +43,7 @@ from shoestring.infer.shards import (
     plan_reads,
     same_bytes,
 )
-from shoestring.infer.stream import LayerStreamer, Prepare, Slot
+from shoestring.infer.stream import LayerStreamer, Prepare, PrepareAt, Slot
 
 
 @dataclass
@@ -218,8 +218,10 @@ class StreamingCausalLM:
         depth: int = 2,
         prepare: Prepare | None = None,
         direct_io: bool = True,
+        prepare_at: PrepareAt = "ahead",
     ) -> StreamingCausalLM:
-        """Read the resident units and start the read-ahead thread."""
+        """Read the resident units and start the read-ahead thread; ``prepare`` (and the
+        casts to the compute dtype) run where ``prepare_at`` says (:mod:`.stream`)."""
         chosen = resident if isinstance(resident, set) else self.pick_resident(resident)
         user = prepare or (lambda i, t, s: t)
         self._kept = None
@@ -231,6 +233,7 @@ class StreamingCausalLM:
             prepare=lambda i, t, s: self._cast(user(i, t, s), s),
             direct_io=direct_io,
             drop_raw={i for i in chosen if not self.raw_kept(i)},
+            prepare_at=prepare_at,
         )
         return self
 

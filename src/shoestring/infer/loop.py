@@ -53,7 +53,9 @@ class ChunkLoop:
     @classmethod
     def start(cls, job: InferJob, ledger: ChunkLedger, stats: Stats) -> ChunkLoop:
         """Start the engine (reads the resident units) and the progress display."""
-        job.engine.start(set(job.plan.resident), job.plan.depth, job.hook)
+        job.engine.start(
+            set(job.plan.resident), job.plan.depth, job.hook, prepare_at=job.plan.prepare_at
+        )
         progress = PromptBar(
             len(job.work.records), ledger.records_done(), job.cfg.job.progress, job.stream
         )

@@ -5,8 +5,9 @@ lengths and the runtime the job measured when it planned (``reserve``), never on
 measurements taken while it runs, so the same command gets the same plan.
 
 Peak memory = runtime (the process as it plans, plus what the first pass sets up)
-            + read-ahead ring + what preparing one unit needs on top of its slot
-            (dequantization row blocks, an adapter's ``B @ A`` row blocks)
+            + read-ahead ring (``depth`` + 1 slots, see below) + what preparing one
+            unit needs on top of its slot (dequantization row blocks, an adapter's
+            ``B @ A`` row blocks)
             + activations of one forward call (a layer's temporaries with the KV
             cache handling of one layer, or the head's logits) + hidden states of
             the whole batch + KV cache of the whole batch + resident units
@@ -19,16 +20,27 @@ ring of the costliest unit; the ring finally reserved holds the costliest
 goes to the resident set. Reading a resident unit that is rebuilt in scratch (cast
 or dequantized) holds its raw bytes for a moment at start; the resident set leaves
 room for that too.
+
+Where a unit is prepared (:data:`~shoestring.infer.stream.PrepareAt`) decides what a
+slot holds. ``"ahead"`` (the reader prepares it, overlapping compute): each slot holds
+a unit's raw bytes *and* its scratch (dequantized weights, casts to the compute dtype).
+``"on_compute"`` (the consumer prepares it just before compute): each slot holds raw
+bytes only, plus one scratch set for the whole ring. With compression the scratch is
+the larger part (an int8 layer dequantized to fp32 is 4x its bytes as read), so only
+``"on_compute"`` lets a compressed model stream in less memory than the exact one. The
+plan prefers ``"ahead"`` and takes ``"on_compute"`` only where it buys a larger batch
+(or any at all); the tensors are the same either way, so the choice is not pinned.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from shoestring.config import ConfigError
 from shoestring.infer.config import MemoryConfig
 from shoestring.infer.ledger import Pinned
+from shoestring.infer.stream import PrepareAt
 
 #: A first attempt's: nothing pinned yet.
 NOTHING_PINNED = Pinned()
@@ -84,6 +96,7 @@ class StreamPlan:
     depth: int  # read-ahead depth
     budget: int
     breakdown: dict[str, int]  # bytes per part, for the summary and run.json
+    prepare_at: PrepareAt = "ahead"  # where units are prepared (module docstring)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,20 +145,49 @@ class _Activations:
 @dataclass(frozen=True)
 class _Costs:
     """Bytes each unit holds when resident (``held``), in a ring slot (``slot``: raw
-    bytes plus scratch), and for a moment while it is read as a resident unit whose
-    raw bytes are then dropped (``load``: those raw bytes; 0 when they are kept)."""
+    bytes, plus its scratch when prepared ``"ahead"``), as scratch once prepared
+    (``scratch``), and for a moment while it is read as a resident unit whose raw
+    bytes are then dropped (``load``: those raw bytes; 0 when they are kept)."""
 
     held: list[int]
     slot: list[int]
+    scratch: list[int]
     load: list[int]
     depth: int
+    at: PrepareAt
 
     def ring(self, streamed: list[int]) -> int:
         """The read-ahead ring: depth + 1 slots of the costliest streamed unit (what
-        the streamer allocates); nothing when every unit is resident."""
+        the streamer allocates), plus, prepared ``"on_compute"``, the one scratch set
+        they share; nothing when every unit is resident."""
         if not streamed:
             return 0
-        return (min(self.depth, len(streamed)) + 1) * max(self.slot[i] for i in streamed)
+        return self._slots(streamed) * max(self.slot[i] for i in streamed) + self.shared(streamed)
+
+    def _slots(self, streamed: list[int]) -> int:
+        return min(self.depth, len(streamed)) + 1
+
+    def shared(self, streamed: list[int]) -> int:
+        """The scratch set the ring shares (``"on_compute"``; 0 ``"ahead"``)."""
+        if self.at == "ahead" or not streamed:
+            return 0
+        return max(self.scratch[i] for i in streamed)
+
+    def holds(self, streamed: list[int]) -> str:
+        """What the ring holds, in words (for the refusal)."""
+        slots, raw = self._slots(streamed), max(self.slot[i] for i in streamed)
+        if self.at == "on_compute":
+            return (
+                f"the read-ahead holds {slots} units as read ({_mb(raw)} MB each, "
+                f"compressed where compression is on) and one unit dequantized or cast to "
+                f"the compute dtype just before it computes ({_mb(self.shared(streamed))} MB)"
+            )
+        if not any(self.scratch[i] for i in streamed):
+            return f"the read-ahead holds {slots} units as read ({_mb(raw)} MB each)"
+        return (
+            f"the read-ahead holds {slots} units ({_mb(raw)} MB each), each as read and "
+            "as prepared (dequantized or cast to the compute dtype) ahead of compute"
+        )
 
     def streamed(self, resident: list[int]) -> list[int]:
         return [i for i in range(len(self.held)) if i not in resident]
@@ -157,14 +199,14 @@ class _Costs:
         )
 
 
-def _unit_costs(
-    unit_bytes: list[int], unit_extra: list[int], raw_kept: list[bool] | None, depth: int
-) -> _Costs:
-    slot = [b + e for b, e in zip(unit_bytes, unit_extra)]
+def _unit_costs(needs: Needs, depth: int, at: PrepareAt) -> _Costs:
+    unit_bytes, unit_extra = needs.read, needs.extra
+    raw_kept = needs.raw_kept
     keep = raw_kept if raw_kept is not None else [True] * len(unit_bytes)
-    held = [c if k else e for c, k, e in zip(slot, keep, unit_extra)]
+    held = [b + e if k else e for b, k, e in zip(unit_bytes, keep, unit_extra)]
+    slot = [b + e if at == "ahead" else b for b, e in zip(unit_bytes, unit_extra)]
     load = [0 if k else b for b, k in zip(unit_bytes, keep)]
-    return _Costs(held, slot, load, depth)
+    return _Costs(held, slot, list(unit_extra), load, depth, at)
 
 
 @dataclass(frozen=True)
@@ -205,18 +247,14 @@ def make_plan(
     """
     prompt_lens, depth = lengths.prompts, memory.prefetch_depth
     longest = max(prompt_lens) if prompt_lens else 1
-    costs = _unit_costs(needs.read, needs.extra, needs.raw_kept, depth)
-    ring = costs.ring(list(range(len(needs.read))))  # before the resident set is known
     act, per_seq = _per_call_and_per_seq(shape, longest, lengths)
     fixed = _Fixed(budget.total, budget.runtime, max(needs.prepare or [0], default=0))
-    room = fixed.room - ring
-    if room < per_seq + act.bytes(longest, 1):
-        raise _too_small(fixed, ring, act.bytes(longest, 1), per_seq, depth)
     want_batch, pinned_batch = memory.batch_size, pinned.batch_size
-    if pinned_batch is None:
-        fits = _most_that_fit(act, per_seq, longest, room, want_batch)
-    else:  # a rerun may use the slack too: its measured runtime can differ a little
-        fits = _most_that_fit(act, per_seq, longest, room + fixed.slack, pinned_batch)
+    sizing = _Sizing(act, per_seq, longest, fixed, pinned_batch or want_batch, pinned_batch)
+    options = [_unit_costs(needs, depth, at) for at in get_args(PrepareAt)]
+    costs, fits = _where_to_prepare(sizing, options, len(prompt_lens))
+    ring = costs.ring(list(range(len(needs.read))))  # before the resident set is known
+    room = fixed.room - ring
     batch = _batch_size(fits, want_batch, len(prompt_lens), pinned_batch)
     left = room - batch * per_seq
     micro = pinned.micro_tokens or _micro_tokens(
@@ -233,7 +271,48 @@ def make_plan(
         "resident": sum(costs.held[i] for i in resident),
         "slack": fixed.slack,
     }
-    return StreamPlan(batch, micro, tuple(sorted(resident)), depth, budget.total, parts)
+    resident_units = tuple(sorted(resident))
+    return StreamPlan(batch, micro, resident_units, depth, budget.total, parts, costs.at)
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    """What sizing the batch takes: one forward call's activations, each sequence's KV
+    cache and hidden states, the longest prompt, the fixed parts, the most sequences
+    wanted (or pinned: then the slack may be used too, a rerun's measured runtime can
+    differ a little)."""
+
+    act: _Activations
+    per_seq: int
+    longest: int
+    fixed: _Fixed
+    most: int
+    pinned: int | None
+
+    def fits(self, costs: _Costs, units: int) -> int:
+        """The largest batch that fits beside a ring of ``costs`` (0: not one)."""
+        room = self.fixed.room - costs.ring(list(range(units)))
+        if self.pinned is not None:
+            room += self.fixed.slack
+        return _most_that_fit(self.act, self.per_seq, self.longest, room, self.most)
+
+
+def _where_to_prepare(sizing: _Sizing, options: list[_Costs], n_seqs: int) -> tuple[_Costs, int]:
+    """Of ``options`` (one per place to prepare, ``"ahead"`` first), the one whose ring
+    leaves room for the largest batch, and that batch before it is capped; ties go to
+    the first (overlap). Refuses when not one sequence fits beside the smallest ring."""
+    units = len(options[0].held)
+    everything = list(range(units))
+    least = min(options, key=lambda c: c.ring(everything))
+    one = sizing.per_seq + sizing.act.bytes(sizing.longest, 1)
+    if sizing.fixed.room - least.ring(everything) < one:
+        raise _too_small(sizing.fixed, least, everything, one - sizing.per_seq, sizing.per_seq)
+    best, best_fits = options[0], sizing.fits(options[0], units)
+    for costs in options[1:]:
+        fits = sizing.fits(costs, units)
+        if min(fits, max(n_seqs, 1)) > min(best_fits, max(n_seqs, 1)):
+            best, best_fits = costs, fits
+    return best, best_fits
 
 
 def _per_call_and_per_seq(
@@ -266,13 +345,16 @@ def _most_that_fit(act: _Activations, per_seq: int, longest: int, room: int, mos
     return lo
 
 
-def _too_small(fixed: _Fixed, ring: int, act: int, per_seq: int, depth: int) -> ConfigError:
+def _too_small(
+    fixed: _Fixed, costs: _Costs, streamed: list[int], act: int, per_seq: int
+) -> ConfigError:
+    ring = costs.ring(streamed)
     need = fixed.runtime + ring + fixed.prepare + act + per_seq + fixed.slack
     # At depth 1 the ring is the unit being computed and the one being read: the least
     # that streams at all (the largest unit twice: the embedding or head of a big vocab).
     fix = (
         "lower memory.prefetch_depth or raise the budget"
-        if depth > 1
+        if costs.depth > 1
         else f"raise the budget to {need / 1e9:.2f} GB (memory.prefetch_depth is already 1)"
     )
     return ConfigError(
@@ -280,7 +362,7 @@ def _too_small(fixed: _Fixed, ring: int, act: int, per_seq: int, depth: int) -> 
         f"and input: one sequence needs {need / 1e9:.2f} GB ({_mb(fixed.runtime)} MB "
         f"runtime + {_mb(ring)} MB read-ahead + {_mb(fixed.prepare)} MB preparing a unit "
         f"+ {_mb(act)} MB activations + {_mb(per_seq)} MB KV cache and hidden states + "
-        f"{_mb(fixed.slack)} MB slack); {fix}"
+        f"{_mb(fixed.slack)} MB slack; {costs.holds(streamed)}); {fix}"
     )
 
 

@@ -25,18 +25,20 @@ from shoestring.dircommit import replace_dir
 from shoestring.fsio import fsync_dir
 from shoestring.infer.codecs import (
     GROUP,
-    QUANTIZE_SCRATCH,
     Scheme,
     dequantize,
     dequantize_scratch,
     quantize,
+    quantize_scratch,
 )
 from shoestring.infer.engine import StreamingCausalLM, trim_heap
 from shoestring.infer.shards import (
+    ReadPlan,
     ShardReader,
     TensorRef,
     aligned_empty,
     generic_key,
+    plan_reads,
     read_header,
     views,
 )
@@ -88,20 +90,26 @@ def build_compressed(
 def _write_layers(
     engine: StreamingCausalLM, tmp: Path, scheme: Scheme, transform: Transform | None
 ) -> None:
-    """Read each decoder layer once and write its compressed copy into ``tmp``."""
+    """Read each decoder layer once, one tensor at a time, and write its compressed copy
+    into ``tmp`` (what it holds at once: :func:`compressed_layout`'s ``build``)."""
     from safetensors.torch import save_file
 
     reader = ShardReader()
-    buf = aligned_empty(max(u.plan.nbytes for u in engine.units if u.name.startswith("layers.")))
+    largest, cols = _largest_tensor(engine)
+    buf = aligned_empty(largest)
     try:
         for unit in engine.units:
             if not unit.name.startswith("layers."):
                 continue
-            reader.read(unit.plan, buf)
+            out: dict[str, torch.Tensor] = {}
+            for ref in unit.refs:
+                plan = plan_reads([ref])
+                reader.read(plan, buf)
+                t = views(plan, buf)[ref.key]
+                out.update(_compressed(ref, t, scheme, transform, quantize_scratch(largest, cols)))
             path = tmp / f"{unit.name}.safetensors"
-            save_file(
-                _compress_unit(unit.refs, views(unit.plan, buf), scheme, transform), str(path)
-            )
+            save_file(out, str(path))
+            del out
             with open(path, "rb") as f:
                 os.fsync(f.fileno())  # then its clean pages can be dropped from the cache
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
@@ -109,25 +117,25 @@ def _write_layers(
         reader.close()
 
 
-def _compress_unit(
-    refs: list[TensorRef],
-    tensors: dict[str, torch.Tensor],
-    scheme: Scheme,
-    transform: Transform | None,
+def _largest_tensor(engine: StreamingCausalLM) -> tuple[int, int]:
+    """The most bytes one decoder-layer tensor takes read on its own, and the widest row."""
+    plans: list[tuple[ReadPlan, TensorRef]] = [
+        (plan_reads([r]), r) for u in engine.units if u.name.startswith("layers.") for r in u.refs
+    ]
+    return max(p.nbytes for p, _ in plans), max(r.shape[-1] if r.shape else 1 for _, r in plans)
+
+
+def _compressed(
+    ref: TensorRef, t: torch.Tensor, scheme: Scheme, transform: Transform | None, scratch: int
 ) -> dict[str, torch.Tensor]:
-    """One unit's tensors as stored in the copy: compressible weights as their parts
-    (``key::q8``/``key::s`` or ``key::q4``/``key::a``), the rest as they are."""
-    out: dict[str, torch.Tensor] = {}
-    for ref in refs:
-        t = tensors[ref.key]
-        if transform is not None:
-            t = transform(ref.key, t)
-        if _compressible(ref.key, ref):
-            for suffix, part in quantize(t, scheme).items():
-                out[f"{ref.key}::{suffix}"] = part
-        else:
-            out[ref.key] = t.clone()
-    return out
+    """One tensor as stored in the copy: a compressible weight as its parts
+    (``key::q8``/``key::s`` or ``key::q4``/``key::a``), the rest as it is (copied out of
+    the read buffer, which the next tensor reuses)."""
+    if transform is not None:
+        t = transform(ref.key, t)
+    if _compressible(ref.key, ref):
+        return {f"{ref.key}::{k}": part for k, part in quantize(t, scheme, scratch=scratch).items()}
+    return {ref.key: t.clone()}
 
 
 @dataclass(frozen=True)
@@ -147,7 +155,7 @@ def compressed_layout(engine: StreamingCausalLM, scheme: Scheme) -> Layout:
     units' casts are not in it (:meth:`StreamingCausalLM.cast_bytes`)."""
     n = len(engine.units)
     read, scratch, temps = [u.plan.nbytes for u in engine.units], [0] * n, [0] * n
-    raw = unit = part = 0
+    unit = part = 0
     for i, u in enumerate(engine.units):
         if not u.name.startswith("layers."):
             continue
@@ -161,10 +169,12 @@ def compressed_layout(engine: StreamingCausalLM, scheme: Scheme) -> Layout:
             if _compressible(r.key, r):
                 code = "q4" if scheme == "nf4" and r.shape[-1] % GROUP == 0 else "q8"
                 temps[i] = max(temps[i], dequantize_scratch(r.shape, code, engine.dtype))
-        raw, unit = max(raw, u.plan.nbytes), max(unit, read[i])
-    # One layer read, its copy built (the row blocks' parts and their concatenation
-    # beside it) and serialized by save_file (a second copy).
-    return Layout(read, scratch, temps, raw + 2 * unit + 2 * part + QUANTIZE_SCRATCH)
+        unit = max(unit, read[i])
+    # One tensor read, its layer's copy built (a weight's row blocks' parts and their
+    # concatenation beside them) and serialized by save_file (a second copy).
+    largest, cols = _largest_tensor(engine)
+    build = largest + 2 * unit + 2 * part + quantize_scratch(largest, cols)
+    return Layout(read, scratch, temps, build)
 
 
 def _packed_bytes(ref: TensorRef, scheme: Scheme) -> int:

@@ -9,6 +9,14 @@ for a cyclic scan, a fixed pinned set beats LRU, which gets no hits at all.
 On CUDA each slot is a pinned host buffer plus a device buffer; the reader
 thread issues the host-to-device copy on its own stream and the consumer waits
 on that copy's event, so disk reads, PCIe copies and compute all overlap.
+
+Where ``prepare`` runs (:data:`PrepareAt`): ``"ahead"``, in the reader thread into
+each slot's own scratch, so preparation overlaps compute too, at the cost of every
+slot holding a unit's prepared tensors beside its raw bytes; or ``"on_compute"``, in
+the consumer just before compute into one scratch set shared by the whole ring
+(the slots hold raw bytes only): a compressed unit's dequantized weights are then
+held once, not ``depth + 1`` times. The same ``prepare`` runs on the same bytes
+either way, so the tensors are the same to the bit.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -26,6 +35,15 @@ from shoestring.infer.shards import ReadPlan, ShardReader, aligned_empty, views
 #: Turns the raw views of a unit into the tensors its modules use (dequantize,
 #: merge an adapter). Runs in the reader thread, so it overlaps compute too.
 Prepare = Callable[[int, dict[str, torch.Tensor], "Slot"], dict[str, torch.Tensor]]
+
+#: Where ``prepare`` runs: in the reader thread into each ring slot's scratch
+#: ("ahead"), or in the consumer just before compute into one shared scratch set
+#: ("on_compute"; see the module docstring).
+PrepareAt = Literal["ahead", "on_compute"]
+
+
+def _as_read(i: int, tensors: dict[str, torch.Tensor], slot: Slot) -> dict[str, torch.Tensor]:
+    return tensors
 
 
 @dataclass
@@ -52,11 +70,16 @@ class LayerStreamer:
         prepare: Prepare,
         direct_io: bool = True,
         drop_raw: set[int] | None = None,
+        prepare_at: PrepareAt = "ahead",
     ) -> None:
         self.plans = plans
         self.device = device
         self.cuda = device.type == "cuda"
         self.prepare = prepare
+        self.prepare_at = prepare_at
+        # "on_compute": the one scratch set every streamed unit is prepared into.
+        self._shared = Slot(torch.empty(0, dtype=torch.uint8))
+        self.prepare_s = 0.0  # consumer time spent preparing units ("on_compute")
         self.reader = ShardReader(direct=direct_io)
         self.order = [i for i in range(len(plans)) if i not in resident]
         self.wait_s = 0.0  # consumer time blocked on the reader (I/O not hidden)
@@ -96,9 +119,12 @@ class LayerStreamer:
         return slot
 
     def _load(
-        self, i: int, slot: Slot, stream: torch.cuda.Stream | None = None
+        self, i: int, slot: Slot, stream: torch.cuda.Stream | None = None, prepare: bool = True
     ) -> dict[str, torch.Tensor]:
+        """Read unit ``i`` into ``slot`` (and copy it to the device), then prepare it into
+        the slot's scratch, or not (``prepare`` False: the raw views)."""
         plan = self.plans[i]
+        run = self.prepare if prepare else _as_read
         if self.cuda and slot.ready is not None:
             slot.ready.synchronize()  # the last copy out of host is done
         self.reader.read(plan, slot.host)
@@ -110,22 +136,22 @@ class LayerStreamer:
             with torch.cuda.stream(stream):
                 slot.device.copy_(slot.host, non_blocking=True)
                 buf = slot.device
-                tensors = self.prepare(i, views(plan, buf), slot)
+                tensors = run(i, views(plan, buf), slot)
                 slot.ready = torch.cuda.Event()
                 slot.ready.record(stream)
             return tensors
-        return self.prepare(i, views(plan, buf), slot)
+        return run(i, views(plan, buf), slot)
 
     def _run(self) -> None:
         stream = torch.cuda.Stream(self.device) if self.cuda else None
-        k = 0
+        k, ahead = 0, self.prepare_at == "ahead"
         try:
             while not self._stop.is_set():
                 slot = self._free.get()
                 if self._stop.is_set():
                     return
                 i = self.order[k % len(self.order)]
-                self._ready.put((i, slot, self._load(i, slot, stream)))
+                self._ready.put((i, slot, self._load(i, slot, stream, ahead)))
                 k += 1
         except BaseException as e:  # surfaced to the consumer in acquire()
             self._error = e
@@ -148,6 +174,18 @@ class LayerStreamer:
         if self.cuda and slot.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
         self._inflight[i] = slot
+        if self.prepare_at == "on_compute":
+            return self._prepare_now(i, tensors)
+        return tensors
+
+    def _prepare_now(self, i: int, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Prepare unit ``i`` into the shared scratch (on CUDA: on the current stream,
+        after the wait on its copy's event, so before compute and before ``release``
+        records that the slot's device buffer is free). The unit prepared before it is
+        released by then: one unit is prepared at a time."""
+        t0 = time.perf_counter()
+        tensors = self.prepare(i, raw, self._shared)
+        self.prepare_s += time.perf_counter() - t0
         return tensors
 
     def release(self, i: int) -> None:
