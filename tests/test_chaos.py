@@ -66,7 +66,9 @@ def test_corrupt_newest_checkpoint_end_to_end(
     cli: CLI, tmp_path: Path, reference: dict[str, str]
 ) -> None:
     out = tmp_path / "run"
-    r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "step.end@10:kill"})
+    # Killed right after the step-8 checkpoint commits (a kill at a step's end could come
+    # before a slow background save of step 8 committed, and there would be none to corrupt).
+    r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "ckpt.after_rename@2:kill"})
     assert r.returncode == -9
     ck = out / "checkpoints" / "step-00000008" / "optimizer.safetensors"
     b = bytearray(ck.read_bytes())

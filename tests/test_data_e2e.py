@@ -173,7 +173,9 @@ def test_fresh_machine_gets_data_and_cache_from_the_bucket(
     r = cli.run(ref, *_args(chat_model, url), env=env)
     assert r.returncode == 0, r.stderr
     first = tmp_path / "vm1"
-    r = cli.run(first, *args, env={**env, "SHOESTRING_FAULTS": "step.end@7:kill"})
+    # Killed at the end of step 7, once the step-4 save (local commit, then the upload)
+    # finished: a plain kill there could land mid-upload on a loaded machine.
+    r = cli.run(first, *args, env={**env, "SHOESTRING_FAULTS": "step.end@7:kill:saved"})
     assert r.returncode == -signal.SIGKILL
     keys = s3_server.list_keys(f"{prefix}/ckpt/data-cache/")
     assert any(k.endswith("/manifest.json") for k in keys)

@@ -98,10 +98,11 @@ def test_killed_rank_is_restarted_and_result_is_byte_identical(
     cli: CLI, tmp_path: Path, ddp_ref: Path
 ) -> None:
     out = tmp_path / "run"
-    # SIGKILL rank 1 (no notice) after step 6; the step-4 checkpoint is the last committed.
-    r = run_job(
-        cli, out, 2, *DIST, restarts=2, env={"SHOESTRING_FAULTS": "step.end@6:kill:rank1:once"}
-    )
+    # SIGKILL rank 1 (no notice) after step 6, once its shard of the step-4 checkpoint is
+    # written (``saved``: else a slow async shard could still be in flight, and no step-4
+    # checkpoint would be committed); the step-4 checkpoint is the last committed.
+    faults = "step.end@6:kill:rank1:once:saved"
+    r = run_job(cli, out, 2, *DIST, restarts=2, env={"SHOESTRING_FAULTS": faults})
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
     restarts = [e for e in ev if e["event"] == "restart"]

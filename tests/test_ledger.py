@@ -159,11 +159,10 @@ def test_explicit_price_and_unknown_devices() -> None:
 
 def test_finetune_ends_with_a_cost_line_and_event(cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    # Killed without notice while finishing step 7 (last logged: 6, last save: 4): the rerun
-    # redoes steps 5 and 6.
-    r = cli.run(
-        out, *FAST, "--cost.usd_per_hour", "0.75", env={"SHOESTRING_FAULTS": "step.end@7:kill"}
-    )
+    # Killed without notice while finishing step 7 (last logged: 6, last save: 4, committed
+    # by then: ``saved``): the rerun redoes steps 5 and 6.
+    env = {"SHOESTRING_FAULTS": "step.end@7:kill:saved"}
+    r = cli.run(out, *FAST, "--cost.usd_per_hour", "0.75", env=env)
     assert r.returncode != 0
     r = cli.run(out, *FAST, "--cost.usd_per_hour", "0.75")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -51,8 +51,9 @@ def test_qlora_sigkill_resume_is_bit_exact_and_merge_reports_drift(
     from shoestring.train.loop import RunOptions, finetune
 
     ref_out, out = tmp_path / "ref", tmp_path / "run"
-    # A CLI run killed without notice after step 6 (checkpoint at 4) ...
-    killed = cli.start(out, *QLORA, env={"SHOESTRING_FAULTS": "step.end@6:kill"})
+    # A CLI run killed without notice right after its step-4 checkpoint commits (training
+    # is on a later step; a kill at a step's end could beat a slow save) ...
+    killed = cli.start(out, *QLORA, env={"SHOESTRING_FAULTS": "ckpt.after_rename@1:kill"})
     # ... meanwhile the uninterrupted reference runs in this process (same code path,
     # one thread) and also exports the merged model.
     torch.set_num_threads(1)

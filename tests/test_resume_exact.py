@@ -106,7 +106,9 @@ def test_rerun_after_completion_loses_nothing(
 @pytest.mark.slow  # refusal: tests/test_early_errors.py; the new schedule: test_training_options
 def test_changed_config_refuses_resume_but_max_steps_may_change(cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "step.end@6:kill"})
+    # Killed right after the step-4 checkpoint commits (not at a step's end: a slow save
+    # could still be in flight there).
+    r = cli.run(out, *FAST, env={"SHOESTRING_FAULTS": "ckpt.after_rename@1:kill"})
     assert r.returncode == -signal.SIGKILL
     r = cli.run(out, *FAST, "--train.lr", "0.001")
     assert r.returncode == exitcodes.USAGE
@@ -129,12 +131,13 @@ def test_resume_never_refuses_to_clobber(cli: CLI, tmp_path: Path) -> None:
 def test_bf16_autocast_deterministic_run_resumes_bit_exact(
     cli: CLI, tmp_path: Path, reference: dict[str, str]
 ) -> None:
-    """The GPU default path (bf16 autocast, train.deterministic) on the CPU: SIGKILL at step 7,
-    resume from 4, and every byte of state equals an uninterrupted bf16 run's."""
+    """The GPU default path (bf16 autocast, train.deterministic) on the CPU: SIGKILL right
+    after the step-4 checkpoint commits, resume from 4, and every byte of state equals an
+    uninterrupted bf16 run's."""
     args = [*FAST, "--train.precision", "bf16", "--train.deterministic", "true"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert cli.run(straight, *args).returncode == 0
-    r = cli.run(killed, *args, env={"SHOESTRING_FAULTS": "step.end@7:kill"})
+    r = cli.run(killed, *args, env={"SHOESTRING_FAULTS": "ckpt.after_rename@1:kill"})
     assert r.returncode == -signal.SIGKILL
     r = cli.run(killed, *args)
     assert r.returncode == 0, r.stderr

@@ -114,7 +114,10 @@ def test_compiled_run_resumes_byte_identical_to_itself_after_sigkill(
     (c,) = [e for e in read_events(ref) if e["event"] == "compile"]
     assert "eager" not in c
     out = tmp_path / "run"
-    killed = cli.run(out, *args, env={**env, "SHOESTRING_FAULTS": "step.end@6:kill"}, timeout=1200)
+    # Killed right after the step-4 checkpoint commits (a kill at a step's end could beat
+    # a slow save, and the rerun would start over).
+    faults = {"SHOESTRING_FAULTS": "ckpt.after_rename@1:kill"}
+    killed = cli.run(out, *args, env={**env, **faults}, timeout=1200)
     assert killed.returncode == -signal.SIGKILL
     r = cli.run(out, *args, env=env, timeout=1200)
     assert r.returncode == 0, r.stderr

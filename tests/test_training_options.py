@@ -45,12 +45,15 @@ def test_packing_text_data_with_grad_accum_resumes_exactly(cli: CLI, tmp_path: P
     steps = [e for e in read_events(ref) if e["event"] == "step"]
     assert all(e["tokens"] == 8 * 32 for e in steps)  # packed blocks, no padding
     out = tmp_path / "run"
+    # Killed right after the step-4 checkpoint commits: the rerun must resume from it (a
+    # kill at a step's end could beat a slow save; a rerun from scratch also ends equal).
     assert (
-        cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.end@6:kill"}).returncode
+        cli.run(out, *args, env={"SHOESTRING_FAULTS": "ckpt.after_rename@1:kill"}).returncode
         == -signal.SIGKILL
     )
     r = cli.run(out, *args)
     assert r.returncode == 0, r.stderr
+    assert [e["from_step"] for e in read_events(out) if e["event"] == "resume"] == [4]
     assert state_digest(out, 12) == state_digest(ref, 12)
 
 

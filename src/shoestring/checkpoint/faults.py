@@ -21,7 +21,11 @@ holds every one from the N-th bucket on for MS milliseconds more — a degrading
 
 Qualifiers after the action: ``rankN`` fires only in rank N of a distributed
 run; ``once`` fires at most once per run directory (a marker file records it),
-so a supervisor that restarts the job does not meet the same fault again.
+so a supervisor that restarts the job does not meet the same fault again;
+``saved`` first waits until the checkpoint saves in flight in this process have
+finished (:class:`Settle`), so ``step.end@7:kill:saved`` kills at the end of step 7
+after the step-4 save committed by construction, however slow the writer (a plain
+``step.end@7:kill`` can land while that save is still being written).
 """
 
 from __future__ import annotations
@@ -91,6 +95,24 @@ class Delay:
         time.sleep(self.ms / 1000)
 
 
+#: The checkpoint writers' background threads, ``Writer.thread_name`` + ``-STEP``
+#: (``ckpt-writer`` for files in any mode, ``dcp-writer`` for DCP shards).
+SAVE_THREADS = ("ckpt-writer-", "dcp-writer-")
+
+
+@dataclass(frozen=True)
+class Settle:
+    """Before a ``saved`` rule fires: the saves in flight (their writer threads) finish."""
+
+    prefixes: tuple[str, ...] = SAVE_THREADS
+
+    def wait(self) -> None:
+        me = threading.current_thread()
+        for t in threading.enumerate():
+            if t is not me and t.name.startswith(self.prefixes):
+                t.join()
+
+
 #: What :meth:`FaultPlan.hit` hands back for the call site to act on.
 Action = Skip | Extra | Slow | Delay
 
@@ -113,6 +135,7 @@ class _Rule:
     action: str
     rank: int | None = None
     once: bool = False
+    settle: Settle | None = None  # ``saved``: wait for the saves in flight first
     text: str = ""
 
 
@@ -158,11 +181,13 @@ class FaultPlan:
             for q in quals:
                 if q == "once":
                     rule.once = True
+                elif q == "saved":
+                    rule.settle = Settle()
                 elif q.startswith("rank") and q[4:].isdigit():
                     rule.rank = int(q[4:])
                 else:
                     raise ValueError(
-                        f"SHOESTRING_FAULTS: unknown qualifier {q!r} in {part!r} (rankN|once)"
+                        f"SHOESTRING_FAULTS: unknown qualifier {q!r} in {part!r} (rankN|once|saved)"
                     )
             if rule.rank is None or rule.rank == rank:
                 rules.append(rule)
@@ -189,9 +214,10 @@ class FaultPlan:
         return any(r.point == point and r.nth == n for r in self.rules)
 
     def hit(self, point: str) -> Action | None:
-        """Count a hit of ``point``; fire a rule that matches. Kills, full disks, hangs
-        and SIGTERMs happen here; a :data:`Action` is returned for the call site to carry
-        out (skip or add a collective, slow down), else ``None``."""
+        """Count a hit of ``point``; fire a rule that matches (a ``saved`` one once the
+        saves in flight finished). Kills, full disks, hangs and SIGTERMs happen here; a
+        :data:`Action` is returned for the call site to carry out (skip or add a
+        collective, slow down), else ``None``."""
         with self._lock:
             n = self._counts[point] = self._counts.get(point, 0) + 1
         for r in self.rules:
@@ -200,6 +226,8 @@ class FaultPlan:
             if r.point == point and r.nth == n:
                 if r.once and not self._claim(r):
                     continue
+                if r.settle is not None:
+                    r.settle.wait()
                 if r.action in ("skip", "extra"):
                     return _returned(r.action)
                 if r.action == "hang":  # a stalled disk or network
