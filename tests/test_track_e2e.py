@@ -32,7 +32,9 @@ def test_a_stopped_finetune_continues_the_same_tracker_runs(
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading mlruns/ back here
     out = tmp_path / "run"
     env = tracker_env(tmp_path)
-    r = cli.run(out, *_args(), env={**env, "SHOESTRING_FAULTS": f"step.end@7:{stop}"})
+    # The kill waits for the step-4 save in flight (``:saved``): it must resume from 4.
+    fault = "step.end@7:kill:saved" if stop == "kill" else "step.end@7:term"
+    r = cli.run(out, *_args(), env={**env, "SHOESTRING_FAULTS": fault})
     assert r.returncode == (-signal.SIGKILL if stop == "kill" else exitcodes.PREEMPTED)
     first = json.loads((out / "run.json").read_text())["trackers"]
     assert {"wandb", "tensorboard"} <= set(first)
