@@ -242,6 +242,19 @@ WEATHER_TOOL: dict[str, Any] = {
 }
 
 
+def tiny_chat_model(target: Path, seed: int = 9) -> Path:
+    """A tiny random llama with the ChatML tokenizer (its ids fit the padded vocab)."""
+    from shoestring.infer.fixtures import build_random_model
+
+    d = build_random_model(target, "llama", seed=seed)
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    for f in d.glob("special_tokens_map.json"):
+        f.unlink()
+    save_tokenizer(chatml_tokenizer(), d)
+    return d
+
+
 def multi_turn() -> list[dict[str, Any]]:
     """System + three user/assistant exchanges (one answer is non-ASCII)."""
     return [

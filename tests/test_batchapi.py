@@ -25,6 +25,7 @@ from shoestring.infer.batchapi import (
     parse_line,
     read_batch,
 )
+from shoestring.infer.sampleparams import ResponseFormat
 
 PATH = "in.jsonl"
 CHAT_URL = "/v1/chat/completions"
@@ -155,6 +156,27 @@ def test_completion_line_with_every_field() -> None:
     assert isinstance(req.sampling.temperature, float)
 
 
+def test_response_formats_are_read_on_both_endpoints() -> None:
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
+    spec = {"name": "pair", "description": "two fields", "schema": schema, "strict": True}
+    held = parse(chat("a", response_format={"type": "json_schema", "json_schema": spec}))
+    assert isinstance(held, Request)
+    fmt = held.sampling.response_format
+    assert fmt == ResponseFormat("json_schema", json.dumps(schema), "pair")
+    assert list(json.loads(fmt.schema)["properties"]) == ["z", "a"]  # the answer's key order
+    obj = parse(completion("b", response_format={"type": "json_object"}))  # as vLLM accepts
+    assert isinstance(obj, Request) and obj.sampling.response_format == ResponseFormat(
+        "json_object"
+    )
+    anything = parse(
+        chat("c", response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    )
+    assert isinstance(anything, Request) and anything.sampling.response_format is not None
+    assert json.loads(anything.sampling.response_format.schema) == {}  # any JSON value
+    text = parse(chat("d", response_format={"type": "text"}))
+    assert isinstance(text, Request) and text.sampling == Sampling(max_tokens=16)
+
+
 def test_defaults_follow_openai() -> None:
     req = parse(chat("a"), default_max_tokens=77)
     assert isinstance(req, Request)
@@ -251,7 +273,50 @@ BAD: list[tuple[Any, str | None, str, str]] = [
     (chat("nb2", n=True), "body.n", "invalid_request", "integer"),
     (chat("st", stream=True), "body.stream", "unsupported", "stream=false"),
     (chat("tools", tools=[{"type": "function"}]), "body.tools", "unsupported", "'tools'"),
-    (chat("rf", response_format={"type": "json"}), "body.response_format", "unsupported", ""),
+    (chat("tc", tool_choice="auto"), "body.tool_choice", "unsupported", "'tool_choice'"),
+    (
+        chat("rf", response_format={"type": "json"}),
+        "body.response_format.type",
+        "invalid_request",
+        "must be one of text, json_object, json_schema",
+    ),
+    (chat("rf0", response_format="json"), "body.response_format", "invalid_request", "an object"),
+    (
+        chat("rf1", response_format={"type": "json_schema"}),
+        "body.response_format.json_schema",
+        "invalid_request",
+        "'name' and 'schema' (missing)",
+    ),
+    (
+        chat("rf2", response_format={"type": "json_schema", "json_schema": {"name": "a b"}}),
+        "body.response_format.json_schema.name",
+        "invalid_request",
+        "a-z, A-Z, 0-9",
+    ),
+    (
+        chat(
+            "rf3",
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}},
+        ),
+        "body.response_format.json_schema.schema",
+        "invalid_request",
+        "got array",
+    ),
+    (
+        chat(
+            "rf4",
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}},
+        ),
+        "body.response_format.json_schema.strict",
+        "invalid_request",
+        "true or false",
+    ),
+    (
+        chat("rf5", response_format={"type": "json_object", "json_schema": {}}),
+        "body.response_format.json_schema",
+        "invalid_request",
+        "unknown field",
+    ),
     (chat("fp", frequency_penalty=0.5), "body.frequency_penalty", "unsupported", ""),
     (
         chat("typo", temprature=0.5),

@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from chat_fixtures import chatml_tokenizer, save_tokenizer
+from chat_fixtures import tiny_chat_model
 from shoestring.cli import main
-from shoestring.infer.fixtures import build_random_model
 
 EPOCH = "1790000000"
 SYSTEM = {"role": "system", "content": "You answer briefly."}
@@ -30,13 +29,7 @@ SYSTEM = {"role": "system", "content": "You answer briefly."}
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random llama with a ChatML tokenizer (its ids fit the padded vocab)."""
-    d = build_random_model(tmp_path_factory.mktemp("chat") / "tiny-chat", "llama", seed=9)
-    for f in d.glob("tokenizer*"):
-        f.unlink()
-    for f in d.glob("special_tokens_map.json"):
-        f.unlink()
-    save_tokenizer(chatml_tokenizer(), d)
-    return d
+    return tiny_chat_model(tmp_path_factory.mktemp("chat") / "tiny-chat")
 
 
 def chat(cid: str, text: str, **body: Any) -> dict[str, Any]:

@@ -22,10 +22,12 @@ Design choices:
   Integers reject booleans and floats (``1.5``, ``true``, ``"10"``). ``null`` reads as
   absent for every optional field, as in the OpenAI API.
 * **Supported, or refused.** OpenAI fields this engine cannot honour (``n`` > 1,
-  ``stream``, penalties other than 0, ``tools``, ``response_format``, ``echo``,
-  ``suffix``, ``best_of`` > 1, token-id or list prompts) give code ``unsupported``
+  ``stream``, penalties other than 0, ``tools``, ``echo``, ``suffix``, ``best_of`` > 1,
+  token-id or list prompts) give code ``unsupported``
   rather than being ignored; ``user``, ``metadata`` and ``store`` are accepted and
-  ignored. ``top_k`` (-1 or 0: off) is the vLLM extension.
+  ignored. ``top_k`` (-1 or 0: off) is the vLLM extension. ``response_format``
+  (``json_object``, ``json_schema``) is honoured on both endpoints, as vLLM does; the
+  answer is held to it token by token (:mod:`shoestring.infer.structured`).
 * **Deterministic output.** Ids are sha256 digests of the job id, the line number and
   the ``custom_id``; ``created`` comes from the caller, so a resumed or re-run job writes
   byte-identical lines. Logprobs of ``-inf`` are written as ``-9999.0`` (what OpenAI
@@ -46,7 +48,7 @@ from typing import Any, Literal
 
 from shoestring.data.formats import MESSAGE_KEYS, parse_record
 from shoestring.data.records import DataError
-from shoestring.infer.sampleparams import Sampling
+from shoestring.infer.sampleparams import ResponseFormat, Sampling
 
 Endpoint = Literal["chat", "completion"]
 
@@ -68,6 +70,7 @@ _COMMON_KEYS = (
     "frequency_penalty",
     "presence_penalty",
     "logit_bias",
+    "response_format",
 )
 #: Fields that are errors (``unsupported``) unless absent or null.
 _CHAT_UNSUPPORTED = (
@@ -76,7 +79,6 @@ _CHAT_UNSUPPORTED = (
     "functions",
     "function_call",
     "parallel_tool_calls",
-    "response_format",
     "logit_bias",
     "stream_options",
 )
@@ -89,6 +91,9 @@ BODY_KEYS: dict[Endpoint, frozenset[str]] = {
     "completion": frozenset((*_COMMON_KEYS, *_COMPLETION_UNSUPPORTED, "prompt", "echo", "best_of")),
 }
 MAX_STOP = 4
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+_SCHEMA_NAME = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 MAX_TOP_LOGPROBS: dict[Endpoint, int] = {"chat": 20, "completion": 5}
 #: What OpenAI writes for the logprob of a token of probability 0.
 MIN_LOGPROB = -9999.0
@@ -205,11 +210,11 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, *, open_lo: bo
     return float(value)
 
 
-def _bool(body: dict[str, Any], key: str) -> bool | None:
+def _bool(body: dict[str, Any], key: str, where: str = "body.") -> bool | None:
     value = body.get(key)
     if value is None or isinstance(value, bool):
         return value
-    raise _Bad(f"body.{key}", f"must be true or false, got {_show(value)}")
+    raise _Bad(f"{where}{key}", f"must be true or false, got {_show(value)}")
 
 
 def _string(body: dict[str, Any], key: str, where: str = "body.") -> str | None:
@@ -313,6 +318,46 @@ def _unsupported(body: dict[str, Any], endpoint: Endpoint) -> None:
         raise _Bad("body.metadata", f"must be an object, got {_json_type(body['metadata'])}")
 
 
+def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
+    """``response_format``: ``{"type": "text"}`` (free text, as when absent),
+    ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
+    "schema", "description", "strict"}}``. Whether the schema itself compiles is
+    checked later, with the tokenizer (:mod:`shoestring.infer.structured`)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    where = "body.response_format"
+    if not isinstance(fmt, dict):
+        raise _Bad(where, f"must be an object, got {_json_type(fmt)}")
+    kind = fmt.get("type")
+    if kind not in FORMAT_TYPES:
+        got = "missing" if kind is None else f"got {_show(kind)}"
+        raise _Bad(f"{where}.type", f"must be one of {', '.join(FORMAT_TYPES)} ({got})")
+    _check_keys(fmt, ("type", "json_schema") if kind == "json_schema" else ("type",), f"{where}.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    return _json_schema(fmt.get("json_schema"), f"{where}.json_schema")
+
+
+def _json_schema(spec: Any, where: str) -> ResponseFormat:
+    if not isinstance(spec, dict):
+        got = "missing" if spec is None else f"got {_json_type(spec)}"
+        raise _Bad(where, f"must be an object with 'name' and 'schema' ({got})")
+    _check_keys(spec, _JSON_SCHEMA_KEYS, f"{where}.")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        got = "missing" if name is None else f"got {_show(name)}"
+        raise _Bad(f"{where}.name", f"must be 1-64 of a-z, A-Z, 0-9, _ and - ({got})")
+    schema = spec.get("schema", {})  # absent: any JSON value
+    if not isinstance(schema, dict):
+        raise _Bad(f"{where}.schema", f"must be a JSON Schema object, got {_json_type(schema)}")
+    _string(spec, "description", f"{where}.")
+    _bool(spec, "strict", f"{where}.")
+    return ResponseFormat.of_schema(schema, name)
+
+
 def _sampling(body: dict[str, Any], endpoint: Endpoint, default_max_tokens: int) -> Sampling:
     _unsupported(body, endpoint)
     top_k = _int(body, "top_k", -1)
@@ -326,6 +371,7 @@ def _sampling(body: dict[str, Any], endpoint: Endpoint, default_max_tokens: int)
         stop=_stop(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        response_format=_response_format(body),
     )
 
 

@@ -6,8 +6,9 @@ group's longest. Every pass moves all micro-batches through a unit before the
 next unit is read. The grouping depends only on the inputs and ``micro_tokens``,
 so the same job always computes the same numbers.
 
-Each sequence has its own length limit, end tokens, stop strings and way of
-choosing tokens (greedy or sampled, :mod:`shoestring.infer.sampling`); a sequence
+Each sequence has its own length limit, end tokens, stop strings, way of
+choosing tokens (greedy or sampled, :mod:`shoestring.infer.sampling`) and, if it
+asked for one, response format (:mod:`shoestring.infer.structured`); a sequence
 that ends leaves its micro-batch at once (:mod:`shoestring.infer.compact`), so the
 passes that follow compute only the sequences still running.
 """
@@ -26,6 +27,7 @@ from shoestring.infer.engine import MicroBatch, PassStopped, StreamingCausalLM
 from shoestring.infer.kvcache import Int8KVLayer, merge_left_padded
 from shoestring.infer.sampleparams import Choice
 from shoestring.infer.sampling import Pick, StopStrings, pick
+from shoestring.infer.structured import Constraint
 
 #: Why a sequence ended: an end token, a stop string, or its length limit.
 Finish = Literal["eos", "stop", "length"]
@@ -47,6 +49,7 @@ class Rules:
     eos_ids: frozenset[int] = frozenset()
     choices: list[Choice] | None = None  # None: greedy, no logprobs
     stops: list[StopStrings | None] | None = None
+    constraints: list[Constraint | None] | None = None  # response formats
 
     @classmethod
     def uniform(cls, n: int, max_new_tokens: int, eos_ids: set[int]) -> Rules:
@@ -59,7 +62,23 @@ class Rules:
         stops = self.stops[i] if self.stops is not None else None
         if stops is not None and stops.hit(g.tokens):
             return "stop"
+        held = self.constraints[i] if self.constraints is not None else None
+        if held is not None and held.complete(g.tokens):
+            return "stop"
         return "length" if len(g.tokens) >= self.limits[i] else None
+
+    def hold(self, logits: torch.Tensor, rows: list[int], out: list[Generated]) -> None:
+        """Set to -inf, in place, the logits of every token that the response format
+        of row r's sequence ``rows[r]`` does not allow next (one mask for the rows)."""
+        if self.constraints is None:
+            return
+        held = [(r, c) for r, i in enumerate(rows) if (c := self.constraints[i]) is not None]
+        if not held:
+            return
+        width = logits.shape[1]
+        allowed = torch.stack([c.allowed(out[rows[r]].tokens, width) for r, c in held])
+        index = torch.tensor([r for r, _ in held], device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def group(lengths: list[int], micro_tokens: int) -> list[list[int]]:
@@ -174,6 +193,7 @@ def _chooser(
     def head(mb: MicroBatch, h: torch.Tensor) -> list[Pick]:
         g = next(groups)
         logits = engine.logits(h[:, -1, :])
+        rules.hold(logits, g, state.out)
         if rules.choices is None:
             return [Pick(int(t)) for t in logits.argmax(-1).cpu()]
         return pick(logits, [rules.choices[i] for i in g], [len(state.out[i].tokens) for i in g])

@@ -98,7 +98,7 @@ def prepare(
     device = _device(cfg)
     tok = _load_tokenizer(model_dir)
     template = _chat_template(cfg)
-    work = _work(cfg, given, tok, template, _context_length(model_dir))
+    work = _work(cfg, given, tok, template, model_dir)
     prior = RunRecord.read(run_dir)
     engine = _build_engine(cfg, model_dir, device, prior)
     if adapter is not None:
@@ -171,23 +171,24 @@ def _chat_template(cfg: InferConfig) -> str | None:
         raise ConfigError(f"generate.chat_template: {e}") from None
 
 
-def _context_length(model_dir: Path) -> int | None:
-    """The model's context (``max_position_embeddings``), None when it names none."""
+def _config_count(model_dir: Path, key: str) -> int | None:
+    """A positive integer of the model's config.json, None when it names none: the
+    context (``max_position_embeddings``), the width of the logits (``vocab_size``)."""
     try:
-        n = read_config_json(model_dir).get("max_position_embeddings")
+        n = read_config_json(model_dir).get(key)
     except (OSError, ValueError):
         return None
     return n if isinstance(n, int) and n > 0 else None
 
 
-def _work(
-    cfg: InferConfig, given: Input, tok: Any, template: str | None, context: int | None
-) -> Work:
+def _work(cfg: InferConfig, given: Input, tok: Any, template: str | None, model_dir: Path) -> Work:
     """The input tokenized: an OpenAI batch file's requests, or the job's own lines
     (continued as ``generate.*`` says)."""
     g = cfg.generate
+    context = _config_count(model_dir, "max_position_embeddings")
     if given.items is not None:
-        return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input)
+        vocab = _config_count(model_dir, "vocab_size")
+        return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input, vocab)
     assert given.records is not None
     sampling = Sampling(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
     return tokenize(given.records, tok, g.mode, template, sampling, context, g.seed)

@@ -1,8 +1,9 @@
 """OpenAI batch requests as job work, and their results as batch output lines.
 
 A line that cannot be answered — malformed (:mod:`shoestring.infer.batchapi`), a
-conversation the chat template cannot render, a prompt with no tokens, or a
-prompt plus ``max_tokens`` longer than the model's context — becomes one error
+conversation the chat template cannot render, a prompt with no tokens, a prompt
+plus ``max_tokens`` longer than the model's context, or a ``response_format``
+schema the grammar compiler rejects — becomes one error
 line in its place; every other line is answered, so one bad request never fails
 the job.
 """
@@ -21,6 +22,7 @@ from shoestring.infer.batchapi import answer_line as answer_json
 from shoestring.infer.batchapi import error_line as error_json
 from shoestring.infer.decode import Generated
 from shoestring.infer.sampling import StopStrings
+from shoestring.infer.structured import Grammars
 
 Item = Request | LineError
 
@@ -62,6 +64,22 @@ def request_ids(
             f"the model's context of {context} tokens",
         ), []
     return item, ids
+
+
+def format_grammar(item: Item, grammars: Grammars | None, path: str) -> tuple[Item, str | None]:
+    """The request's response format compiled to a grammar (None: free text), or the
+    error line it becomes when the schema cannot be used."""
+    if isinstance(item, LineError) or item.sampling.response_format is None:
+        return item, None
+    assert grammars is not None, "the work compiles formats when a request has one"
+    fmt = item.sampling.response_format
+    try:
+        return item, grammars.compile(fmt)
+    except ValueError as e:
+        param = "body.response_format" + (
+            ".json_schema.schema" if fmt.kind == "json_schema" else ""
+        )
+        return _refused(item, path, param, f"the schema cannot be used: {e}"), None
 
 
 def _refused(req: Request, path: str, param: str, why: str) -> LineError:

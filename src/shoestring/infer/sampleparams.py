@@ -8,7 +8,9 @@ made from it. Imports no torch: the batch-file parser uses it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,24 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """The shape an answer must take (OpenAI's ``response_format``): any JSON object
+    (``json_object``) or a JSON value valid under a JSON Schema (``json_schema``).
+
+    The schema is kept as JSON text, so the value is hashable (requests with the same
+    schema share its compiled grammar). Its keys keep the file's order: the order of
+    ``properties`` is the order the answer writes them in, as OpenAI's does."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str = '{"type": "object"}'
+    name: str = ""  # json_schema.name (OpenAI requires it; it does not change the answer)
+
+    @classmethod
+    def of_schema(cls, schema: dict[str, Any], name: str) -> ResponseFormat:
+        return cls("json_schema", json.dumps(schema), name)
+
+
+@dataclass(frozen=True)
 class Sampling:
     """A request's limit, sampling, stop strings and logprobs: an OpenAI batch body's
     fields (defaults as OpenAI's), or ``generate.*`` for ``{"prompt"}`` lines."""
@@ -36,6 +56,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    response_format: ResponseFormat | None = None  # None: free text
 
     def choice(self, job_seed: int, key: str) -> Choice:
         """How the request picks its tokens. Draws are keyed by (seed, key, token index):

@@ -21,9 +21,10 @@ from shoestring.infer.batchapi import Request
 from shoestring.infer.config import Mode
 from shoestring.infer.decode import Generated, Rules, Scored
 from shoestring.infer.inputs import InputRecord
-from shoestring.infer.requests import Answering, Item, answer_lines, request_ids
+from shoestring.infer.requests import Answering, Item, answer_lines, format_grammar, request_ids
 from shoestring.infer.sampleparams import Choice, Sampling
 from shoestring.infer.sampling import StopStrings
+from shoestring.infer.structured import Constraint, Grammars
 
 #: The input's kind: shoestring's own lines, or an OpenAI batch file.
 InputKind = Literal["lines", "openai"]
@@ -36,11 +37,13 @@ GREEDY = Sampling(max_tokens=32, temperature=0.0)
 @dataclass(frozen=True)
 class Continuation:
     """How one record is continued: at most ``max_tokens`` new tokens, drawn as
-    ``choice`` says, ended early by any of the ``stop`` strings."""
+    ``choice`` says, ended early by any of the ``stop`` strings, held to ``grammar``
+    (a compiled response format) when there is one."""
 
     max_tokens: int
     choice: Choice
     stop: tuple[str, ...] = ()
+    grammar: str | None = None
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Work:
     pad_id: int = 0
     kind: InputKind = "lines"
     continuations: list[Continuation] = field(default_factory=list)  # per record
+    grammars: Grammars | None = None  # when any record has a response format
 
     def sequences(self, records: Sequence[int]) -> list[tuple[int, int]]:
         """(record, sequence) of every sequence of ``records``, in order."""
@@ -65,12 +69,20 @@ class Work:
         choices = [c.choice for c in conts]
         plain = not any(_draws(c) for c in choices)
         stops = [StopStrings(tok, c.stop) if c.stop else None for c in conts]
+        held = [self._constraint(c) for c in conts]
         return Rules(
             [c.max_tokens for c in conts],
             frozenset(self.eos_ids if stop_at_eos else ()),
             None if plain else choices,
             stops if any(stops) else None,
+            held if any(held) else None,
         )
+
+    def _constraint(self, c: Continuation) -> Constraint | None:
+        if c.grammar is None:
+            return None
+        assert self.grammars is not None, "a record has a grammar, so the work compiled it"
+        return self.grammars.constraint(c.grammar)
 
     @property
     def most_new_tokens(self) -> int:
@@ -156,30 +168,43 @@ def _fits(r: InputRecord, tokens: int, context: int | None, what: str) -> None:
 
 
 def tokenize_requests(
-    items: list[Item], tok: Any, template: str | None, context: int | None, seed: int, path: str
+    items: list[Item],
+    tok: Any,
+    template: str | None,
+    context: int | None,
+    seed: int,
+    path: str,
+    vocab_size: int | None = None,
 ) -> Work:
-    """An OpenAI batch file's work: each request's prompt, limit, sampling and stop
-    strings; lines that cannot be answered become error lines with no sequence."""
+    """An OpenAI batch file's work: each request's prompt, limit, sampling, stop
+    strings and response format (compiled for a model of ``vocab_size`` logits);
+    lines that cannot be answered become error lines with no sequence."""
     checked = [request_ids(item, tok, template, context, path) for item in items]
-    items = [item for item, _ in checked]
-    reqs = [item if isinstance(item, Request) else None for item in items]
+    reqs = [item if isinstance(item, Request) else None for item, _ in checked]
     eos, pad = _stops(any(r is not None and r.messages is not None for r in reqs), tok, template)
+    wants = any(r is not None and r.sampling.response_format is not None for r in reqs)
+    grammars = Grammars(tok, vocab_size or len(tok), eos) if wants else None
+    held = [format_grammar(item, grammars, path) for item, _ in checked]
     return Work(
-        items,
-        [[ids] if ids else [] for _, ids in checked],
-        [[len(ids)] if ids else [] for _, ids in checked],
+        [item for item, _ in held],
+        [[ids] if isinstance(item, Request) else [] for (item, _), (_, ids) in zip(held, checked)],
+        [
+            [len(ids)] if isinstance(item, Request) else []
+            for (item, _), (_, ids) in zip(held, checked)
+        ],
         eos,
         pad,
         "openai",
-        [
-            Continuation(
-                r.sampling.max_tokens, r.sampling.choice(seed, r.custom_id), r.sampling.stop
-            )
-            if r
-            else Continuation(0, Choice())
-            for r in reqs
-        ],
+        [_continuation(item, grammar, seed) for item, grammar in held],
+        grammars,
     )
+
+
+def _continuation(item: Item, grammar: str | None, seed: int) -> Continuation:
+    if not isinstance(item, Request):
+        return Continuation(0, Choice())
+    s = item.sampling
+    return Continuation(s.max_tokens, s.choice(seed, item.custom_id), s.stop, grammar)
 
 
 def _stops(chats: bool, tok: Any, template: str | None) -> tuple[set[int], int]:
