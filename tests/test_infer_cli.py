@@ -14,7 +14,7 @@ from shoestring.infer.config import ALIASES, InferConfig
 VALUES = {
     "model.path": "m", "model.adapter": "a", "model.device": "cpu", "model.dtype": "float16",
     "io.input": "i.jsonl", "io.output": "o.jsonl", "io.run_dir": "r", "generate.mode": "score",
-    "generate.max_new_tokens": "5", "generate.chat_template": "t.jinja",
+    "generate.max_new_tokens": "5", "generate.chat_template": "t.jinja", "generate.json_schema": "s.json",
     "generate.temperature": "0.5", "generate.top_p": "0.25", "generate.top_k": "4",
     "generate.seed": "9", "memory.budget": "2GB", "memory.batch_size": "3",
     "memory.kv_bits": "8", "compress.scheme": "int8", "job.num_threads": "2",

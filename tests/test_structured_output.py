@@ -237,3 +237,53 @@ def test_a_held_generation_stopped_between_passes_resumes_to_the_same_tokens(
     got = [g.tokens for g in generate_from(eng, loaded, rules=rules(), pad_id=0)]
     eng.close()
     assert got == ref
+
+
+def _lines_args(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
+    return ["infer", "--model", str(model), "--input", str(inp), "--output", str(out),
+            "--threads", "1", "--job.progress", "off", "--max-new-tokens", str(MAX_TOKENS),
+            *extra]  # fmt: skip
+
+
+def test_a_schema_file_holds_every_answer_of_a_jobs_own_lines(
+    chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON, indent=2))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": f"Person {i}:"}) + "\n" for i in range(3))
+                   + json.dumps({"messages": [{"role": "user", "content": "Who?"}]}) + "\n")  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    assert main(_lines_args(chat_model, inp, out, "--json-schema", str(schema))) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["finish"] for x in lines] == ["stop"] * 4
+    for x in lines:
+        jsonschema.validate(json.loads(x["completion"]), PERSON)
+    # The run directory belongs to this schema: another one is refused, naming it.
+    schema.write_text(json.dumps(CHOICE))
+    assert main(_lines_args(chat_model, inp, out, "--json-schema", str(schema))) == 2
+    assert "json_schema_sha256 changed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text,extra,expected",
+    [
+        ('{\n  "type": "object",\n  "properties": {"a": }\n}', (), "bad.json:3:"),
+        ('["not", "a", "schema"]', (), "a JSON Schema is an object, got list"),
+        ('{"type": "object", "properties": {"a": {"type": "strin"}}}', (), "Invalid type: strin"),
+        ('{"type": "object"}', ("--mode", "score"), "score mode generates none"),
+    ],
+)
+def test_a_schema_file_that_cannot_be_used_fails_before_weights_load(
+    chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    text: str, extra: tuple[str, ...], expected: str,
+) -> None:  # fmt: skip
+    schema = tmp_path / "bad.json"
+    schema.write_text(text)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "x", "completion": "y"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(_lines_args(chat_model, inp, out, "--json-schema", str(schema), *extra)) == 2
+    err = capsys.readouterr().err
+    assert "--json-schema (generate.json_schema)" in err and expected in err, err
+    assert not (tmp_path / "out.jsonl.run" / "events.jsonl").exists()  # nothing started

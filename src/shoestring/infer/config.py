@@ -121,6 +121,13 @@ class GenerateConfig:
         'Jinja file overriding the tokenizer\'s chat template for "messages" inputs '
         "(use the one the adapter was trained with). Empty: the tokenizer's own.",
     )
+    json_schema: str = knob(
+        "",
+        '{"prompt"}/{"messages"} lines in generate mode: a JSON Schema file every answer '
+        "is held to, token by token (structured output; needs llguidance: pip install "
+        "'shoestring[structured]'). OpenAI batch lines carry their own response_format. "
+        "Empty: free text.",
+    )
     temperature: float = knob(
         0.0,
         '{"prompt"} lines: 0 decodes greedily, above samples (OpenAI batch lines carry '
@@ -250,6 +257,7 @@ ALIASES: dict[str, str] = {
     "--kv-bits": "memory.kv_bits",
     "--dtype": "model.dtype",
     "--chat-template": "generate.chat_template",
+    "--json-schema": "generate.json_schema",
     "--temperature": "generate.temperature",
     "--top-p": "generate.top_p",
     "--top-k": "generate.top_k",

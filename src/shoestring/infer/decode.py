@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -69,16 +70,18 @@ class Rules:
 
     def hold(self, logits: torch.Tensor, rows: list[int], out: list[Generated]) -> None:
         """Set to -inf, in place, the logits of every token that the response format
-        of row r's sequence ``rows[r]`` does not allow next (one mask for the rows)."""
+        of row r's sequence ``rows[r]`` does not allow next: one mask for the rows,
+        built in numpy (see :meth:`Constraint.allowed`), one masked fill."""
         if self.constraints is None:
             return
-        held = [(r, c) for r, i in enumerate(rows) if (c := self.constraints[i]) is not None]
-        if not held:
-            return
         width = logits.shape[1]
-        allowed = torch.stack([c.allowed(out[rows[r]].tokens, width) for r, c in held])
-        index = torch.tensor([r for r, _ in held], device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        allowed = np.ones((len(rows), width), dtype=np.bool_)
+        for r, i in enumerate(rows):
+            held = self.constraints[i]
+            if held is not None:
+                allowed[r] = held.allowed(out[i].tokens, width)
+        barred = torch.from_numpy(~allowed).to(logits.device)
+        logits.masked_fill_(barred, float("-inf"))
 
 
 def group(lengths: list[int], micro_tokens: int) -> list[list[int]]:

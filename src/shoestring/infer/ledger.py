@@ -114,7 +114,8 @@ class RunRecord:
         """Refuse to resume another job here: ConfigError naming the keys that differ."""
         if self.identity == identity:
             return
-        diff = sorted(k for k in identity if self.identity.get(k) != identity[k])
+        keys = identity.keys() | self.identity.keys()
+        diff = sorted(k for k in keys if self.identity.get(k) != identity.get(k))
         raise ConfigError(
             f"{self.path}: this run directory belongs to a different job "
             f"({', '.join(diff)} changed); use another --output or --run-dir"

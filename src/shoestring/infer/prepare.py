@@ -35,6 +35,7 @@ from shoestring.infer.requests import Answering
 from shoestring.infer.sampleparams import Sampling
 from shoestring.infer.shards import ShardError, index_model
 from shoestring.infer.stream import Prepare
+from shoestring.infer.structured import read_schema_file
 from shoestring.infer.weights import weight_hook, weight_needs
 from shoestring.infer.work import Work, tokenize, tokenize_requests
 
@@ -186,12 +187,13 @@ def _work(cfg: InferConfig, given: Input, tok: Any, template: str | None, model_
     (continued as ``generate.*`` says)."""
     g = cfg.generate
     context = _config_count(model_dir, "max_position_embeddings")
+    vocab = _config_count(model_dir, "vocab_size")
     if given.items is not None:
-        vocab = _config_count(model_dir, "vocab_size")
         return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input, vocab)
     assert given.records is not None
-    sampling = Sampling(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
-    return tokenize(given.records, tok, g.mode, template, sampling, context, g.seed)
+    fmt = read_schema_file(g.json_schema) if g.json_schema else None
+    sampling = Sampling(g.max_new_tokens, g.temperature, g.top_p, g.top_k, response_format=fmt)
+    return tokenize(given.records, tok, g.mode, template, sampling, context, g.seed, vocab)
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
@@ -236,6 +238,7 @@ def _identity(
         "input_sha256": input_sha,
         "model": fingerprint(model_dir),
         "adapter": adapter.fingerprint if adapter else "",
+        **_schema_identity(cfg.generate.json_schema),
         **{
             k: flat[k]
             for k in OUTPUT_KEYS
@@ -243,6 +246,13 @@ def _identity(
             and not (k in LATER_KEY_DEFAULTS and flat[k] == LATER_KEY_DEFAULTS[k])
         },
     }
+
+
+def _schema_identity(path: str) -> dict[str, str]:
+    """The ``--json-schema`` file's digest (nothing when unset: older run dirs stay valid)."""
+    if not path:
+        return {}
+    return {"json_schema_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
 
 
 def _weights_and_plan(

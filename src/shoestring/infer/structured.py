@@ -26,10 +26,13 @@ until its limit. A schema may choose otherwise with llguidance's own
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from shoestring.config import ConfigError
 from shoestring.infer.sampleparams import ResponseFormat
@@ -37,7 +40,6 @@ from shoestring.infer.sampleparams import ResponseFormat
 INSTALL_HINT = "pip install 'shoestring[structured]' (or: pip install llguidance)"
 #: JSON compile options applied before a schema's own ``x-guidance``.
 COMPACT = {"whitespace_flexible": False}
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def _llguidance() -> Any:
@@ -47,6 +49,24 @@ def _llguidance() -> Any:
     except ImportError:
         raise ConfigError(f"response_format needs llguidance: {INSTALL_HINT}") from None
     return llguidance
+
+
+def read_schema_file(
+    path: str, key: str = "--json-schema (generate.json_schema)"
+) -> ResponseFormat:
+    """The JSON Schema file a job's own lines are held to; a file that cannot be read
+    or is not a JSON object fails here, naming ``key``, the file and the line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}: cannot read {path}: {e}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key}: {path}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"{key}: {path}: a JSON Schema is an object, got {type(schema).__name__}")
+    return ResponseFormat.of_schema(schema, path)  # named by its file
 
 
 class Grammars:
@@ -104,14 +124,20 @@ class Constraint:
         if self._matcher.is_error():
             raise RuntimeError(f"structured output failed: {self._matcher.get_error()}")
 
-    def allowed(self, tokens: Sequence[int], width: int) -> torch.Tensor:
-        """Which of ``width`` token ids may follow ``tokens`` (bool, on the CPU)."""
+    def allowed(self, tokens: Sequence[int], width: int) -> npt.NDArray[np.bool_]:
+        """Which of ``width`` token ids may follow ``tokens``.
+
+        The bitmask is 32-bit little-endian words, token t at bit t % 32 of word
+        t // 32: its bytes unpacked least significant bit first are the tokens in
+        order. numpy unpacks them in one thread: torch's element-wise ops start its
+        intra-op threads, which on a busy 2-core machine took 35 ms a row instead
+        of 0.2 ms (a 118k vocabulary, measured 2026-12-06)."""
         self._catch_up(tokens)
-        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
-        bits = ((words[:, None] >> _SHIFTS) & 1).flatten().bool()
-        if bits.numel() < width:
-            bits = torch.cat([bits, bits.new_zeros(width - bits.numel())])
-        return bits[:width]
+        packed = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(packed, count=min(width, packed.size * 8), bitorder="little")
+        if bits.size < width:
+            bits = np.concatenate([bits, np.zeros(width - bits.size, dtype=np.uint8)])
+        return bits.view(np.bool_)
 
     def complete(self, tokens: Sequence[int]) -> bool:
         """Has the answer ``tokens`` ended its grammar (nothing more may follow)?"""

@@ -128,11 +128,13 @@ def tokenize(
     sampling: Sampling = GREEDY,
     context: int | None = None,
     seed: int = 0,
+    vocab_size: int | None = None,
 ) -> Work:
     """``{"prompt"}``/``{"messages"}`` records as sequences, each continued as ``sampling``
-    says with draws keyed by the job's ``seed`` and its line; a record that cannot be
-    answered (no tokens, longer than the model's ``context`` with what is generated
-    or scored) fails the job before anything loads, naming its line."""
+    says with draws keyed by the job's ``seed`` and its line, held to its response
+    format if it has one (compiled for a model of ``vocab_size`` logits); a record
+    that cannot be answered (no tokens, longer than the model's ``context`` with what
+    is generated or scored) fails the job before anything loads, naming its line."""
     seqs, starts = [], []
     for r in records:
         ctx = _context(r, tok, template)
@@ -143,20 +145,46 @@ def tokenize(
             seqs.append([ctx])
             starts.append([len(ctx)])
             continue
-        if not ctx:
-            raise ConfigError(
-                f"io.input: line {r.line}: score mode needs a non-empty prompt "
-                "(the first completion token is predicted from it)"
-            )
-        outs = [r.completion] if r.completion is not None else list(r.choices or ())
-        conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
-        _fits(r, len(ctx) + max(len(c) for c in conts), context, "+ its completion")
-        seqs.append([ctx + c for c in conts])
-        starts.append([len(ctx)] * len(conts))
+        seqs.append(_scored_seqs(r, ctx, tok, context))
+        starts.append([len(ctx)] * len(seqs[-1]))
     eos, pad = _stops(any(r.messages is not None for r in records), tok, template)
     most = sampling.max_tokens if mode == "generate" else 0
-    conts = [Continuation(most, sampling.choice(seed, f"line:{r.line}")) for r in records]
-    return Work(records, seqs, starts, eos, pad, "lines", conts)
+    grammars, grammar = _held_lines(sampling, mode, tok, vocab_size, eos)
+    conts = [
+        Continuation(most, sampling.choice(seed, f"line:{r.line}"), grammar=grammar)
+        for r in records
+    ]
+    return Work(records, seqs, starts, eos, pad, "lines", conts, grammars)
+
+
+def _scored_seqs(r: InputRecord, ctx: list[int], tok: Any, context: int | None) -> list[list[int]]:
+    """A score record's sequences: the prompt followed by each completion to score."""
+    if not ctx:
+        raise ConfigError(
+            f"io.input: line {r.line}: score mode needs a non-empty prompt "
+            "(the first completion token is predicted from it)"
+        )
+    outs = [r.completion] if r.completion is not None else list(r.choices or ())
+    conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
+    _fits(r, len(ctx) + max(len(c) for c in conts), context, "+ its completion")
+    return [ctx + c for c in conts]
+
+
+def _held_lines(
+    sampling: Sampling, mode: Mode, tok: Any, vocab_size: int | None, eos: set[int]
+) -> tuple[Grammars | None, str | None]:
+    """The compiled ``--json-schema`` every generated line is held to (None: free)."""
+    fmt = sampling.response_format
+    if fmt is None:
+        return None, None
+    key = "--json-schema (generate.json_schema)"
+    if mode != "generate":
+        raise ConfigError(f"{key}: holds generated answers; score mode generates none")
+    grammars = Grammars(tok, vocab_size or len(tok), eos)
+    try:
+        return grammars, grammars.compile(fmt)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {fmt.name}: the schema cannot be used: {e}") from None
 
 
 def _fits(r: InputRecord, tokens: int, context: int | None, what: str) -> None:
