@@ -17,7 +17,10 @@ one process, each timed as a whole:
 Each way runs ``--repeat`` times, alternating, and its fastest run is kept (the
 machine may be shared). Ours is timed by its passes (``infer_end``'s ``pass_s``), the
 peer by its ``generate`` call: neither counts loading the model. Prints one JSON
-object (``--out`` writes it too): seconds, generated tokens and tokens/s per way, each side's held/free ratio, ours/peer ratios, how many held
+object (``--out`` writes it too): seconds, generated tokens and tokens/s per way, steps (passes; ``generate``'s forward calls) and seconds per step,
+each side's held/free ratios (held answers end when their JSON does, so they are
+shorter than the free ones, which run to the limit: seconds per step is the cost of
+holding, tokens/s what a user gets), ours/peer ratios, how many held
 answers validate against the schema and how many equal the peer's text.
 
     .venv/bin/python benchmarks/structured_output.py --out benchmarks/results/structured-output-2026-12-06.json
@@ -126,7 +129,8 @@ def run_ours(model: Path, work: Path, reqs: list[dict[str, Any]], name: str) -> 
     tokens = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in lines)
     seconds = end["pass_s"]  # the passes, as the peer's generate call (no load, no setup)
     return {"seconds": seconds, "wall_s": wall, "tokens": tokens, "tok_per_s": tokens / seconds,
-            "texts": texts}  # fmt: skip
+            "steps": end["passes"], "s_per_step": seconds / end["passes"],
+            "decode_s_per_step": end["decode_s_per_pass"], "texts": texts}  # fmt: skip
 
 
 class HeldRows:
@@ -175,12 +179,14 @@ def run_peer(model_dir: Path, reqs: list[dict[str, Any]], held: bool) -> dict[st
                            logits_processor=LogitsProcessorList(procs))  # fmt: skip
     seconds = time.perf_counter() - t0
     texts, tokens = [], 0
+    steps = g.shape[1] - enc["input_ids"].shape[1]  # forward calls: prefill + each new column
     for row in g[:, enc["input_ids"].shape[1] :].tolist():
         if tok.eos_token_id in row:
             row = row[: row.index(tok.eos_token_id)]
         tokens += len(row) + (held and len(row) < reqs[0]["body"]["max_tokens"])
         texts.append(tok.decode(row, skip_special_tokens=True))
-    return {"seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds, "texts": texts}
+    return {"seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds, "steps": steps,
+            "s_per_step": seconds / steps, "texts": texts}  # fmt: skip
 
 
 def main() -> None:
@@ -233,9 +239,12 @@ def main() -> None:
         a == b for a, b in zip(texts["ours_free"], texts["peer_free"])
     )
     for side in ("ours", "peer"):
-        result[f"{side}_held_over_free_tok_per_s"] = (
-            result[f"{side}_held"]["tok_per_s"] / result[f"{side}_free"]["tok_per_s"]
-        )
+        held, free = result[f"{side}_held"], result[f"{side}_free"]
+        result[f"{side}_held_over_free_tok_per_s"] = held["tok_per_s"] / free["tok_per_s"]
+        result[f"{side}_held_over_free_s_per_step"] = held["s_per_step"] / free["s_per_step"]
+    result["ours_held_over_free_decode_s_per_step"] = (
+        result["ours_held"]["decode_s_per_step"] / result["ours_free"]["decode_s_per_step"]
+    )
     for kind in ("free", "held"):
         result[f"ours_over_peer_{kind}_tok_per_s"] = (
             result[f"ours_{kind}"]["tok_per_s"] / result[f"peer_{kind}"]["tok_per_s"]

@@ -210,8 +210,8 @@ def test_a_held_generation_stopped_between_passes_resumes_to_the_same_tokens(
     choices = [Choice(), Choice(temperature=1.0, seed=2, key="b"), Choice(temperature=0.5)]
 
     def rules() -> Rules:  # fresh matchers, as a new process would build them
-        held = [grammars.constraint(grammar) for _ in prompts]
-        return Rules([MAX_TOKENS] * 3, frozenset({258}), choices, None, held)  # type: ignore[arg-type]
+        held = grammars.held([grammar] * len(prompts))
+        return Rules([MAX_TOKENS] * 3, frozenset({258}), choices, None, held)
 
     def engine() -> StreamingCausalLM:
         return StreamingCausalLM(chat_model, device=torch.device("cpu")).start(resident=1, depth=1)

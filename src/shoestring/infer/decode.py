@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -28,7 +27,7 @@ from shoestring.infer.engine import MicroBatch, PassStopped, StreamingCausalLM
 from shoestring.infer.kvcache import Int8KVLayer, merge_left_padded
 from shoestring.infer.sampleparams import Choice
 from shoestring.infer.sampling import Pick, StopStrings, pick
-from shoestring.infer.structured import Constraint
+from shoestring.infer.structured import HeldAnswers
 
 #: Why a sequence ended: an end token, a stop string, or its length limit.
 Finish = Literal["eos", "stop", "length"]
@@ -50,7 +49,7 @@ class Rules:
     eos_ids: frozenset[int] = frozenset()
     choices: list[Choice] | None = None  # None: greedy, no logprobs
     stops: list[StopStrings | None] | None = None
-    constraints: list[Constraint | None] | None = None  # response formats
+    held: HeldAnswers | None = None  # sequences held to a response format
 
     @classmethod
     def uniform(cls, n: int, max_new_tokens: int, eos_ids: set[int]) -> Rules:
@@ -63,25 +62,19 @@ class Rules:
         stops = self.stops[i] if self.stops is not None else None
         if stops is not None and stops.hit(g.tokens):
             return "stop"
-        held = self.constraints[i] if self.constraints is not None else None
-        if held is not None and held.complete(g.tokens):
+        if self.held is not None and self.held.complete(i, g.tokens):
             return "stop"
         return "length" if len(g.tokens) >= self.limits[i] else None
 
     def hold(self, logits: torch.Tensor, rows: list[int], out: list[Generated]) -> None:
         """Set to -inf, in place, the logits of every token that the response format
-        of row r's sequence ``rows[r]`` does not allow next: one mask for the rows,
-        built in numpy (see :meth:`Constraint.allowed`), one masked fill."""
-        if self.constraints is None:
+        of row r's sequence ``rows[r]`` does not allow next (one masked fill)."""
+        if self.held is None:
             return
-        width = logits.shape[1]
-        allowed = np.ones((len(rows), width), dtype=np.bool_)
-        for r, i in enumerate(rows):
-            held = self.constraints[i]
-            if held is not None:
-                allowed[r] = held.allowed(out[i].tokens, width)
-        barred = torch.from_numpy(~allowed).to(logits.device)
-        logits.masked_fill_(barred, float("-inf"))
+        allowed = self.held.allowed(rows, [out[i].tokens for i in rows], logits.shape[1])
+        if allowed is not None:
+            barred = torch.from_numpy(~allowed).to(logits.device)
+            logits.masked_fill_(barred, float("-inf"))
 
 
 def group(lengths: list[int], micro_tokens: int) -> list[list[int]]:

@@ -46,6 +46,7 @@ def _llguidance() -> Any:
     try:
         import llguidance
         import llguidance.hf
+        import llguidance.numpy
     except ImportError:
         raise ConfigError(f"response_format needs llguidance: {INSTALL_HINT}") from None
     return llguidance
@@ -70,11 +71,13 @@ def read_schema_file(
 
 
 class Grammars:
-    """Compiles response formats for one tokenizer; makes one matcher per answer.
+    """Compiles response formats for one tokenizer; holds a chunk's answers to them.
 
     ``vocab_size`` is the width of the model's logits (config ``vocab_size``, often
     padded past the tokenizer's last id); ``eos_ids`` are the tokens that may end an
     answer once its grammar accepts (the end-of-turn tokens of a chat template too).
+    Masks of a pass are computed together by llguidance's executor, on its own threads
+    with the GIL released.
     """
 
     def __init__(self, tok: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
@@ -88,6 +91,8 @@ class Grammars:
                 f"response_format: llguidance cannot use this tokenizer: {e}"
             ) from None
         self.vocab_size = vocab_size
+        self._words = (int(self._tok.vocab_size) + 31) // 32  # int32 words per mask
+        self._executor = self._llg.LLExecutor()
         self._compiled: dict[ResponseFormat, str] = {}
 
     def compile(self, fmt: ResponseFormat) -> str:
@@ -102,44 +107,78 @@ class Grammars:
             self._compiled[fmt] = grammar
         return self._compiled[fmt]
 
-    def constraint(self, grammar: str) -> Constraint:
-        return Constraint(self._llg.LLMatcher(self._tok, grammar, log_level=0))
+    def held(self, grammars: Sequence[str | None]) -> HeldAnswers:
+        """Sequence i held to ``grammars[i]`` (None: free), each by a fresh matcher."""
+        matchers = [
+            Constraint(self._llg.LLMatcher(self._tok, g, log_level=0)) if g else None
+            for g in grammars
+        ]
+        return HeldAnswers(self, matchers)
+
+    def masks(self, held: Sequence[Constraint], width: int) -> npt.NDArray[np.bool_]:
+        """Which of ``width`` token ids may come next, one row per constraint.
+
+        A mask is 32-bit little-endian words, token t at bit t % 32 of word t // 32:
+        its bytes unpacked least significant bit first are the tokens in order. numpy
+        unpacks them in one thread; torch's element-wise ops start its intra-op
+        threads, which on a busy 2-core machine took 35 ms a row instead of 0.2 ms
+        (a 118k vocabulary, measured 2026-12-06)."""
+        packed = np.zeros((len(held), self._words), dtype=np.int32)
+        pairs = [(c.matcher, r) for r, c in enumerate(held)]
+        self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, packed)
+        count = min(width, self._words * 32)
+        bits = np.unpackbits(packed.view(np.uint8), axis=1, count=count, bitorder="little")
+        if count < width:  # logits wider than the tokenizer: those ids are never allowed
+            bits = np.pad(bits, ((0, 0), (0, width - count)))
+        return bits.view(np.bool_)
+
+
+class HeldAnswers:
+    """The sequences of a chunk and what holds each (a :class:`Constraint`, or None)."""
+
+    def __init__(self, grammars: Grammars, constraints: list[Constraint | None]) -> None:
+        self._grammars = grammars
+        self._constraints = constraints
+
+    def allowed(
+        self, rows: Sequence[int], tokens: Sequence[Sequence[int]], width: int
+    ) -> npt.NDArray[np.bool_] | None:
+        """Row r: which tokens may follow sequence ``rows[r]``'s ``tokens[r]`` (every
+        token for a free sequence); None when no row is held."""
+        held = [(r, c) for r, i in enumerate(rows) if (c := self._constraints[i]) is not None]
+        if not held:
+            return None
+        for r, c in held:
+            c.catch_up(tokens[r])
+        allowed = np.ones((len(rows), width), dtype=np.bool_)
+        allowed[[r for r, _ in held]] = self._grammars.masks([c for _, c in held], width)
+        return allowed
+
+    def complete(self, i: int, tokens: Sequence[int]) -> bool:
+        """Has sequence ``i`` (``tokens`` so far) completed its grammar? (False: free)"""
+        c = self._constraints[i]
+        if c is None:
+            return False
+        c.catch_up(tokens)
+        return bool(c.matcher.is_stopped())
 
 
 class Constraint:
     """One answer's matcher, kept in step with the answer's tokens."""
 
     def __init__(self, matcher: Any) -> None:
-        self._matcher = matcher
+        self.matcher = matcher
         self._seen = 0  # tokens consumed
 
-    def _catch_up(self, tokens: Sequence[int]) -> None:
-        if len(tokens) < self._seen:  # a chunk started over: replay from the start
-            self._matcher.reset()
+    def catch_up(self, tokens: Sequence[int]) -> None:
+        """Consume the tokens generated since the last call (all of them, replayed,
+        when the generation started over)."""
+        if len(tokens) < self._seen:
+            self.matcher.reset()
             self._seen = 0
         new = list(tokens[self._seen :])
-        if new and not self._matcher.consume_tokens(new):
-            raise RuntimeError(f"a generated token broke its grammar: {self._matcher.get_error()}")
+        if new and not self.matcher.consume_tokens(new):
+            raise RuntimeError(f"a generated token broke its grammar: {self.matcher.get_error()}")
         self._seen = len(tokens)
-        if self._matcher.is_error():
-            raise RuntimeError(f"structured output failed: {self._matcher.get_error()}")
-
-    def allowed(self, tokens: Sequence[int], width: int) -> npt.NDArray[np.bool_]:
-        """Which of ``width`` token ids may follow ``tokens``.
-
-        The bitmask is 32-bit little-endian words, token t at bit t % 32 of word
-        t // 32: its bytes unpacked least significant bit first are the tokens in
-        order. numpy unpacks them in one thread: torch's element-wise ops start its
-        intra-op threads, which on a busy 2-core machine took 35 ms a row instead
-        of 0.2 ms (a 118k vocabulary, measured 2026-12-06)."""
-        self._catch_up(tokens)
-        packed = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(packed, count=min(width, packed.size * 8), bitorder="little")
-        if bits.size < width:
-            bits = np.concatenate([bits, np.zeros(width - bits.size, dtype=np.uint8)])
-        return bits.view(np.bool_)
-
-    def complete(self, tokens: Sequence[int]) -> bool:
-        """Has the answer ``tokens`` ended its grammar (nothing more may follow)?"""
-        self._catch_up(tokens)
-        return bool(self._matcher.is_stopped())
+        if self.matcher.is_error():
+            raise RuntimeError(f"structured output failed: {self.matcher.get_error()}")

@@ -24,7 +24,7 @@ from shoestring.infer.inputs import InputRecord
 from shoestring.infer.requests import Answering, Item, answer_lines, format_grammar, request_ids
 from shoestring.infer.sampleparams import Choice, Sampling
 from shoestring.infer.sampling import StopStrings
-from shoestring.infer.structured import Constraint, Grammars
+from shoestring.infer.structured import Grammars
 
 #: The input's kind: shoestring's own lines, or an OpenAI batch file.
 InputKind = Literal["lines", "openai"]
@@ -69,20 +69,14 @@ class Work:
         choices = [c.choice for c in conts]
         plain = not any(_draws(c) for c in choices)
         stops = [StopStrings(tok, c.stop) if c.stop else None for c in conts]
-        held = [self._constraint(c) for c in conts]
+        held = self.grammars.held([c.grammar for c in conts]) if self.grammars else None
         return Rules(
             [c.max_tokens for c in conts],
             frozenset(self.eos_ids if stop_at_eos else ()),
             None if plain else choices,
             stops if any(stops) else None,
-            held if any(held) else None,
+            held,
         )
-
-    def _constraint(self, c: Continuation) -> Constraint | None:
-        if c.grammar is None:
-            return None
-        assert self.grammars is not None, "a record has a grammar, so the work compiled it"
-        return self.grammars.constraint(c.grammar)
 
     @property
     def most_new_tokens(self) -> int:
