@@ -21,9 +21,9 @@ from shoestring.cli import main
 from shoestring.infer import partial
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.decode import Rules, generate, generate_from, prompt_logits, start
-from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.engine import StreamingCausalLM, read_config_json
 from shoestring.infer.fixtures import build_random_model
-from shoestring.infer.prequant import Stored4bit
+from shoestring.infer.prequant import Stored4bit, stored_compute_dtype
 from shoestring.infer.stream import Prepare
 from shoestring.infer.weights import weight_hook
 
@@ -41,20 +41,21 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def save_4bit(base: Path, dest: Path, quant_type: str, double: bool) -> Path:
-    """``base`` loaded with bitsandbytes' 4-bit quantization (fp32 compute) and saved:
-    what the Hub's ``*-bnb-4bit`` repos hold, with the tokenizer beside it."""
+def save_4bit(
+    base: Path, dest: Path, quant_type: str, double: bool, dtype: torch.dtype = torch.float32
+) -> Path:
+    """``base`` loaded with bitsandbytes' 4-bit quantization (``dtype`` for compute and
+    for the tensors it leaves 16-bit) and saved: what the Hub's ``*-bnb-4bit`` repos
+    hold, with the tokenizer beside it."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     q = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
         bnb_4bit_use_double_quant=double,
-        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_compute_dtype=dtype,
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        str(base), quantization_config=q, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(base), quantization_config=q, dtype=dtype)
     model.save_pretrained(str(dest))
     for f in base.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
@@ -73,13 +74,13 @@ def stored(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     return {name: save_4bit(base, root / name, *v) for name, v in VARIANTS.items()}
 
 
-def reference(model_dir: Path) -> Any:
+def reference(model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
     """transformers' model on the checkpoint, with its bnb 4-bit linears. Its AVX512-BF16
     CPU path (repacking the weights with bf16 block scales on the first eval forward)
     is turned off: it computes another model than the one stored."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
@@ -140,6 +141,27 @@ def test_greedy_tokens_and_logits_match_transformers_bnb(
     # A decoder layer streams its packed parts: ~4.5 bits a weight instead of 32.
     plain = StreamingCausalLM(base, device=CPU).units[1].plan.nbytes
     assert layer_bytes < plain / 5
+
+
+def test_a_bf16_bnb_base_computes_in_its_compute_dtype_as_transformers_does(
+    base: Path, tmp_path: Path
+) -> None:
+    """The unsloth shape: 16-bit tensors and compute in bf16. The job's compute dtype
+    (``--dtype auto``) is the config's ``bnb_4bit_compute_dtype``, and prompt logits, one
+    sequence per micro-batch as transformers computes them, are bitwise equal."""
+    model = save_4bit(base, tmp_path / "bf16", "nf4", True, torch.bfloat16)
+    dtype = stored_compute_dtype(read_config_json(model))
+    assert dtype == torch.bfloat16
+    ref, ps = reference(model, torch.bfloat16), prompts(4, seed=4)
+    eng = StreamingCausalLM(model, device=CPU, dtype=dtype)
+    eng.start(resident=0, depth=1, prepare=hook_and_needs(eng)[0])
+    try:
+        logits = prompt_logits(eng, ps)
+    finally:
+        eng.close()
+    for p, lg in zip(ps, logits, strict=True):
+        with torch.no_grad():
+            assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
 
 
 def test_shoestring_infer_on_a_bnb_base_writes_transformers_greedy_answers(
@@ -212,6 +234,7 @@ def test_an_adapter_trained_on_the_bnb_base_is_merged_into_its_dequantized_weigh
             base_logits = plain(torch.tensor([p])).logits[0].float()
         # Merged (W + s·B·A) against peft's separate product: fp32 rounding apart, and
         # far from the base without the adapter.
+        print(f"adapter: {(lg - want).abs().max().item() / want.abs().max().item():.2g}")
         assert (lg - want).abs().max().item() <= 1e-4 * want.abs().max().item()
         assert (lg - base_logits).abs().max().item() > 100 * (lg - want).abs().max().item()
 
