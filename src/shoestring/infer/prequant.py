@@ -167,12 +167,6 @@ class Stored4bit:
     def temps(self, i: int, dtype: torch.dtype) -> int:
         return max((p.temps(dtype) for p in self.weights.get(i, {}).values()), default=0)
 
-    def shape(self, key: str) -> tuple[int, int] | None:
-        for packed in self.weights.values():
-            if key in packed:
-                return packed[key].shape
-        return None
-
     def hook(self, dtype: torch.dtype) -> Prepare:
         """The ``prepare`` hook: each 4-bit weight of a unit dequantized into the slot's
         scratch in ``dtype``; the unit's other tensors as read."""
