@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -257,31 +256,19 @@ def test_plan_reads_only_config_json_and_counts_a_prequantized_base(
         resolve_request(PlanRequest(model="org/tiny-bnb-4bit", method="full"), hub=hub)
 
 
-def test_infer_refuses_a_prequantized_base(
-    models: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_infer_streams_a_prequantized_base_from_the_hub(
+    server: HubServer, models: tuple[Path, Path], env: dict[str, Any], tmp_path: Path
 ) -> None:
-    pre = tmp_path / "bnb"
-    shutil.copytree(models[0], pre)
-    cfg = json.loads((pre / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
-    (pre / "config.json").write_text(json.dumps(cfg))
-    out = tmp_path / "o.jsonl"
-    assert (
-        main(
-            [
-                "infer",
-                "--model",
-                str(pre),
-                "--input",
-                str(_prompts(tmp_path / "i.jsonl")),
-                "--output",
-                str(out),
-            ]
-        )
-        == 2
-    )
-    assert "pre-quantized with bitsandbytes" in _error_line(capsys.readouterr().err)
-    assert not Path(str(out) + ".run").exists()
+    pytest.importorskip("bitsandbytes")
+    from test_infer_prequant import save_4bit
+
+    pre = save_4bit(models[0], tmp_path / "bnb", "nf4", True)  # a *-bnb-4bit repo
+    commit = server.repo("org/tiny-bnb-4bit").add_commit(pre)
+    inp = _prompts(tmp_path / "i.jsonl")
+    by_id = _infer("org/tiny-bnb-4bit", inp, tmp_path / "a.jsonl")
+    assert by_id == _infer(str(pre), inp, tmp_path / "b.jsonl")
+    record = json.loads((tmp_path / "a.jsonl.run" / "run.json").read_text())
+    assert record["identity"]["model_source"]["commit"] == commit
 
 
 # --------------------------------------------------------------------------- errors

@@ -341,3 +341,30 @@ def test_a_budget_too_small_for_exact_runs_compressed(
 def test_the_refusal_of_a_compressed_model_says_what_the_read_ahead_holds(refused: Ran) -> None:
     assert "the read-ahead holds 2 units as read" in refused.err
     assert "and one unit dequantized or cast to the compute dtype just before" in refused.err
+
+
+@pytest.mark.slow(reason="a bnb-4bit save of the model and one more process, ~15 s")
+def test_peak_rss_of_a_bnb_4bit_base_stays_within_the_budget(
+    setup: tuple[Path, Path, Path], refused: Ran, tmp_path: Path
+) -> None:
+    """A checkpoint stored 4-bit by bitsandbytes streams its packed parts and dequantizes
+    them into scratch (fp32 here): the plan counts both, so at a budget that leaves 30 %
+    of the dequantized model after the runtime it streams within the budget."""
+    pytest.importorskip("bitsandbytes")
+    from test_infer_prequant import save_4bit
+
+    model, _, inp = setup
+    bnb = save_4bit(model, tmp_path / "bnb", "nf4", True)
+    dequantized = sum(p.stat().st_size for p in model.glob("*.safetensors"))  # fp32
+    budget = _runtime(refused.err) + int(0.3 * dequantized)
+    ran = _run(bnb, inp, tmp_path / "o.jsonl", budget)
+    assert ran.rc == 0, ran.err[-2000:]
+    start, end = _events(ran.out)[0], _events(ran.out)[-1]
+    assert end["bytes_read"] >= 2 * end["bytes_per_pass"] > 0  # it streamed
+    assert sum(start["plan"]["breakdown"].values()) <= budget
+    print(
+        f"peak_rss bnb-4bit: {ran.peak / 1e6:.1f} MB of {budget / 1e6:.1f} MB "
+        f"({100 * ran.peak / budget:.1f} %), batch {end['batch_size']}, "
+        f"{start['plan']['prepare_at']}, {end['bytes_per_pass'] / 1e6:.1f} MB per pass"
+    )
+    assert ran.peak <= budget and end["over_budget_bytes"] == 0 and "WARNING" not in ran.err

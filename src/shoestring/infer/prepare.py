@@ -20,7 +20,6 @@ import torch
 
 from shoestring.checkpoint.faults import FaultPlan
 from shoestring.config import ConfigError, to_flat
-from shoestring.hf import bnb_stored
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.budget import Planner, predicted_plan, real_plan
@@ -31,6 +30,7 @@ from shoestring.infer.engine import StreamingCausalLM, read_config_json, steady_
 from shoestring.infer.inputs import Input, read_input
 from shoestring.infer.ledger import Pinned, RunRecord
 from shoestring.infer.plan import StreamPlan
+from shoestring.infer.prequant import Stored4bit, check_stored, stored_compute_dtype
 from shoestring.infer.requests import Answering
 from shoestring.infer.sampleparams import Sampling
 from shoestring.infer.shards import ShardError, index_model
@@ -89,7 +89,7 @@ def prepare(
     _required_keys(cfg)
     given = read_input(Path(cfg.io.input), cfg.generate.mode, cfg.generate.max_new_tokens)
     ref = resolve(cfg.model.path, hub, key="--model (model.path)")
-    model_dir = _model_dir(ref)
+    model_dir = _model_dir(ref, cfg.compress.scheme)
     output = Path(cfg.io.output)
     run_dir = Path(cfg.io.run_dir) if cfg.io.run_dir else default_run_dir(output)
     steady_memory()  # before anything is computed: oneDNN reads its cache size once
@@ -130,17 +130,13 @@ def _required_keys(cfg: InferConfig) -> None:
             raise ConfigError(f"{flag} ({key}) is required")
 
 
-def _model_dir(ref: ModelRef) -> Path:
-    """The resolved model's folder; a pre-quantized (bitsandbytes) base is refused: its
-    packed 4/8-bit tensors cannot be streamed (``--compress`` quantizes a 16-bit base
-    on the fly instead)."""
+def _model_dir(ref: ModelRef, compress: str) -> Path:
+    """The resolved model's folder. A base pre-quantized 4-bit by bitsandbytes streams
+    as stored (:mod:`.prequant`); 8-bit ones, and ``--compress`` on top of 4 bits, are
+    refused here, before anything loads."""
     doc = json.loads((ref.path / "config.json").read_text())
-    if isinstance(doc, dict) and bnb_stored(doc) != "none":
-        raise ConfigError(
-            f"--model (model.path): {ref.spec} is pre-quantized with bitsandbytes; infer "
-            "streams 16/32-bit safetensors only: use the unquantized base (and --compress "
-            "nf4 or int8 to stream it quantized)"
-        )
+    if isinstance(doc, dict):
+        check_stored(doc, ref.spec, compress)
     return ref.path
 
 
@@ -215,7 +211,7 @@ def _build_engine(
         refs = index_model(model_dir)
         dtype = compute_dtype(
             cfg.model.dtype,
-            stored_dtype(refs),
+            stored_compute_dtype(read_config_json(model_dir)) or stored_dtype(refs),
             cfg.compress.scheme,
             device,
             pinned=prior.pinned.dtype if prior is not None else None,
@@ -266,17 +262,20 @@ def _weights_and_plan(
 ) -> tuple[Prepare | None, StreamPlan]:
     """The reader's weight hook and the memory plan: planned on the predicted sizes
     first (a budget too small is refused before the compressed copy is written), then
-    on the real ones (:mod:`shoestring.infer.budget`)."""
+    on the real ones (:mod:`shoestring.infer.budget`). A checkpoint stored 4-bit by
+    bitsandbytes streams its packed parts (:mod:`shoestring.infer.prequant`)."""
     name = cfg.compress.scheme
     scheme: Scheme | None = None if name == "none" else name
+    stored = Stored4bit.of(engine)
     planner = Planner.of(cfg.memory, engine, work, cfg.generate.mode == "generate", pinned)
-    predicted_plan(planner, weight_needs(engine, scheme, adapter))
+    predicted_plan(planner, weight_needs(engine, scheme, adapter, stored))
     hook, needs = weight_hook(
         engine,
         scheme,
         adapter,
         run_dir / f"weights-{name}",
         f"{identity['model']}:{identity['adapter']}:{name}",
+        stored,
     )
     return hook, real_plan(planner, needs)
 

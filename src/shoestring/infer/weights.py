@@ -1,6 +1,7 @@
 """What the reader thread does to a unit's tensors before compute: dequantize the
-compressed copy of the decoder layers, merge a LoRA adapter, or both; and what that
-takes in memory, per unit, for the plan (:class:`shoestring.infer.plan.Needs`)."""
+compressed copy of the decoder layers (or a checkpoint stored 4-bit by bitsandbytes),
+merge a LoRA adapter, or both; and what that takes in memory, per unit, for the plan
+(:class:`shoestring.infer.plan.Needs`)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,22 @@ from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.codecs import Scheme
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.plan import Needs
+from shoestring.infer.prequant import Stored4bit
 from shoestring.infer.quant import Layout, build_compressed, compressed_layout, use_compressed
 from shoestring.infer.stream import Prepare, Slot
 
 
 def weight_needs(
-    engine: StreamingCausalLM, scheme: Scheme | None, adapter: LoraDelta | None
+    engine: StreamingCausalLM,
+    scheme: Scheme | None,
+    adapter: LoraDelta | None,
+    stored: Stored4bit | None = None,
 ) -> Needs:
     """What :func:`weight_hook` will give, known before anything is read or written."""
     if adapter is not None:  # an adapted lm_head is no longer the embedding's tensor
         engine.untie(set(adapter.pairs))
+    if stored is not None:
+        return _stored_needs(engine, stored, adapter)
     n = len(engine.units)
     layout = (
         compressed_layout(engine, scheme)
@@ -37,6 +44,34 @@ def weight_needs(
         layout.build + _merge_in_copy(engine, adapter) if compressed else 0,
         _raw_kept(engine),
     )
+
+
+def _stored_needs(
+    engine: StreamingCausalLM, stored: Stored4bit, adapter: LoraDelta | None
+) -> Needs:
+    """A 4-bit checkpoint streamed as stored: its packed parts read, its weights
+    dequantized into scratch in the compute dtype (other floats cast beside them), and
+    for a moment a row block of that plus an adapter's ``B @ A`` row block."""
+    dtype, n = engine.dtype, len(engine.units)
+    return Needs(
+        engine.unit_bytes,
+        [stored.scratch(i, dtype) + engine.cast_bytes(i) for i in range(n)],
+        [stored.temps(i, dtype) + _stored_merge(engine, stored, i, adapter) for i in range(n)],
+        0,
+        _raw_kept(engine),
+    )
+
+
+def _stored_merge(
+    engine: StreamingCausalLM, stored: Stored4bit, i: int, adapter: LoraDelta | None
+) -> int:
+    """The adapter's row-block temporaries while unit ``i`` of a 4-bit checkpoint is
+    prepared: merged into the dequantized weights (compute dtype) and the plain tensors."""
+    if adapter is None:
+        return 0
+    weights = [(k, p.shape, engine.dtype) for k, p in stored.weights.get(i, {}).items()]
+    plain = [(r.key, r.shape, r.dtype) for r in engine.units[i].refs if "::" not in r.key]
+    return max((adapter.scratch(*w) for w in weights + plain), default=0)
 
 
 def _merge_scratch(
@@ -79,14 +114,20 @@ def weight_hook(
     adapter: LoraDelta | None,
     compressed_dir: Path,
     source_id: str,
+    stored: Stored4bit | None = None,
 ) -> tuple[Prepare | None, Needs]:
     """The ``prepare`` hook for ``engine`` (None: use the tensors as read), and what the
     weights take per unit (:class:`Needs`).
 
     With ``scheme`` the decoder layers are compressed once into ``compressed_dir``
     (kept while ``source_id`` names the same model, adapter and scheme; the adapter is
-    merged into the copy) and streamed from there."""
-    needs = weight_needs(engine, scheme, adapter)
+    merged into the copy) and streamed from there. With ``stored`` (a checkpoint stored
+    4-bit by bitsandbytes; ``scheme`` is then None) its weights are dequantized as they
+    are streamed, and an adapter merged into them."""
+    needs = weight_needs(engine, scheme, adapter, stored)
+    if stored is not None:
+        dequantize = stored.hook(engine.dtype)
+        return (_merged_after(dequantize, adapter) if adapter else dequantize), needs
     hook: Prepare | None = None
     extra = [0] * len(engine.units)
     if scheme is not None:
@@ -113,6 +154,16 @@ def _merged(adapter: LoraDelta) -> Prepare:
         for k, v in t.items():
             adapter.merge_(k, v)
         return t
+
+    return prepare
+
+
+def _merged_after(dequantize: Prepare, adapter: LoraDelta) -> Prepare:
+    def prepare(i: int, t: dict[str, torch.Tensor], s: Slot) -> dict[str, torch.Tensor]:
+        out = dequantize(i, t, s)
+        for k, v in out.items():
+            adapter.merge_(k, v)
+        return out
 
     return prepare
 
