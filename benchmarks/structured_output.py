@@ -4,7 +4,7 @@ schema costs, ours vs transformers ``generate`` with llguidance as a logits proc
 A real-size vocabulary matters here (the mask is computed over every token), and no
 tokenizer may be downloaded, so a byte-level BPE tokenizer of ``--vocab`` tokens is
 trained on the Python sources of the installed packages (transformers and torch:
-~90 MB; about 25 s for 118k tokens), and a random-init Llama is built with that
+about 30 s), and a random-init Llama is built with that
 vocabulary. The same completion requests (greedy, ``--max-tokens``) run four ways in
 one process, each timed as a whole:
 
