@@ -86,9 +86,16 @@ def test_answers_validate_against_their_schema(chat_model: Path, tmp_path: Path)
         chat("free", "Describe someone.", temperature=0),
         chat("text", "Describe someone.", {"type": "text"}, temperature=0),
         chat("object", "Any JSON object.", {"type": "json_object"}, temperature=0.7, seed=3),
+        chat("cut", "Describe someone.", schema_format(PERSON), temperature=0, max_tokens=5),
     ]
     lines = _run(chat_model, tmp_path, reqs, "--batch-size", "4")
     got = {line["custom_id"]: _choice(line) for line in lines}
+    # Too few tokens for the format: cut ("length"), counted and warned about.
+    assert got["cut"]["finish_reason"] == "length"
+    assert got["cut"]["message"]["content"] == got["person-greedy"]["message"]["content"][:5]
+    end = json.loads((tmp_path / "out.jsonl.run" / "events.jsonl").read_text().splitlines()[-1])
+    cut = sum(got[c]["finish_reason"] == "length" for c in ("person-sampled", "choice", "object"))
+    assert (end["held"], end["held_cut"]) == (5, 1 + cut)
     for cid, schema in (("person-greedy", PERSON), ("person-sampled", PERSON), ("choice", CHOICE)):
         c = got[cid]
         assert c["finish_reason"] == "stop", (cid, c)

@@ -131,6 +131,9 @@ class ChunkLoop:
                 stop=self._stop_requested,
             )
             self.stats.tokens += sum(len(o.tokens) for o in outs)
+            held = [o for (i, _), o in zip(flat, outs) if work.continuations[i].grammar]
+            self.stats.held += len(held)
+            self.stats.held_cut += sum(o.finish == "length" for o in held)
         else:
             outs = score(
                 job.engine,

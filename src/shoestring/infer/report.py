@@ -107,6 +107,8 @@ class Stats:
     chunk_pass: int = 0
     tokens: int = 0  # generated (or scored) tokens
     prompts: int = 0
+    held: int = 0  # answers held to a response format
+    held_cut: int = 0  # of which max_tokens ended before the format was complete
 
     def count_pass(self, seconds: float) -> None:
         """A pass of the running chunk took ``seconds``: its first is the prefill."""
@@ -154,6 +156,7 @@ def summary(
         "over_budget_bytes": max(0, peak - plan.budget),
         "resident_units": len(plan.resident),
         "batch_size": plan.batch_size,
+        **({"held": stats.held, "held_cut": stats.held_cut} if stats.held else {}),
     }
 
 
@@ -169,6 +172,13 @@ def print_summary(s: dict[str, Any], output: Path, stream: TextIO) -> None:
         f"budget; {s['resident_units']} units resident; batch {s['batch_size']}",
         file=stream,
     )
+    if s.get("held_cut"):
+        print(
+            f"  WARNING: {s['held_cut']} of {s['held']} answers held to a response format "
+            'reached max_tokens before it was complete (finish_reason "length": '
+            "incomplete JSON); give them a larger max_tokens",
+            file=stream,
+        )
     if s["over_budget_bytes"] > 0:
         print(
             f"  WARNING: peak RSS exceeded the memory budget by "
