@@ -10,6 +10,9 @@ What only a GPU can show, on random-init Llama models saved like real checkpoint
    vs a plain pinned host-to-device copy measured in the same run, and time per pass.
 3. **Compression on the device**: int8 and nf4 layers dequantized on the GPU —
    bytes per pass, time per pass and drift against the uncompressed run.
+4. **Structured output on the device**: answers held to a JSON Schema (the
+   llguidance mask moved to the device each pass) are complete and valid, and
+   compared token by token with the same held run on the CPU in float32.
 
 Prints one JSON object and, with ``--out FILE``, writes it there.
 
@@ -91,6 +94,69 @@ def exactness(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict
     return {"prompts": len(prompts), "greedy_identical": same, "max_abs_logit_diff": diff}
 
 
+#: Bounded everywhere, so a complete answer fits in STRUCTURED_TOKENS byte tokens.
+PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
+STRUCTURED_TOKENS = 96
+
+
+def structured(model_dir: Path, device: torch.device) -> dict[str, Any]:
+    """Answers held to a JSON Schema on the device (the mask moved there each pass):
+    every answer complete and valid; and the same held generation on the CPU in float32,
+    token by token, as a cross-check of the mask path (a different dtype may pick
+    differently where logits are close: counted, not failed)."""
+    try:
+        import jsonschema
+        from transformers import AutoTokenizer
+
+        from shoestring.infer.decode import Rules, generate_from, start
+        from shoestring.infer.sampleparams import ResponseFormat
+        from shoestring.infer.structured import Grammars
+    except ImportError as e:
+        return {"skipped": f"needs llguidance and jsonschema: {e}"}
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    grammars = Grammars(tok, vocab, [tok.eos_token_id])
+    grammar = grammars.compile(ResponseFormat.of_schema(PERSON, "person"))
+    prompts = _prompts(8, seed=3)
+
+    def held_run(dev: torch.device, dtype: torch.dtype | None) -> tuple[list[Any], float]:
+        eng = StreamingCausalLM(model_dir, device=dev, dtype=dtype).start(resident=1, depth=2)
+        rules = Rules([STRUCTURED_TOKENS] * len(prompts), frozenset({tok.eos_token_id}),
+                      None, None, grammars.held([grammar] * len(prompts)))  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            st = start(eng, prompts, pad_id=0, micro_tokens=256)
+            return generate_from(eng, st, rules=rules, pad_id=0), time.perf_counter() - t0
+        finally:
+            eng.close()
+
+    out, seconds = held_run(device, None)
+    ref, _ = held_run(torch.device("cpu"), torch.float32)
+    valid = 0
+    for o in out:
+        try:
+            jsonschema.validate(json.loads(tok.decode(o.tokens)), PERSON)
+            valid += o.finish == "stop"
+        except ValueError:
+            pass
+    return {
+        "answers": len(out),
+        "complete_and_valid": valid,
+        "tokens": sum(len(o.tokens) for o in out),
+        "seconds": seconds,
+        "equal_to_cpu_fp32": sum(a.tokens == b.tokens for a, b in zip(out, ref)),
+    }
+
+
 def decode_rate(
     model_dir: Path,
     device: torch.device,
@@ -169,6 +235,7 @@ def run(device: torch.device, small: bool, batch: int = 64, new_tokens: int = 8)
             seed=1,
         )
         res["exactness"] = exactness(exact_dir, device, dtype)
+        res["structured"] = structured(exact_dir, device)
         shape = (
             dict(hidden=256, layers=4, ffn=512, heads=4, kv_heads=2)
             if small
