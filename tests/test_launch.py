@@ -88,6 +88,7 @@ print(json.dumps({
     "secret_refs": [ref.name for ref in task._managed_secret_refs],
     "secrets_after_override": sorted(filled.secrets),
     "setup": task.setup,
+    "workdir": task.workdir,
     "run": task.run,
     "rejected": rejected,
 }))
@@ -146,7 +147,9 @@ def test_task_yaml_is_read_by_skypilot(
     # HF_TOKEN travels as a secret reference, filled in by `sky jobs launch --secret`.
     assert doc["secret_refs"] == ["HF_TOKEN"]
     assert doc["secrets_after_override"] == ["HF_TOKEN"]
-    assert "pip install" in doc["setup"] and "shoestring" in doc["setup"]
+    # Run from this checkout: SkyPilot syncs it as the workdir and setup installs it.
+    assert doc["workdir"] == str(REPO)
+    assert "pip install --upgrade '.[s3,gcs]'" in doc["setup"]
     assert "shoestring finetune --config finetune.yaml" in doc["run"]
     assert "--checkpoint.storage s3://bucket/runs/x --resume auto" in doc["run"]
 
@@ -176,6 +179,23 @@ def test_named_gpus_and_on_demand(
     ]
     assert "secrets" not in doc
     assert "market: on_demand" in doc["run"]  # the ledger charges what was asked for
+    rc, out, err = launch(capsys, "--checkpoint.storage", "gs://b/x", "--gpu", "L4",
+                          "--install", "shoestring[gcs]==0.1.0", "--dry-run")  # fmt: skip
+    doc = yaml.safe_load(out)
+    assert rc == 0 and "workdir" not in doc  # a named package: nothing to sync
+    assert "pip install --upgrade 'shoestring[gcs]==0.1.0'" in doc["setup"]
+
+
+def test_a_wheel_install_sets_up_this_version_from_the_index(tmp_path: Path) -> None:
+    from shoestring import __version__
+    from shoestring.supervise.sky import default_install
+
+    wheel = tmp_path / "site-packages" / "shoestring" / "supervise" / "sky.py"
+    assert default_install(str(wheel)) == (f"shoestring[s3,gcs]=={__version__}", "")
+    assert default_install(str(SRC / "shoestring" / "supervise" / "sky.py")) == (
+        ".[s3,gcs]",
+        str(REPO),
+    )
 
 
 @pytest.mark.parametrize(

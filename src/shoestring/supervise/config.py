@@ -297,7 +297,9 @@ class LaunchConfig:
     install: str = knob(
         "",
         "What the task's setup pip-installs: anything `pip install` takes, e.g. "
-        "'shoestring[s3]==0.1.0' or a git URL (empty: shoestring[s3,gcs] at this version).",
+        "'shoestring[s3]==0.1.0' or a git URL. Empty: this source checkout, synced to the VM "
+        "as the task's workdir (.gitignore applies), or shoestring[s3,gcs] at this version "
+        "when installed from a wheel.",
     )
     secret: list[str] = knob(
         [],

@@ -17,8 +17,9 @@ This module connects the two, as :mod:`shoestring.supervise.slurm` does for Slur
 
 The task YAML is SkyPilot's own format (``sky/utils/schemas.py``): ``resources.ordered``
 (the GPUs, cheapest first), ``use_spot``, ``job_recovery`` (``strategy``,
-``max_restarts_on_errors``, ``recover_on_exit_codes``), ``envs``, ``secrets`` (names
-only: a null value is resolved at launch from ``--secret NAME``), ``setup``, ``run``.
+``max_restarts_on_errors``, ``recover_on_exit_codes``), ``workdir`` (the source checkout
+this shoestring runs from, installed by ``setup``), ``envs``, ``secrets`` (names only: a
+null value is resolved at launch from ``--secret NAME``), ``setup``, ``run``.
 SkyPilot is not imported here: it pins ``click<8.2``, which shoestring's huggingface-hub
 cannot use, so it lives in an environment of its own and is run as a program.
 """
@@ -129,11 +130,25 @@ class TaskSpec:
     recovery: str = "EAGER_NEXT_REGION"
     max_restarts_on_errors: int = 0
     install: str = f"shoestring[s3,gcs]=={__version__}"
+    workdir: str = ""  # a local folder SkyPilot syncs to the VM; setup runs in it
     envs: Mapping[str, str] = field(default_factory=dict)
     secrets: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- the task
+
+
+def default_install(package_file: str = __file__) -> tuple[str, str]:
+    """What the setup installs when ``--install`` is not given, and from where:
+    run from a source checkout (the package's tree holds the project's pyproject.toml),
+    SkyPilot syncs the checkout as the task's ``workdir`` (what .gitignore or a
+    .skyignore leaves out stays here) and setup installs it, so the VM runs this
+    code; installed from a wheel, setup installs this version from the index."""
+    root = Path(package_file).resolve().parents[3]
+    pyproject = root / "pyproject.toml"
+    if pyproject.is_file() and 'name = "shoestring"' in pyproject.read_text(encoding="utf-8"):
+        return ".[s3,gcs]", str(root)
+    return TaskSpec.install, ""
 
 
 def setup_script(spec: TaskSpec) -> str:
@@ -174,6 +189,8 @@ def task_document(spec: TaskSpec) -> dict[str, Any]:
         "ordered": [{"accelerators": {o.accelerator: 1}} for o in spec.offers],
     }
     doc: dict[str, Any] = {"name": spec.name, "resources": resources}
+    if spec.workdir:
+        doc["workdir"] = spec.workdir
     if spec.envs:
         doc["envs"] = dict(spec.envs)
     if spec.secrets:
@@ -349,6 +366,7 @@ def spec_from_config(
         if cfg.gpu
         else cheapest_fitting(vm, hub, count=cfg.candidates, spot=cfg.spot)
     )
+    install, workdir = (cfg.install, "") if cfg.install else default_install()
     return TaskSpec(
         name=cfg.name or f"shoestring-{vm.output_dir}",
         offers=tuple(offers),
@@ -357,7 +375,8 @@ def spec_from_config(
         use_spot=cfg.spot,
         recovery=cfg.recovery,
         max_restarts_on_errors=cfg.max_restarts_on_errors,
-        install=cfg.install or TaskSpec.install,
+        install=install,
+        workdir=workdir,
         envs=_envs(cfg.env, env),
         secrets=_secrets(cfg.secret, env),
     )
