@@ -25,7 +25,7 @@ from shoestring.data.records import DataError, Example, Record
 from shoestring.data.sources import read_records, resolve_source
 from shoestring.data.tokenize import TokenizeSpec
 from shoestring.train.builtin import model_tokenizer, padded_vocab
-from shoestring.train.objective import DPO, ORPO, PREFERENCE_METRICS, sequence_logps
+from shoestring.train.objective import DPO, ORPO, PREFERENCE_METRICS, SimPO, sequence_logps
 from shoestring.train.reflogps import compute_reference
 from shoestring.train.samples import PairSamples
 
@@ -241,13 +241,51 @@ def test_orpo_loss_equals_trl(model: Any, pairs: list[Example], tok: Any) -> Non
         assert abs(means[name] - metrics[name]) < TOL, name
 
 
+class _TrlCpo:
+    """CPOTrainer's own methods (``loss_type simpo``) on a stand-in ``self``."""
+
+    def __init__(self, pad_id: int, beta: float, gamma: float, alpha: float, ls: float) -> None:
+        from trl.experimental.cpo import CPOTrainer
+
+        cls = CPOTrainer
+        self.is_encoder_decoder = False
+        self.pad_token_id = pad_id
+        self.accelerator = _accelerator()
+        self.aux_loss_enabled = False
+        self.loss_type = "simpo"
+        self.beta, self.simpo_gamma, self.cpo_alpha, self.label_smoothing = beta, gamma, alpha, ls
+        self.alpha = 0.0  # AlphaPO's reward transform: off
+        self.concatenated_inputs = cls.concatenated_inputs
+        self.get_batch_logps = cls.get_batch_logps
+        self.concatenated_forward = cls.concatenated_forward.__get__(self)
+        self.cpo_loss = cls.cpo_loss.__get__(self)
+        self.loss_metrics = cls.get_batch_loss_metrics.__get__(self)
+
+
+@pytest.mark.parametrize("alpha,ls", [(0.0, 0.0), (1.0, 0.1)])  # SimPO; CPO-SimPO, smoothed
+def test_simpo_loss_equals_trl(
+    model: Any, pairs: list[Example], tok: Any, alpha: float, ls: float
+) -> None:
+    samples = PairSamples(pairs)
+    batch = samples.collate(range(len(samples)), tok.pad_token_id)
+    with torch.no_grad():
+        want, metrics = _TrlCpo(tok.pad_token_id, 2.0, 0.5, alpha, ls).loss_metrics(
+            model, _orpo_batch(pairs, tok.pad_token_id)
+        )
+    out = _ours(SimPO(2.0, 0.5, alpha, ls), model, batch, samples)
+    assert abs(float(out.loss) - float(want)) < TOL, (float(out.loss), float(want))
+    means = dict(zip(PREFERENCE_METRICS, (out.sums / len(samples)).tolist(), strict=True))
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
+        assert abs(means[name] - metrics[name]) < TOL, name
+
+
 @pytest.mark.slow  # the normalizer arithmetic; the SIGKILL test runs 2-pair batches; ~3 s
 def test_micro_batches_add_up_to_the_whole_batch(
     model: Any, pairs: list[Example], tok: Any
 ) -> None:
     """Each micro-batch's loss is its share (sums over the global normalizer)."""
     samples = PairSamples(pairs)
-    for objective in (DPO(beta=0.1), ORPO(beta=0.1)):
+    for objective in (DPO(beta=0.1), ORPO(beta=0.1), SimPO(2.0, 0.5, 1.0)):
         norm = objective.normalizer(samples, range(4), None)
         whole = _ours(objective, model, samples.collate(range(4), tok.pad_token_id), samples)
         with torch.no_grad():

@@ -114,11 +114,14 @@ def test_reference_cache_is_verified_and_recomputed_when_torn(tmp_path: Path) ->
     assert cached_reference(path, 6, compute) is not None and calls == [1, 1]
 
 
-@pytest.mark.slow  # ~50 s (2 threads): the learning curve, not a mechanism
-def test_synthetic_preferences_are_learned(cli: CLI, tmp_path: Path) -> None:
+@pytest.mark.slow  # ~50 s each (2 threads): the learning curve, not a mechanism
+@pytest.mark.parametrize(
+    "objective", [["dpo"], ["simpo", "--dpo.beta", "2.0"]], ids=["dpo", "simpo"]
+)  # SimPO 2026-12-06: reward accuracy 49.5 % -> 100 %, eval loss 1.063 -> 0.087
+def test_synthetic_preferences_are_learned(cli: CLI, tmp_path: Path, objective: list[str]) -> None:
     """builtin:prefer-reverse: held-out reward accuracy from chance to > 95 %."""
     out = tmp_path / "run"
-    r = cli.run(out, *LEARN, timeout=900)
+    r = cli.run(out, *LEARN, "--train.objective", *objective, timeout=900)
     assert r.returncode == 0, r.stderr
     evals = {e["tag"]: e for e in read_events(out) if e["event"] == "eval"}
     assert 0.3 < evals["before"]["logps/accuracies"] < 0.7
@@ -126,8 +129,6 @@ def test_synthetic_preferences_are_learned(cli: CLI, tmp_path: Path) -> None:
 
 
 LEARN = [
-    "--train.objective",
-    "dpo",
     "--data.train",
     "builtin:prefer-reverse",
     "--train.max_steps",

@@ -9,7 +9,7 @@ Five shapes are understood; ``detect_format`` picks one from an object's keys:
 * ``sharegpt``: ``{"conversations": [{"from", "value"}, ...], "system" (optional)}``;
 * ``preference``: ``{"prompt", "chosen", "rejected"}`` as text, or TRL's conversational
   shape: ``chosen``/``rejected`` message lists, after a ``prompt`` message list or
-  sharing their first messages as the prompt (``train.objective dpo|orpo``).
+  sharing their first messages as the prompt (``train.objective dpo|orpo|simpo``).
 
 Alpaca and ShareGPT become conversations (``Record.messages``), so everything after
 parsing sees three kinds of record: text, pair and chat. Every error names the place

@@ -45,12 +45,12 @@ class PairStats:
 
 
 def preference_only(records: Sequence[Record], objective: str) -> None:
-    """``train.objective dpo|orpo`` trains on preference records only, SFT on none."""
+    """``train.objective dpo|orpo|simpo`` trains on preference records only, SFT on none."""
     for r in records:
         if objective == "sft" and r.is_preference:
             raise DataError(
                 f"{r.source}: a preference record ('chosen'/'rejected'): "
-                "set train.objective dpo or orpo to train on preferences"
+                "set train.objective dpo, orpo or simpo to train on preferences"
             )
         if objective != "sft" and not r.is_preference:
             raise DataError(

@@ -18,7 +18,7 @@ from typing import Any
 ENVELOPE = frozenset({"v", "ts", "event", "run_id", "rank"})
 #: ``run_start`` fields that change on every attempt: not config.
 RUN_START_VOLATILE = frozenset({"step", "pid"})
-#: Preference tuning's metrics (``train.objective dpo|orpo``), named as TRL names them.
+#: Preference tuning's metrics (``train.objective dpo|orpo|simpo``), named as TRL names them.
 PREFERENCE_FIELDS = (
     "rewards/chosen",
     "rewards/rejected",

@@ -27,7 +27,7 @@ from typing import Any
 
 BUILTIN_MODEL = "builtin:tiny"
 BUILTIN_TASK = "builtin:reverse"
-#: The same words as preference pairs (``train.objective dpo|orpo``): the chosen answer
+#: The same words as preference pairs (``train.objective dpo|orpo|simpo``): the chosen answer
 #: is the reversed word, the rejected one the same with one letter replaced by a digit.
 BUILTIN_PREFERENCE_TASK = "builtin:prefer-reverse"
 BUILTIN_TASKS = (BUILTIN_TASK, BUILTIN_PREFERENCE_TASK)

@@ -50,7 +50,7 @@ Backend = Literal["auto", "gloo", "nccl"]
 GgufType = Literal["f16", "bf16", "q8_0"]
 GgufExport = Literal["none", "f16", "bf16", "q8_0"]
 #: ``train.objective``: supervised fine-tuning, or preference tuning on chosen/rejected pairs.
-Objective = Literal["sft", "dpo", "orpo"]
+Objective = Literal["sft", "dpo", "orpo", "simpo"]
 #: ``train.kernels``: fused training kernels patched into the model (train/kernels.py).
 Kernels = Literal["none", "liger"]
 
@@ -102,7 +102,7 @@ class DataConfig:
     format: DataFormat = knob(
         "auto",
         "Record shape: text, prompt_completion, messages (OpenAI chat), alpaca, preference "
-        "(prompt/chosen/rejected, text or messages; train.objective dpo|orpo), "
+        "(prompt/chosen/rejected, text or messages; train.objective dpo|orpo|simpo), "
         "sharegpt; 'auto' detects it per file from the first record (logged).",
     )
     chat_template: str = knob(
@@ -228,10 +228,11 @@ class TrainConfig:
         "sft",
         "What a step minimizes: 'sft' (cross-entropy on the answers), 'dpo' (Direct "
         "Preference Optimization on chosen/rejected pairs; the reference is the base model "
-        "with the adapter disabled, or dpo.precompute_ref) or 'orpo' (odds-ratio preference "
-        "optimization, no reference; NLL over the chosen sequence as TRL computes it). "
-        "dpo/orpo need preference records (prompt/chosen/rejected); train.batch_size "
-        "counts pairs.",
+        "with the adapter disabled, or dpo.precompute_ref), 'orpo' (odds-ratio preference "
+        "optimization, no reference; NLL over the chosen sequence as TRL computes it) or "
+        "'simpo' (SimPO: length-normalized log-probs with a target margin dpo.simpo_gamma, "
+        "no reference; TRL's CPOTrainer loss_type simpo). dpo/orpo/simpo need preference "
+        "records (prompt/chosen/rejected); train.batch_size counts pairs.",
     )
     offload_activations: bool = knob(
         False,
@@ -267,14 +268,27 @@ class DpoConfig:
         0.1,
         "DPO's beta (strength of the pull towards the reference; rewards are beta x the "
         "log-ratio to the reference); with train.objective orpo, ORPO's lambda (weight of "
-        "the odds-ratio term).",
+        "the odds-ratio term); with simpo, SimPO's beta (scale of the answers' mean "
+        "log-probs; the SimPO paper uses 2 to 2.5).",
         check=positive,
     )
     label_smoothing: float = knob(
         0.0,
         "DPO: assumed rate of flipped labels: TRL's 'robust' DPO loss (unbiased under "
-        "that noise; equal to the sigmoid loss at 0).",
+        "that noise; equal to the sigmoid loss at 0). SimPO: TRL CPO's conservative form.",
         check=lambda v: None if 0 <= v < 0.5 else "must be in [0, 0.5)",
+    )
+    simpo_gamma: float = knob(
+        0.5,
+        "SimPO's target reward margin gamma: a pair's loss is "
+        "-log sigmoid(beta x (mean log p chosen - mean log p rejected) - gamma).",
+        check=non_negative,
+    )
+    cpo_alpha: float = knob(
+        0.0,
+        "SimPO: weight of the NLL of the chosen answers added to the loss (TRL CPO's "
+        "cpo_alpha; 0: SimPO as published, 1: CPO-SimPO).",
+        check=non_negative,
     )
     precompute_ref: bool = knob(
         False,

@@ -1,4 +1,4 @@
-"""What a step minimizes (``train.objective``): SFT, DPO or ORPO, behind one protocol.
+"""What a step minimizes (``train.objective``): SFT, DPO, ORPO or SimPO, behind one protocol.
 
 An objective turns a micro-batch into a loss (its share of the global batch's loss:
 a sum divided by a normalizer computed over the *global* batch, so micro-batching and
@@ -11,7 +11,8 @@ layout). DPO's reference is the same model with the LoRA adapter disabled
 (``peft``'s ``disable_adapter``; eval mode, no grad: no second copy of the base), or
 the reference log-probs precomputed with the data (``ref_logps`` in the batch, see
 :mod:`shoestring.train.reflogps`). The formulas are TRL's (``DPOTrainer._compute_loss``,
-``sigmoid``/``robust``; ``ORPOTrainer.odds_ratio_loss``), checked equal in the tests.
+``sigmoid``/``robust``; ``ORPOTrainer.odds_ratio_loss``; ``CPOTrainer.cpo_loss`` with
+``loss_type simpo``), checked equal in the tests.
 """
 
 from __future__ import annotations
@@ -249,6 +250,50 @@ class ORPO:
         return Output(loss, _pair_sums(self.beta * chosen, self.beta * rejected, chosen, rejected))
 
 
+# --------------------------------------------------------------------------- SimPO
+
+
+@dataclass(frozen=True)
+class SimPO:
+    """SimPO (Meng, Xia and Chen 2024) as TRL's ``CPOTrainer`` computes it (``loss_type
+    simpo``): per pair ``-log σ(β (mean log p chosen - mean log p rejected) - γ)`` (the
+    means over each answer's tokens; label smoothing as CPO's), the mean over the global
+    batch's pairs, plus ``alpha`` × the NLL of the chosen answers (the mean over their
+    tokens: CPO-SimPO when 1). No reference model: memory as ORPO's."""
+
+    beta: float = 2.0
+    gamma: float = 0.5
+    alpha: float = 0.0
+    label_smoothing: float = 0.0
+    name = "simpo"
+    metrics: tuple[str, ...] = PREFERENCE_METRICS
+
+    def normalizer(self, samples: Samples, idx: Sequence[int], device: Any) -> torch.Tensor:
+        assert isinstance(samples, PairSamples), "SimPO trains on pairs"
+        tokens = sum(samples.chosen_labels(i) for i in idx)
+        return torch.tensor([float(tokens), float(len(idx))], dtype=torch.float64, device=device)
+
+    def loss(
+        self,
+        wrapped: torch.nn.Module,
+        model: Any,
+        batch: dict[str, torch.Tensor],
+        norm: torch.Tensor,
+    ) -> Output:
+        labels = batch["labels"]
+        summed = sequence_logps(wrapped(**model_inputs(batch)).logits, labels)
+        counts = (labels[:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1)
+        chosen, rejected = (summed / counts).chunk(2)
+        z = self.beta * (chosen - rejected) - self.gamma
+        ls = self.label_smoothing
+        per_pair = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+        norm = norm.to(per_pair.dtype)
+        loss = per_pair.sum() / norm[1]
+        if self.alpha:
+            loss = loss - self.alpha * summed.chunk(2)[0].sum() / norm[0]
+        return Output(loss, _pair_sums(self.beta * chosen, self.beta * rejected, chosen, rejected))
+
+
 # --------------------------------------------------------------------------- choice
 
 
@@ -258,6 +303,9 @@ def make_objective(cfg: FinetuneConfig) -> Objective:
         return DPO(cfg.dpo.beta, cfg.dpo.label_smoothing)
     if kind == "orpo":
         return ORPO(cfg.dpo.beta)
+    if kind == "simpo":
+        d = cfg.dpo
+        return SimPO(d.beta, d.simpo_gamma, d.cpo_alpha, d.label_smoothing)
     return SFT(cfg.train.loss_chunk_tokens)
 
 

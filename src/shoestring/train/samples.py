@@ -138,6 +138,10 @@ class PairSamples:
     def tokens(self, position: int) -> int:
         return sum(len(self.store[2 * position + k].input_ids) for k in (0, 1))
 
+    def chosen_labels(self, position: int) -> int:
+        """Label tokens of the chosen answer (SimPO's NLL term counts them)."""
+        return _labels(self.store[2 * position])
+
     def chosen_positions(self, position: int) -> int:
         """Positions of the chosen sequence that predict a token (ORPO's NLL counts them)."""
         return len(self.store[2 * position].input_ids) - 1
