@@ -28,6 +28,7 @@ from shoestring.infer.batchapi import (
 from shoestring.infer.sampleparams import ResponseFormat
 
 PATH = "in.jsonl"
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
 CHAT_URL = "/v1/chat/completions"
 COMPLETION_URL = "/v1/completions"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -272,8 +273,51 @@ BAD: list[tuple[Any, str | None, str, str]] = [
     (chat("n2", n=2), "body.n", "unsupported", "only n=1 is supported"),
     (chat("nb2", n=True), "body.n", "invalid_request", "integer"),
     (chat("st", stream=True), "body.stream", "unsupported", "stream=false"),
-    (chat("tools", tools=[{"type": "function"}]), "body.tools", "unsupported", "'tools'"),
-    (chat("tc", tool_choice="auto"), "body.tool_choice", "unsupported", "'tool_choice'"),
+    (chat("tools", tools=[TOOL]), "body.tool_choice", "unsupported", "'auto' (the default"),
+    (chat("ta", tools=[TOOL], tool_choice="auto"), "body.tool_choice", "unsupported", "parser"),
+    (
+        chat("tt", tools=[{"type": "retrieval"}]),
+        "body.tools[0].type",
+        "invalid_request",
+        "function",
+    ),
+    (
+        chat("tn", tools=[{"type": "function", "function": {"name": "a b"}}], tool_choice="none"),
+        "body.tools[0].function.name",
+        "invalid_request",
+        "a-z, A-Z",
+    ),
+    (
+        chat("t2", tools=[TOOL, TOOL], tool_choice="required"),
+        "body.tools[1].function.name",
+        "invalid_request",
+        "given twice",
+    ),
+    (
+        chat("tc0", tool_choice="required"),
+        "body.tool_choice",
+        "invalid_request",
+        "needs body.tools",
+    ),
+    (
+        chat("tcn", tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        "body.tool_choice.function.name",
+        "invalid_request",
+        "tools: lookup",
+    ),
+    (
+        chat("tcx", tools=[TOOL], tool_choice="always"),
+        "body.tool_choice",
+        "invalid_request",
+        '"none", "required"',
+    ),
+    (
+        chat("trf", tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+        "body.response_format",
+        "invalid_request",
+        "cannot go with a tool_choice",
+    ),
+    (chat("fn", functions=[{"name": "f"}]), "body.functions", "unsupported", "'functions'"),
     (
         chat("rf", response_format={"type": "json"}),
         "body.response_format.type",

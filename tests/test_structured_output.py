@@ -294,3 +294,75 @@ def test_a_schema_file_that_cannot_be_used_fails_before_weights_load(
     err = capsys.readouterr().err
     assert "--json-schema (generate.json_schema)" in err and expected in err, err
     assert not (tmp_path / "out.jsonl.run" / "events.jsonl").exists()  # nothing started
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },  # fmt: skip
+    },
+}
+
+
+def test_tools_are_called_as_the_tool_choice_says(chat_model: Path, tmp_path: Path) -> None:
+    from openai.types.chat import ChatCompletion
+
+    ask = "Weather in Oslo?"  # (the template's tool text is ~900 byte tokens of 1024)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    both = {"tools": [WEATHER, CLOCK], "max_tokens": 90}
+    reqs = [
+        chat("named", ask, tool_choice=named, temperature=0, **both),
+        chat("one", ask, tool_choice="required", parallel_tool_calls=False, seed=1, **both),
+        chat("any", ask, tool_choice="required", temperature=0, **both),
+        chat("none", ask, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=8),
+        chat("plain", ask, temperature=0, max_tokens=8),
+    ]
+    lines = {x["custom_id"]: x for x in _run(chat_model, tmp_path, reqs, "--batch-size", "5")}
+    for x in lines.values():
+        ChatCompletion.model_validate(x["response"]["body"])  # the openai package's own type
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+
+    def calls(cid: str) -> list[dict[str, Any]]:
+        c = _choice(lines[cid])
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+        for call in c["message"]["tool_calls"]:
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            jsonschema.validate(
+                json.loads(call["function"]["arguments"]), schema[call["function"]["name"]]
+            )
+        return c["message"]["tool_calls"]  # type: ignore[no-any-return]
+
+    assert [c["function"]["name"] for c in calls("named")] == ["get_weather"]
+    assert len(calls("one")) == 1
+    if _choice(lines["any"])["finish_reason"] == "tool_calls":  # a random model may go on
+        assert len(calls("any")) >= 1
+    ids = [c["id"] for cid in ("named", "one") for c in calls(cid)]
+    assert len(set(ids)) == len(ids)
+    # "none": the tools are in the prompt (the template renders them), the answer is text.
+    none, plain = lines["none"]["response"]["body"], lines["plain"]["response"]["body"]
+    assert (
+        none["choices"][0]["message"]["content"]
+        and "tool_calls" not in none["choices"][0]["message"]
+    )
+    assert none["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20

@@ -22,12 +22,15 @@ Design choices:
   Integers reject booleans and floats (``1.5``, ``true``, ``"10"``). ``null`` reads as
   absent for every optional field, as in the OpenAI API.
 * **Supported, or refused.** OpenAI fields this engine cannot honour (``n`` > 1,
-  ``stream``, penalties other than 0, ``tools``, ``echo``, ``suffix``, ``best_of`` > 1,
-  token-id or list prompts) give code ``unsupported``
+  ``stream``, penalties other than 0, ``tool_choice`` ``"auto"``, ``functions``,
+  ``echo``, ``suffix``, ``best_of`` > 1, token-id or list prompts) give code
+  ``unsupported``
   rather than being ignored; ``user``, ``metadata`` and ``store`` are accepted and
   ignored. ``top_k`` (-1 or 0: off) is the vLLM extension. ``response_format``
   (``json_object``, ``json_schema``) is honoured on both endpoints, as vLLM does; the
-  answer is held to it token by token (:mod:`shoestring.infer.structured`).
+  answer is held to it token by token (:mod:`shoestring.infer.structured`); so are
+  tool calls (``tools`` with ``tool_choice`` ``"required"`` or a named function,
+  :mod:`shoestring.infer.tools`).
 * **Deterministic output.** Ids are sha256 digests of the job id, the line number and
   the ``custom_id``; ``created`` comes from the caller, so a resumed or re-run job writes
   byte-identical lines. Logprobs of ``-inf`` are written as ``-9999.0`` (what OpenAI
@@ -43,12 +46,13 @@ import json
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from shoestring.data.formats import MESSAGE_KEYS, parse_record
 from shoestring.data.records import DataError
 from shoestring.infer.sampleparams import ResponseFormat, Sampling
+from shoestring.infer.tools import NO_PARAMETERS, Function, ToolUse
 
 Endpoint = Literal["chat", "completion"]
 
@@ -74,11 +78,8 @@ _COMMON_KEYS = (
 )
 #: Fields that are errors (``unsupported``) unless absent or null.
 _CHAT_UNSUPPORTED = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "parallel_tool_calls",
     "logit_bias",
     "stream_options",
 )
@@ -86,7 +87,7 @@ _COMPLETION_UNSUPPORTED = ("suffix", "logit_bias", "stream_options")
 BODY_KEYS: dict[Endpoint, frozenset[str]] = {
     "chat": frozenset(
         (*_COMMON_KEYS, *_CHAT_UNSUPPORTED, "messages", "max_completion_tokens")
-        + ("top_logprobs", "metadata", "store")
+        + ("top_logprobs", "metadata", "store", "tools", "tool_choice", "parallel_tool_calls")
     ),
     "completion": frozenset((*_COMMON_KEYS, *_COMPLETION_UNSUPPORTED, "prompt", "echo", "best_of")),
 }
@@ -94,6 +95,8 @@ MAX_STOP = 4
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 _SCHEMA_NAME = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
+MAX_TOOLS = 128
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 MAX_TOP_LOGPROBS: dict[Endpoint, int] = {"chat": 20, "completion": 5}
 #: What OpenAI writes for the logprob of a token of probability 0.
 MIN_LOGPROB = -9999.0
@@ -109,6 +112,8 @@ class Request:
     sampling: Sampling
     prompt: str = ""  # completion endpoint
     messages: tuple[dict[str, Any], ...] | None = None  # chat endpoint
+    tools: tuple[dict[str, Any], ...] | None = None  # rendered by the chat template
+    tool_use: ToolUse | None = None  # the answer is tool calls (tools.py)
 
 
 @dataclass(frozen=True)
@@ -131,10 +136,11 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class Answer:
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     prompt_tokens: int
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[tuple[str, str], ...] = ()  # (name, arguments JSON) per call
 
 
 class _Bad(Exception):
@@ -358,6 +364,87 @@ def _json_schema(spec: Any, where: str) -> ResponseFormat:
     return ResponseFormat.of_schema(schema, name)
 
 
+def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, ToolUse | None]:
+    """``tools`` (rendered into the prompt) and how the answer must call them:
+    ``tool_choice`` ``"none"`` (a text answer), ``"required"`` or a named function (tool
+    calls, :mod:`shoestring.infer.tools`); ``"auto"``, the default, is refused."""
+    tools = body.get("tools")
+    if tools is None:
+        if body.get("tool_choice") is not None:
+            raise _Bad("body.tool_choice", "needs body.tools")
+        return None, None
+    if not isinstance(tools, list) or not tools:
+        raise _Bad("body.tools", "must be a non-empty list of tools")
+    if len(tools) > MAX_TOOLS:
+        raise _Bad("body.tools", f"has {len(tools)} tools; at most {MAX_TOOLS} are allowed")
+    functions = [_function(t, f"body.tools[{i}]") for i, t in enumerate(tools)]
+    names = [f.name for f in functions]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise _Bad(f"body.tools[{i}].function.name", f"{name!r} is given twice")
+    parallel = _bool(body, "parallel_tool_calls") is not False
+    given = body.get("tool_choice")
+    choice = _tool_choice("auto" if given is None else given, functions)
+    if choice == "none":
+        return tuple(tools), None
+    if isinstance(choice, Function):
+        return tuple(tools), ToolUse("named", (choice,), parallel)
+    return tuple(tools), ToolUse("required", tuple(functions), parallel)
+
+
+def _function(tool: Any, where: str) -> Function:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise _Bad(f"{where}.type", 'must be "function" (the only kind of tool)')
+    _check_keys(tool, ("type", "function"), f"{where}.")
+    spec = tool.get("function")
+    if not isinstance(spec, dict):
+        raise _Bad(f"{where}.function", f"must be an object, got {_json_type(spec)}")
+    _check_keys(spec, _FUNCTION_KEYS, f"{where}.function.")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        got = "missing" if name is None else f"got {_show(name)}"
+        raise _Bad(f"{where}.function.name", f"must be 1-64 of a-z, A-Z, 0-9, _ and - ({got})")
+    params = spec.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise _Bad(
+            f"{where}.function.parameters",
+            f"must be a JSON Schema object, got {_json_type(params)}",
+        )
+    _string(spec, "description", f"{where}.function.")
+    _bool(spec, "strict", f"{where}.function.")
+    return Function(name, NO_PARAMETERS if params is None else json.dumps(params))
+
+
+def _tool_choice(choice: Any, functions: list[Function]) -> Literal["none", "required"] | Function:
+    """``"none"``, ``"required"`` or the named :class:`Function`."""
+    where = "body.tool_choice"
+    if choice == "auto":
+        raise _Bad(
+            where,
+            "'auto' (the default with tools) is not supported: telling a call from text "
+            'needs the model family\'s tool-call parser; use "required" or name the '
+            "function, and the answer is held to the tools' JSON Schemas",
+            "unsupported",
+        )
+    if choice == "none" or choice == "required":
+        return "none" if choice == "none" else "required"
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        raise _Bad(
+            where, 'must be "none", "required" or {"type": "function", "function": {"name": ...}}'
+        )
+    _check_keys(choice, ("type", "function"), f"{where}.")
+    spec = choice.get("function")
+    name = spec.get("name") if isinstance(spec, dict) else None
+    named = [f for f in functions if f.name == name]
+    if not named:
+        known = ", ".join(f.name for f in functions)
+        raise _Bad(
+            f"{where}.function.name",
+            f"names no tool of body.tools (got {_show(name)}; tools: {known})",
+        )
+    return named[0]
+
+
 def _sampling(body: dict[str, Any], endpoint: Endpoint, default_max_tokens: int) -> Sampling:
     _unsupported(body, endpoint)
     top_k = _int(body, "top_k", -1)
@@ -457,7 +544,12 @@ def _request(obj: Any, line: int, default_max_tokens: int) -> Request:
     messages = _messages(body) if chat else None
     prompt = "" if chat else _prompt(body)
     sampling = _sampling(body, endpoint, default_max_tokens)
-    return Request(line, custom_id, endpoint, model, sampling, prompt, messages)
+    tools, use = _tools(body) if chat else (None, None)
+    if use is not None:
+        if sampling.response_format is not None:
+            raise _Bad("body.response_format", "cannot go with a tool_choice that calls a tool")
+        sampling = replace(sampling, response_format=use.response_format())
+    return Request(line, custom_id, endpoint, model, sampling, prompt, messages, tools, use)
 
 
 def _decode(raw: bytes, line: int) -> Any:
@@ -555,10 +647,25 @@ def _completion_logprobs(tokens: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
-def _choice(req: Request, ans: Answer) -> dict[str, Any]:
+def _message(req: Request, ans: Answer, job_id: str) -> dict[str, Any]:
+    """The assistant's message: its text, or its tool calls (ids derived like the rest)."""
+    if not ans.tool_calls:
+        return {"role": "assistant", "content": ans.text}
+    calls = [
+        {
+            "id": "call_" + _digest(f"tool_call:{k}", job_id, req.line, req.custom_id)[:24],
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        for k, (name, arguments) in enumerate(ans.tool_calls)
+    ]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def _choice(req: Request, ans: Answer, job_id: str) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0}
     if req.endpoint == "chat":
-        choice["message"] = {"role": "assistant", "content": ans.text}
+        choice["message"] = _message(req, ans, job_id)
         logprobs = _chat_logprobs(ans.logprobs) if ans.logprobs is not None else None
     else:
         choice["text"] = ans.text
@@ -581,7 +688,7 @@ def answer_line(
         "object": kind,
         "created": created,
         "model": req.model if req.model is not None else model,
-        "choices": [_choice(req, ans)],
+        "choices": [_choice(req, ans, job_id)],
         "usage": {
             "prompt_tokens": ans.prompt_tokens,
             "completion_tokens": ans.completion_tokens,

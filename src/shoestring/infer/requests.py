@@ -46,7 +46,7 @@ def request_ids(
         return item, []
     try:
         if item.messages is not None:
-            ids = prompt_ids(item.messages, tok, template)
+            ids = prompt_ids(item.messages, tok, template, item.tools)
         else:
             ids = plain_prompt_ids(tok, item.prompt)
     except (DataError, ValueError, TypeError) as e:  # jinja raises TemplateError(ValueError)
@@ -110,12 +110,14 @@ def _answer(req: Request, prompt_len: int, g: Generated, tok: Any) -> Answer:
         if stops
         else tok.decode(g.tokens, skip_special_tokens=True)
     )
+    calls = req.tool_use.calls(text) if req.tool_use and g.finish != "length" else None
     return Answer(
-        text=text,
-        finish_reason="length" if g.finish == "length" else "stop",
+        text="" if calls else text,
+        finish_reason="length" if g.finish == "length" else "tool_calls" if calls else "stop",
         prompt_tokens=prompt_len,
         completion_tokens=len(g.tokens),
         logprobs=_logprobs(g, tok) if req.sampling.logprobs else None,
+        tool_calls=calls or (),
     )
 
 
