@@ -20,6 +20,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from shoestring import exitcodes
 from shoestring.fsio import atomic_write
 from shoestring.report import svg
 from shoestring.report.live import read_live
@@ -112,7 +113,7 @@ def _attempt_color(a: Attempt, tl: Timeline) -> tuple[str, str]:
     preempted = {e.attempt for e in tl.preemptions()}
     if a.hung:
         return COLORS["hung"], "hung"
-    if a.index in preempted or a.exit_code in (75, 76):
+    if a.index in preempted or a.exit_code in exitcodes.RESUMABLE:
         return COLORS["preempted"], "preempted"
     if a.exit_code == 0:
         return COLORS["ok"], "completed"
