@@ -332,6 +332,7 @@ def test_a_budget_too_small_for_exact_runs_compressed(
     plan = _events(ran.out)[0]["plan"]
     # it streams the decoder layers (units 1-8; the head's norm may be resident)
     assert plan["prepare_at"] == "on_compute" and not set(plan["resident"]) & set(range(1, 9))
+    assert _events(ran.out)[-1]["prepare_s"] > 0  # the time it costs is in the summary
     print(f"peak_rss {scheme} under exact's least: {ran.peak / 1e6:.1f} MB of {budget / 1e6:.1f}")
     assert ran.peak <= budget and "WARNING" not in ran.err
     exact = _run(model, few, tmp_path / "e.jsonl", budget, *reserve)

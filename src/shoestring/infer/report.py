@@ -150,6 +150,7 @@ def summary(
         "bytes_per_pass": streamed,
         "read_bytes_per_s": round(bw),
         "io_wait_s": round(st.wait_s, 3) if st else 0.0,
+        "prepare_s": round(st.prepare_s, 3) if st else 0.0,  # on compute (PrepareAt)
         "roofline_pct": round(100 * roof / stats.pass_s, 1) if stats.pass_s else 0.0,
         "peak_rss_bytes": peak,
         "budget_bytes": plan.budget,
@@ -167,7 +168,9 @@ def print_summary(s: dict[str, Any], output: Path, stream: TextIO) -> None:
         f"({s['tokens_per_s']:.2f} tok/s, {s['prompts_per_hour']:,.0f} prompts/h)\n"
         f"  read {s['bytes_read'] / 1e9:.2f} GB at {s['read_bytes_per_s'] / 1e6:,.0f} MB/s; "
         f"{s['bytes_per_pass'] / 1e6:,.1f} MB per pass, {s['passes']} passes; "
-        f"{s['roofline_pct']:.0f}% of the bandwidth roofline\n"
+        f"{s['roofline_pct']:.0f}% of the bandwidth roofline"
+        + (f"; {s['prepare_s']:.1f}s preparing units on compute" if s["prepare_s"] else "")
+        + "\n"
         f"  peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB of a {s['budget_bytes'] / 1e9:.2f} GB "
         f"budget; {s['resident_units']} units resident; batch {s['batch_size']}",
         file=stream,
