@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from preference_rows import ROWS
 from shoestring.data.formats import detect_format, parse_record
 from shoestring.data.preference import fit_pair, pair_examples
 from shoestring.data.records import DataError, Example, Record
@@ -32,12 +33,6 @@ from shoestring.train.samples import PairSamples
 trl = pytest.importorskip("trl")
 
 TOL = 1e-5
-ROWS = [
-    {"prompt": "reverse: abcd =", "chosen": " dcba", "rejected": " abcd"},
-    {"prompt": "reverse: qwxyz =", "chosen": " zyxwq", "rejected": " qwxzy"},
-    {"prompt": "reverse: mn =", "chosen": " nm", "rejected": " mnn"},
-    {"prompt": "reverse: hijklmo =", "chosen": " omlkjih", "rejected": " hij"},
-]
 
 
 def _records(rows: list[dict[str, Any]]) -> list[Record]:

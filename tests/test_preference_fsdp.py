@@ -27,6 +27,8 @@ import pytest
 import torch
 
 from conftest import CLI, read_events, run_job, sha256
+from preference_rows import ODD_ROW
+from preference_rows import ROWS as BASE_ROWS
 from shoestring.data.preference import pair_examples
 from shoestring.data.records import Example
 from shoestring.data.tokenize import TokenizeSpec
@@ -42,13 +44,7 @@ from shoestring.train.reflogps import (
 from shoestring.train.samples import PairSamples
 
 TOL = 1e-5
-ROWS = [
-    {"prompt": "reverse: abcd =", "chosen": " dcba", "rejected": " abcd"},
-    {"prompt": "reverse: qwxyz =", "chosen": " zyxwq", "rejected": " qwxzy"},
-    {"prompt": "reverse: mn =", "chosen": " nm", "rejected": " mnn"},
-    {"prompt": "reverse: hijklmo =", "chosen": " omlkjih", "rejected": " hij"},
-    {"prompt": "reverse: tuv =", "chosen": " vut", "rejected": " tvu"},
-]
+ROWS = [*BASE_ROWS, ODD_ROW]
 CPU = torch.device("cpu")
 FP32 = Precision("fp32", CPU)
 
