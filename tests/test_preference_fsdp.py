@@ -318,13 +318,23 @@ METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "log
 
 def _assert_same_training(got: Path, want: Path) -> None:
     """Per step and eval: the losses and metrics to 1e-5 (relative for the log-probs,
-    which are sums over tokens), the accuracies equal; the adapters close."""
+    which are sums over tokens) while the weights are the same (step 1, the eval before
+    training), to 1e-4 after updates; the accuracies equal; the adapters close.
+
+    Why two tolerances: two ranks sum the gradients in another order than one process
+    (float32, ~1e-7 relative), and AdamW divides each update by the root of its second
+    moment, so components whose gradients are near zero turn that into larger relative
+    changes. The data are new words each session (_prefs), so how far it goes varies:
+    1.2e-5 to 1.4e-5 relative at step 3 in three of five runs on 2026-12-06, which
+    failed a flat 1e-5."""
     for kind in ("step", "eval"):
         a, b = _events(got, kind), _events(want, kind)
         assert len(a) == len(b) > 0
         for x, y in zip(a, b, strict=True):
+            same_weights = x.get("step") == 1 or x.get("tag") == "before"
+            tol = 1e-5 if same_weights else 1e-4
             for k in METRICS:
-                assert abs(x[k] - y[k]) <= 1e-5 * max(1.0, abs(y[k])), (kind, x["step"], k)
+                assert abs(x[k] - y[k]) <= tol * max(1.0, abs(y[k])), (kind, x["step"], k)
             assert x["rewards/accuracies"] == y["rewards/accuracies"], (kind, x["step"])
     fa, fb = _adapter(got), _adapter(want)
     assert fa.keys() == fb.keys()
