@@ -21,7 +21,8 @@ In priority order (issue #26, v2), within 8 minutes on one H100/H200:
   (liger-kernel installed from ``--wheelhouse`` if need be, else ``not_run``) and with
   ``train.compile true`` (its ``compile`` seconds apart), against ours without them.
 * ``infer`` (c): ``infer_cuda.py``'s checks (exactness vs transformers, streaming rate vs a
-  pinned host-to-device copy, int8/nf4, answers held to a JSON Schema on the device), run
+  pinned host-to-device copy, int8/nf4, answers held to a JSON Schema on the device, a
+  bitsandbytes 4-bit checkpoint streamed as stored), run
   by calling its ``run()`` in a child process.
 * ``checkpoint_blocking`` (d): periodic saves' ``blocking_ms`` vs the median ``step_ms``
   of a 0.86B LoRA run saving every 5 steps (CUDA), or of the runs so far (CPU); and what
@@ -828,6 +829,10 @@ def check_infer(ctx: Ctx) -> dict[str, Any]:
             f"transformers on {ex['prompts'] - ex['greedy_identical']} of {ex['prompts']} "
             "prompts",
         }
+    stored = res.get("prequant", {})
+    if "prompts" in stored and stored["greedy_identical"] != stored["prompts"]:
+        bad = stored["prompts"] - stored["greedy_identical"]
+        return {**res, "status": "fail", "reason": f"4-bit stored: {bad} prompts differ"}
     held = res.get("structured", {})
     if "answers" in held and held["complete_and_valid"] != held["answers"]:
         bad = held["answers"] - held["complete_and_valid"]

@@ -13,6 +13,8 @@ What only a GPU can show, on random-init Llama models saved like real checkpoint
 4. **Structured output on the device**: answers held to a JSON Schema (the
    llguidance mask moved to the device each pass) are complete and valid, and
    compared token by token with the same held run on the CPU in float32.
+5. **A bitsandbytes 4-bit checkpoint streamed as stored**: greedy tokens and logits
+   vs transformers' own 4-bit model on the device.
 
 Prints one JSON object and, with ``--out FILE``, writes it there.
 
@@ -157,6 +159,54 @@ def structured(model_dir: Path, device: torch.device) -> dict[str, Any]:
     }
 
 
+def prequant(
+    model_dir: Path, device: torch.device, dtype: torch.dtype, root: Path
+) -> dict[str, Any]:
+    """The exactness model saved 4-bit by bitsandbytes (nf4, double quant, as the Hub's
+    ``*-bnb-4bit`` repos) and streamed as stored: greedy tokens and prefill logits vs
+    transformers' own 4-bit model on the device."""
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        from shoestring.infer.prequant import Stored4bit
+        from shoestring.infer.weights import weight_hook
+    except ImportError as e:
+        return {"skipped": f"needs bitsandbytes: {e}"}
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)  # fmt: skip
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), quantization_config=q, dtype=dtype, device_map={"": device}
+    ).eval()
+    dest = root / "bnb4"
+    ref.save_pretrained(str(dest))
+    for m in ref.modules():  # bnb's AVX512-BF16 CPU path repacks weights: another model
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    prompts = _prompts(6, seed=4)
+    eng = StreamingCausalLM(dest, device=device, dtype=dtype)
+    stored = Stored4bit.of(eng)
+    hook, _ = weight_hook(eng, None, None, root / "unused", "", stored)
+    eng.start(resident=1, depth=2, prepare=hook)
+    try:
+        out = generate(eng, prompts, max_new_tokens=12, eos_ids=set(), pad_id=0, micro_tokens=64)
+        logits = prompt_logits(eng, prompts)
+        layer_bytes = eng.units[1].plan.nbytes
+    finally:
+        eng.close()
+    same, diff = 0, 0.0
+    for p, o, lg in zip(prompts, out, logits):
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                do_sample=False, pad_token_id=0)  # fmt: skip
+            ref_logits = ref(ids).logits[0].float()
+        same += o.tokens == want[0, len(p) :].tolist()
+        diff = max(diff, (lg.to(device).float() - ref_logits).abs().max().item())
+    return {"stored": stored is not None, "prompts": len(prompts), "greedy_identical": same,
+            "max_abs_logit_diff": diff, "layer_bytes": layer_bytes}  # fmt: skip
+
+
 def decode_rate(
     model_dir: Path,
     device: torch.device,
@@ -236,6 +286,7 @@ def run(device: torch.device, small: bool, batch: int = 64, new_tokens: int = 8)
         )
         res["exactness"] = exactness(exact_dir, device, dtype)
         res["structured"] = structured(exact_dir, device)
+        res["prequant"] = prequant(exact_dir, device, dtype, root)
         shape = (
             dict(hidden=256, layers=4, ffn=512, heads=4, kv_heads=2)
             if small

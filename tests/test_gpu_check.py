@@ -98,6 +98,8 @@ def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
     assert "h2d_bytes_per_s" not in infer
     held = infer["structured"]  # answers held to a JSON Schema, on the check's device
     assert held["complete_and_valid"] == held["answers"] == held["equal_to_cpu_fp32"] > 0
+    stored = infer["prequant"]  # a bnb 4-bit save streamed as stored, vs transformers'
+    assert stored["stored"] and stored["greedy_identical"] == stored["prompts"] > 0
 
     fsdp = checks["fsdp_qlora"]  # (e): FSDP2 over a mesh of one on the nf4 base (CPU kernels)
     assert fsdp["status"] == "pass", fsdp.get("reason")
