@@ -78,22 +78,26 @@ def exactness(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict
         logits = prompt_logits(eng, prompts)
     finally:
         eng.close()
+    same, diff = _against(ref, prompts, out, logits, device, 16)
+    del ref
+    return {"prompts": len(prompts), "greedy_identical": same, "max_abs_logit_diff": diff}
+
+
+def _against(
+    ref: Any, prompts: list[list[int]], out: list[Any], logits: list[Any], device: torch.device,
+    new: int,
+) -> tuple[int, float]:  # fmt: skip
+    """(prompts whose greedy tokens equal ``ref``'s, the max |logit difference|)."""
     same, diff = 0, 0.0
     for p, o, lg in zip(prompts, out, logits):
         ids = torch.tensor([p], device=device)
         with torch.no_grad():
-            want = ref.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=16,
-                do_sample=False,
-                pad_token_id=0,
-            )
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                do_sample=False, pad_token_id=0)  # fmt: skip
             ref_logits = ref(ids).logits[0].float()
         same += o.tokens == want[0, len(p) :].tolist()
-        diff = max(diff, (lg.to(device) - ref_logits).abs().max().item())
-    del ref
-    return {"prompts": len(prompts), "greedy_identical": same, "max_abs_logit_diff": diff}
+        diff = max(diff, (lg.to(device).float() - ref_logits).abs().max().item())
+    return same, diff
 
 
 #: Bounded everywhere, so a complete answer fits in STRUCTURED_TOKENS byte tokens.
@@ -194,15 +198,7 @@ def prequant(
         layer_bytes = eng.units[1].plan.nbytes
     finally:
         eng.close()
-    same, diff = 0, 0.0
-    for p, o, lg in zip(prompts, out, logits):
-        ids = torch.tensor([p], device=device)
-        with torch.no_grad():
-            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                do_sample=False, pad_token_id=0)  # fmt: skip
-            ref_logits = ref(ids).logits[0].float()
-        same += o.tokens == want[0, len(p) :].tolist()
-        diff = max(diff, (lg.to(device).float() - ref_logits).abs().max().item())
+    same, diff = _against(ref, prompts, out, logits, device, 12)
     return {"stored": stored is not None, "prompts": len(prompts), "greedy_identical": same,
             "max_abs_logit_diff": diff, "layer_bytes": layer_bytes}  # fmt: skip
 

@@ -160,6 +160,11 @@ def _pairs(idx: Sequence[int], device: Any) -> torch.Tensor:
     return torch.tensor(float(len(idx)), dtype=torch.float64, device=device)
 
 
+def _tokens_and_pairs(tokens: int, idx: Sequence[int], device: Any) -> torch.Tensor:
+    """The normalizers of a loss with an NLL term: its tokens, and the pairs."""
+    return torch.tensor([float(tokens), float(len(idx))], dtype=torch.float64, device=device)
+
+
 # --------------------------------------------------------------------------- DPO
 
 
@@ -223,8 +228,7 @@ class ORPO:
 
     def normalizer(self, samples: Samples, idx: Sequence[int], device: Any) -> torch.Tensor:
         assert isinstance(samples, PairSamples), "ORPO trains on pairs"
-        tokens = sum(samples.chosen_positions(i) for i in idx)
-        return torch.tensor([float(tokens), float(len(idx))], dtype=torch.float64, device=device)
+        return _tokens_and_pairs(sum(samples.chosen_positions(i) for i in idx), idx, device)
 
     def loss(
         self,
@@ -270,8 +274,7 @@ class SimPO:
 
     def normalizer(self, samples: Samples, idx: Sequence[int], device: Any) -> torch.Tensor:
         assert isinstance(samples, PairSamples), "SimPO trains on pairs"
-        tokens = sum(samples.chosen_labels(i) for i in idx)
-        return torch.tensor([float(tokens), float(len(idx))], dtype=torch.float64, device=device)
+        return _tokens_and_pairs(sum(samples.chosen_labels(i) for i in idx), idx, device)
 
     def loss(
         self,
