@@ -197,7 +197,9 @@ def test_the_job_reports_fewer_prefill_tokens_and_writes_the_same_output(
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
-    off = _job(model, inp, tmp_path / "off.jsonl", "--memory.share_prefix", "off")[-1]
+    off_events = _job(model, inp, tmp_path / "off.jsonl", "--memory.share_prefix", "off")
+    off = off_events[-1]
+    assert off_events[0]["plan"]["breakdown"]["shared_prefix"] == 0
     assert off["shared_prefix_seqs"] == 0
     assert off["prefill_tokens"] == off["prefill_tokens_unshared"]
 
@@ -209,6 +211,10 @@ def test_the_job_reports_fewer_prefill_tokens_and_writes_the_same_output(
     monkeypatch.delenv("SHOESTRING_FAULTS")
     events = _job(model, inp, tmp_path / "on.jsonl")
     end = events[-1]
+    # The plan reserved at least what the prefix row held: its hidden states (128 fp32)
+    # and one layer's keys and values (2 x 2 heads x 32 fp32) per token.
+    row = end["shared_prefix_tokens"] * (128 * 4 + 2 * 2 * 32 * 4)
+    assert events[0]["plan"]["breakdown"]["shared_prefix"] >= row
     (chunk,) = [e for e in events if e["event"] == "chunk"]
     assert chunk["shared_prefix"] == {"tokens": end["shared_prefix_tokens"], "seqs": 5}
     assert end["shared_prefix_tokens"] >= len(system) and end["shared_prefix_seqs"] == 5

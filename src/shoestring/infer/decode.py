@@ -147,10 +147,8 @@ def start(
             ones = torch.ones(mb.attention_mask.shape[0], n, dtype=torch.long)
             mb.attention_mask, mb.prefix = torch.cat([ones, mb.attention_mask], dim=1), prefix
         groups, mbs = groups + more, mbs + sharing
-    n_seqs = len(prompts)
-    return GenState(
-        groups, mbs, [Generated([], "length") for _ in prompts], [False] * n_seqs, prefix=shared
-    )
+    out = [Generated([], "length") for _ in prompts]
+    return GenState(groups, mbs, out, [False] * len(prompts), prefix=shared)
 
 
 def _micro_batches(
