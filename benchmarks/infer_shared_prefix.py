@@ -108,6 +108,7 @@ def main() -> None:
     common = ["--batch-size", str(a.requests), "--threads", str(a.threads)]
     common += ["--max-new-tokens", str(a.new_tokens)]
     common += ["--memory-budget", a.budget] if a.budget else []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         full = run_side("full", model, lines, [*common, "--memory.share_prefix", "off"], tmp)
@@ -116,6 +117,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "args": vars(a),
+        "load_avg_before_after": [list(load_before), list(os.getloadavg())],
         "full": full,
         "shared": shared,
         "ratios": ratios(full, shared),
