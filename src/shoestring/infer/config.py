@@ -17,6 +17,8 @@ ModelDtype = Literal["auto", ComputeDtype]
 Mode = Literal["generate", "score"]
 #: ``compress.scheme``: the decoder layers' weights as read from disk.
 Compress = Literal["none", "int8", "nf4"]
+#: ``memory.share_prefix``: compute a prompt prefix that many sequences share once.
+SharePrefix = Literal["auto", "off"]
 #: ``job.progress``: how progress is shown.
 ProgressMode = Literal["auto", "bar", "plain", "off"]
 #: ``job.preempt_signal``: the extra signal meaning 'commit and exit'.
@@ -194,6 +196,13 @@ class MemoryConfig:
         "keys/values with a scale per token and head (~1/4 of fp32, 1/2 of "
         "bf16), so a bigger batch fits; outputs drift slightly.",
         check=lambda v: None if v in (8, 16) else "must be 8 or 16",
+    )
+    share_prefix: SharePrefix = knob(
+        "auto",
+        "Generate mode: a prompt prefix that sequences of a chunk share (a system prompt, "
+        "few-shot examples; >= 32 tokens, >= 2 sequences) is computed once per prefill "
+        "and its keys and values copied to each sequence. auto: where the cache allows "
+        "(CPU, full-attention layers); off: every prompt in full.",
     )
 
 

@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 from shoestring.infer.compact import drop_finished
 from shoestring.infer.engine import MicroBatch, PassStopped, StreamingCausalLM
 from shoestring.infer.kvcache import Int8KVLayer, merge_left_padded
+from shoestring.infer.prefix import SharedPrefix, find_shared_prefix
 from shoestring.infer.sampleparams import Choice
 from shoestring.infer.sampling import Pick, StopStrings, pick
 from shoestring.infer.structured import HeldAnswers
@@ -112,18 +113,59 @@ class GenState:
     out: list[Generated]
     done: list[bool]
     step: int = 0  # passes completed (0: prefill still to do)
+    prefix: SharedPrefix | None = None  # what its prefill shares (None: nothing)
 
 
 def start(
-    engine: StreamingCausalLM, prompts: list[list[int]], *, pad_id: int, micro_tokens: int
+    engine: StreamingCausalLM,
+    prompts: list[list[int]],
+    *,
+    pad_id: int,
+    micro_tokens: int,
+    share_prefix: bool = True,
 ) -> GenState:
-    """The state before the prefill: prompts grouped and left-padded, empty caches."""
-    groups = group([len(p) for p in prompts], micro_tokens)
+    """The state before the prefill: prompts grouped and left-padded, empty caches.
+
+    With ``share_prefix`` (where the engine can: :meth:`StreamingCausalLM.shares_prefix`),
+    the prefix that saves the most prefill tokens (:mod:`shoestring.infer.prefix`) is
+    computed once: the sequences sharing it are grouped by their suffixes, laid out as
+    ``[prefix][left pad][suffix]`` (mask 1/0/1) with only the suffix fed; the others as
+    before."""
+    shared = find_shared_prefix(prompts) if share_prefix and engine.shares_prefix() else None
+    rows = set(shared.rows) if shared is not None else set()
+    groups, mbs = _micro_batches(
+        engine, prompts, [i for i in range(len(prompts)) if i not in rows], pad_id, micro_tokens
+    )
+    if shared is not None:
+        n = len(shared.tokens)
+        prefix = MicroBatch(
+            torch.tensor([shared.tokens]), torch.ones(1, n, dtype=torch.long), engine.new_cache()
+        )
+        suffixes = [p[n:] if i in rows else [] for i, p in enumerate(prompts)]
+        more, sharing = _micro_batches(engine, suffixes, shared.rows, pad_id, micro_tokens)
+        for mb in sharing:
+            ones = torch.ones(mb.attention_mask.shape[0], n, dtype=torch.long)
+            mb.attention_mask, mb.prefix = torch.cat([ones, mb.attention_mask], dim=1), prefix
+        groups, mbs = groups + more, mbs + sharing
+    out = [Generated([], "length") for _ in prompts]
+    return GenState(groups, mbs, out, [False] * len(prompts), prefix=shared)
+
+
+def _micro_batches(
+    engine: StreamingCausalLM,
+    seqs: list[list[int]],
+    rows: list[int],
+    pad_id: int,
+    micro_tokens: int,
+) -> tuple[list[list[int]], list[MicroBatch]]:
+    """``seqs[i]`` for ``i`` in ``rows``, grouped (indices into ``seqs``) and left-padded,
+    each group with an empty cache."""
+    groups = [[rows[j] for j in g] for g in group([len(seqs[i]) for i in rows], micro_tokens)]
     mbs = []
     for g in groups:
-        ids, mask = _left_pad([prompts[i] for i in g], pad_id)
+        ids, mask = _left_pad([seqs[i] for i in g], pad_id)
         mbs.append(MicroBatch(ids, mask, cache=engine.new_cache()))
-    return GenState(groups, mbs, [Generated([], "length") for _ in prompts], [False] * len(prompts))
+    return groups, mbs
 
 
 def generate(

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from shoestring.infer.kvcache import int8_cache
+from shoestring.infer.kvcache import fill_from_prefix, int8_cache, takes_prefix
 from shoestring.infer.shards import (
     ReadPlan,
     ShardError,
@@ -74,6 +74,19 @@ class MicroBatch:
     cache: Any = None  # transformers DynamicCache, or None when scoring
     hidden: torch.Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # masks, rotary, position ids
+    # Prefill only: a one-row micro-batch of the prompt prefix these rows share; its
+    # keys and values start this one's cache, layer by layer (infer/prefix.py).
+    prefix: MicroBatch | None = None
+
+
+def _with_prefixes(batches: list[MicroBatch]) -> list[MicroBatch]:
+    """The shared prefixes of ``batches`` (each once, in order), then ``batches``: a
+    prefix runs each layer before the micro-batches that continue it."""
+    prefixes: list[MicroBatch] = []
+    for mb in batches:
+        if mb.prefix is not None and all(p is not mb.prefix for p in prefixes):
+            prefixes.append(mb.prefix)
+    return prefixes + batches
 
 
 def build_skeleton(model_dir: Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
@@ -347,7 +360,12 @@ class StreamingCausalLM:
 
         ``stop`` is asked before each unit after the first: when it says yes the pass
         is abandoned with :class:`PassStopped` (the caches then hold this pass's tokens
-        for the layers already run; the engine must be closed, its reader is mid-cycle)."""
+        for the layers already run; the engine must be closed, its reader is mid-cycle).
+
+        A micro-batch with a ``prefix`` (a prefill sharing a prompt prefix) gets that
+        prefix's keys and values at each layer before it runs the layer on its own
+        tokens; the prefix runs every layer first, and is not given to ``head``. The pass
+        consumes the prefixes: once it is complete, no micro-batch has one."""
         assert self.streamer is not None, "call start() first"
         results: list[Any] = []
         for i, unit in enumerate(self.units):
@@ -359,6 +377,8 @@ class StreamingCausalLM:
                 results = self._run_head(i, batches, head)
             else:
                 self._run_layer(i, batches)
+        for mb in batches:
+            mb.prefix = None
         self.passes += 1
         trim_heap()
         return results
@@ -368,9 +388,10 @@ class StreamingCausalLM:
         kept, self._kept = self._kept, None
         _bind(self.units[i], kept if kept is not None else self.streamer.acquire(i))
         try:
-            for mb in batches:
+            for mb in _with_prefixes(batches):
                 mb.hidden = self.embed(mb.input_ids.to(self.device))
-                self._prepare(mb)
+                if mb.prefix is None:  # else: once its cache holds the prefix (first layer)
+                    self._prepare(mb)
         finally:
             self.streamer.release(i)
 
@@ -380,7 +401,10 @@ class StreamingCausalLM:
         try:
             li = i - 1
             layer = self.layers[li]
-            for mb in batches:
+            order = _with_prefixes(batches)
+            for mb in order:
+                if mb.prefix is not None:
+                    self._continue_prefix(mb, li)
                 mb.hidden = layer(
                     mb.hidden,
                     attention_mask=mb.extras["masks"][self._mask_kind(li)],
@@ -389,8 +413,19 @@ class StreamingCausalLM:
                     use_cache=mb.cache is not None,
                     position_embeddings=mb.extras["rot"],
                 )
+            for mb in order[: len(order) - len(batches)]:  # the prefixes: copied, done
+                mb.cache.layers[li].reset()
         finally:
             self.streamer.release(i)
+
+    def _continue_prefix(self, mb: MicroBatch, li: int) -> None:
+        """Start layer ``li``'s cache of ``mb`` with its prefix's keys and values; at the
+        first layer, build its masks and positions, now that the cache says how many
+        tokens come before its own (every layer holds the same: all are full attention)."""
+        assert mb.prefix is not None
+        fill_from_prefix(mb.prefix.cache.layers[li], mb.cache.layers[li], mb.input_ids.shape[0])
+        if li == 0:
+            self._prepare(mb)
 
     def _run_head(
         self, i: int, batches: list[MicroBatch], head: Callable[[MicroBatch, torch.Tensor], Any]
@@ -431,6 +466,12 @@ class StreamingCausalLM:
         if self.kv_bits == 8:
             return int8_cache(self.config, offloading=offloading)
         return DynamicCache(config=self.config, offloading=offloading)
+
+    def shares_prefix(self) -> bool:
+        """Whether a prefill here can compute a shared prompt prefix once: on CPU, with
+        caches of full-attention layers only (:func:`~shoestring.infer.kvcache.takes_prefix`;
+        not a sliding window, not CUDA's offloaded cache)."""
+        return self.device.type == "cpu" and takes_prefix(self.new_cache())
 
     def close(self) -> None:
         self._kept = None

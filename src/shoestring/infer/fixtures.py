@@ -28,6 +28,7 @@ def build_random_model(
     init_std: float = 0.2,
     seed: int = 0,
     tie: bool = False,
+    context: int = 1024,
     **extra: Any,
 ) -> Path:
     """Write a random ``arch`` model with the byte tokenizer into ``target``.
@@ -51,7 +52,7 @@ def build_random_model(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=context,
         initializer_range=init_std,
         tie_word_embeddings=tie,
         pad_token_id=pad_id,

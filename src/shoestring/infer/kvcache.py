@@ -162,3 +162,40 @@ def merge_left_padded(caches: list[Any], target: Any) -> Any | None:
             for layer in src:
                 layer.keys = layer.values = None
     return target
+
+
+#: Cache layer kinds that a shared prefix's keys and values can be copied into: full
+#: attention's (a sliding window tracks positions of its own and drops old tokens).
+PREFIX_LAYERS = (DynamicLayer, Int8KVLayer)
+
+
+def takes_prefix(cache: Any) -> bool:
+    """Whether every layer of ``cache`` can start from a shared prefix's keys and values
+    (:func:`fill_from_prefix`); never for an offloaded cache, whose layers move between
+    devices inside the cache's own ``update``."""
+    return not getattr(cache, "offloading", False) and all(
+        type(layer) in PREFIX_LAYERS for layer in cache.layers
+    )
+
+
+def fill_from_prefix(src: Any, dst: Any, rows: int) -> None:
+    """Start the empty cache layer ``dst`` with the keys and values of ``src``'s one
+    sequence (a shared prompt prefix), repeated for ``rows`` sequences.
+
+    ``dst`` holds expanded views, no copy: the layer's next update concatenates them
+    with the rows' own tokens into new tensors, as every update does, so the memory is
+    what the rows' caches take without sharing. An int8 layer takes the prefix's codes
+    and scales as they are (quantizing is per token, so they are the codes each row
+    would have computed)."""
+
+    def rep(t: torch.Tensor) -> torch.Tensor:
+        return t.expand(rows, *t.shape[1:])
+
+    dst.lazy_initialization(src.keys, src.values)
+    if isinstance(src, Int8KVLayer):
+        assert src._k is not None and src._v is not None
+        dst._k = (rep(src._k[0]), rep(src._k[1]))
+        dst._v = (rep(src._v[0]), rep(src._v[1]))
+        dst.length = src.length
+    else:
+        dst.keys, dst.values = rep(src.keys), rep(src.values)

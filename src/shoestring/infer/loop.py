@@ -88,16 +88,19 @@ class ChunkLoop:
             self.stats.chunk_pass = self.state.step
         else:
             self.stats.chunk_pass = 0
+            self.stats.count_prefill([job.work.seqs[i][j] for i, j in flat], None)
         self.clock.start_chunk()
         results = self._compute(idx, flat)
         lines = output_lines(job.work, idx, job.cfg.generate.mode, results, job.tok, job.answering)
         ledger.commit(k, lines)
+        shared = self.state.prefix if self.state is not None else None
         self.state = None
         self.stats.prompts += len(idx)
         ledger.log.emit(
             "chunk",
             chunk=k,
             records=len(idx),
+            shared_prefix=shared.to_dict() if shared is not None else None,
             seconds=round(time.perf_counter() - t0, 4),
             bytes_read=self._bytes_read() - read0,
             committed=len(ledger.done),
@@ -108,12 +111,19 @@ class ChunkLoop:
     def _generation(self, k: int, flat: list[tuple[int, int]]) -> GenState:
         """Chunk ``k``'s saved generation state, or a fresh one before its prefill."""
         job = self.job
-        return self.ledger.load_state(k, job.engine, len(flat)) or start(
+        loaded = self.ledger.load_state(k, job.engine, len(flat))
+        if loaded is not None:
+            return loaded
+        prompts = [job.work.seqs[i][j] for i, j in flat]
+        state = start(
             job.engine,
-            [job.work.seqs[i][j] for i, j in flat],
+            prompts,
             pad_id=job.work.pad_id,
             micro_tokens=job.plan.micro_tokens,
+            share_prefix=job.cfg.memory.share_prefix == "auto",
         )
+        self.stats.count_prefill(prompts, state.prefix)
+        return state
 
     def _compute(
         self, idx: Sequence[int], flat: list[tuple[int, int]]

@@ -40,6 +40,7 @@ from typing import Any, get_args
 from shoestring.config import ConfigError
 from shoestring.infer.config import MemoryConfig
 from shoestring.infer.ledger import Pinned
+from shoestring.infer.prefix import MIN_SEQS, MIN_TOKENS
 from shoestring.infer.stream import PrepareAt
 
 #: A first attempt's: nothing pinned yet.
@@ -216,6 +217,7 @@ class _Fixed:
     budget: int
     runtime: int
     prepare: int
+    prefix: int = 0  # a shared prompt prefix computed in the prefill (:func:`prefix_bytes`)
 
     @property
     def slack(self) -> int:
@@ -225,7 +227,24 @@ class _Fixed:
 
     @property
     def room(self) -> int:
-        return self.budget - self.runtime - self.prepare - self.slack
+        return self.budget - self.runtime - self.prepare - self.prefix - self.slack
+
+
+def prefix_bytes(shape: ModelShape, lengths: Lengths, memory: MemoryConfig) -> int:
+    """What computing a shared prompt prefix once holds during a prefill, beyond what the
+    batch holds anyway: the prefix row's hidden states and one layer's keys and values
+    (each layer's are dropped once copied into the sharing rows, whose caches are as
+    large as without sharing), at most the longest prompt less its last token. 0 where
+    nothing can be shared: ``memory.share_prefix`` off, scoring, one sequence, prompts
+    shorter than :data:`~shoestring.infer.prefix.MIN_TOKENS`."""
+    longest = max(lengths.prompts, default=0) - 1
+    if memory.share_prefix == "off" or not shape.kv_per_token or longest < MIN_TOKENS:
+        return 0
+    if len(lengths.prompts) < MIN_SEQS:
+        return 0
+    config = shape.config
+    per_layer = shape.kv_per_token // config.num_hidden_layers
+    return int(longest * (config.hidden_size * shape.itemsize + per_layer))
 
 
 def make_plan(
@@ -248,7 +267,12 @@ def make_plan(
     prompt_lens, depth = lengths.prompts, memory.prefetch_depth
     longest = max(prompt_lens) if prompt_lens else 1
     act, per_seq = _per_call_and_per_seq(shape, longest, lengths)
-    fixed = _Fixed(budget.total, budget.runtime, max(needs.prepare or [0], default=0))
+    fixed = _Fixed(
+        budget.total,
+        budget.runtime,
+        max(needs.prepare or [0], default=0),
+        prefix_bytes(shape, lengths, memory),
+    )
     want_batch, pinned_batch = memory.batch_size, pinned.batch_size
     sizing = _Sizing(act, per_seq, longest, fixed, pinned_batch or want_batch, pinned_batch)
     options = [_unit_costs(needs, depth, at) for at in get_args(PrepareAt)]
@@ -268,6 +292,7 @@ def make_plan(
         "prepare": fixed.prepare,
         "activations": act.bytes(micro, batch),
         "kv_and_hidden": batch * per_seq,
+        "shared_prefix": fixed.prefix,
         "resident": sum(costs.held[i] for i in resident),
         "slack": fixed.slack,
     }
@@ -349,7 +374,7 @@ def _too_small(
     fixed: _Fixed, costs: _Costs, streamed: list[int], act: int, per_seq: int
 ) -> ConfigError:
     ring = costs.ring(streamed)
-    need = fixed.runtime + ring + fixed.prepare + act + per_seq + fixed.slack
+    need = fixed.runtime + ring + fixed.prepare + fixed.prefix + act + per_seq + fixed.slack
     # At depth 1 the ring is the unit being computed and the one being read: the least
     # that streams at all (the largest unit twice: the embedding or head of a big vocab).
     fix = (
@@ -357,12 +382,13 @@ def _too_small(
         if costs.depth > 1
         else f"raise the budget to {need / 1e9:.2f} GB (memory.prefetch_depth is already 1)"
     )
+    prefix = f"{_mb(fixed.prefix)} MB a shared prompt prefix + " if fixed.prefix else ""
     return ConfigError(
         f"memory.budget: {fixed.budget / 1e9:.2f} GB is too small for this model "
         f"and input: one sequence needs {need / 1e9:.2f} GB ({_mb(fixed.runtime)} MB "
         f"runtime + {_mb(ring)} MB read-ahead + {_mb(fixed.prepare)} MB preparing a unit "
         f"+ {_mb(act)} MB activations + {_mb(per_seq)} MB KV cache and hidden states + "
-        f"{_mb(fixed.slack)} MB slack; {costs.holds(streamed)}); {fix}"
+        f"{prefix}{_mb(fixed.slack)} MB slack; {costs.holds(streamed)}); {fix}"
     )
 
 

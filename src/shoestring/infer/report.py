@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.plan import StreamPlan
+from shoestring.infer.prefix import SharedPrefix
 
 
 def peak_rss() -> int:
@@ -109,6 +110,19 @@ class Stats:
     prompts: int = 0
     held: int = 0  # answers held to a response format
     held_cut: int = 0  # of which max_tokens ended before the format was complete
+    prefill_tokens: int = 0  # prompt tokens the prefills computed
+    prefill_unshared: int = 0  # ... and would have without a shared prefix
+    shared_tokens: int = 0  # shared prefixes' tokens, summed over chunks
+    shared_seqs: int = 0  # sequences that shared one
+
+    def count_prefill(self, prompts: list[list[int]], shared: SharedPrefix | None) -> None:
+        """A chunk's prefill of ``prompts``, computing ``shared`` once if there is one."""
+        total = sum(len(p) for p in prompts)
+        self.prefill_unshared += total
+        self.prefill_tokens += total - (shared.saved if shared is not None else 0)
+        if shared is not None:
+            self.shared_tokens += len(shared.tokens)
+            self.shared_seqs += len(shared.rows)
 
     def count_pass(self, seconds: float) -> None:
         """A pass of the running chunk took ``seconds``: its first is the prefill."""
@@ -144,6 +158,10 @@ def summary(
         "decode_s_per_pass": round(stats.decode_s / stats.decode_passes, 4)
         if stats.decode_passes
         else 0.0,
+        "prefill_tokens": stats.prefill_tokens,
+        "prefill_tokens_unshared": stats.prefill_unshared,
+        "shared_prefix_tokens": stats.shared_tokens,
+        "shared_prefix_seqs": stats.shared_seqs,
         "tokens_per_s": round(stats.tokens / stats.pass_s, 3) if stats.pass_s else 0.0,
         "prompts_per_hour": round(stats.prompts / stats.pass_s * 3600, 1) if stats.pass_s else 0.0,
         "bytes_read": read,
@@ -175,6 +193,13 @@ def print_summary(s: dict[str, Any], output: Path, stream: TextIO) -> None:
         f"budget; {s['resident_units']} units resident; batch {s['batch_size']}",
         file=stream,
     )
+    if s.get("shared_prefix_seqs"):
+        print(
+            f"  shared prompt prefixes: {s['shared_prefix_tokens']:,} tokens over "
+            f"{s['shared_prefix_seqs']} sequences; prefill computed "
+            f"{s['prefill_tokens']:,} of {s['prefill_tokens_unshared']:,} prompt tokens",
+            file=stream,
+        )
     if s.get("held_cut"):
         print(
             f"  WARNING: {s['held_cut']} of {s['held']} answers held to a response format "
