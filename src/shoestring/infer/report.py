@@ -187,7 +187,7 @@ def print_summary(s: dict[str, Any], output: Path, stream: TextIO) -> None:
         f"  read {s['bytes_read'] / 1e9:.2f} GB at {s['read_bytes_per_s'] / 1e6:,.0f} MB/s; "
         f"{s['bytes_per_pass'] / 1e6:,.1f} MB per pass, {s['passes']} passes; "
         f"{s['roofline_pct']:.0f}% of the bandwidth roofline"
-        + (f"; {s['prepare_s']:.1f}s preparing units on compute" if s["prepare_s"] else "")
+        + (f"; {s['prepare_s']:.1f}s preparing units on compute" if s.get("prepare_s") else "")
         + "\n"
         f"  peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB of a {s['budget_bytes'] / 1e9:.2f} GB "
         f"budget; {s['resident_units']} units resident; batch {s['batch_size']}",
