@@ -14,6 +14,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:  # run from a checkout without `pip install -e`
@@ -106,3 +107,46 @@ def load_note() -> str:
         " (BUSY: other processes compete for the CPUs; numbers are noisy)" if la > n * 0.75 else ""
     )
     return f"load avg {la:.2f} on {n} cores{busy}"
+
+
+#: Words for synthetic prompts (the byte tokenizer: one token per character).
+WORDS = "the of and to in is was for on are with as by at from that this be it an".split()
+
+
+def random_llama(tag: str, hidden: int, layers: int, **extra: Any) -> Path:
+    """A random-init Llama for the inference benchmarks (GQA, shards of 1 GB), built
+    once into the cache as ``bench-infer-TAG-hH-lL``."""
+    from shoestring.infer.fixtures import build_random_model
+
+    target = DEFAULT_CACHE / f"bench-infer-{tag}-h{hidden}-l{layers}"
+    if not (target / ".complete").is_file():
+        print(f"building {target.name} ...", flush=True)
+        build_random_model(
+            target, "llama", hidden=hidden, layers=layers, ffn=hidden * 11 // 4,
+            heads=hidden // 64, kv_heads=max(hidden // 256, 1), shard="1GB", init_std=0.02,
+            **extra,
+        )  # fmt: skip
+        (target / ".complete").touch()
+    return target
+
+
+def infer_job(
+    name: str, model: Path, lines: list[dict[str, Any]], extra: list[str], tmp: Path
+) -> tuple[float, dict[str, Any], Path]:
+    """``shoestring infer`` on ``lines`` as its own process: (wall seconds, its
+    ``infer_end`` event, the output file)."""
+    import subprocess
+    import time
+
+    inp, out = tmp / f"{name}.jsonl", tmp / f"{name}.out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [sys.executable, "-m", "shoestring", "infer", "--model", str(model),
+           "--input", str(inp), "--output", str(out), "--job.progress", "off", *extra]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"{name} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    events = [json.loads(x) for x in (tmp / f"{name}.out.jsonl.run/events.jsonl").open()]
+    return wall, next(e for e in events if e["event"] == "infer_end"), out

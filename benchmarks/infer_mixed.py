@@ -21,33 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-CACHE = Path(os.environ.get("SHOESTRING_BENCH_CACHE", Path.home() / ".cache" / "shoestring"))
-WORDS = "the of and to in is was for on are with as by at from that this be it an".split()
-
-
-def build_model(hidden: int, layers: int) -> Path:
-    from shoestring.infer.fixtures import build_random_model
-
-    target = CACHE / f"bench-infer-mixed-h{hidden}-l{layers}"
-    if not (target / ".complete").is_file():
-        print(f"building {target.name} ...", flush=True)
-        build_random_model(
-            target, "llama", hidden=hidden, layers=layers, ffn=hidden * 11 // 4,
-            heads=hidden // 64, kv_heads=max(hidden // 256, 1), shard="1GB", init_std=0.02,
-        )  # fmt: skip
-        (target / ".complete").touch()
-    return target
+from _common import WORDS, infer_job, random_llama  # noqa: E402
 
 
 def requests(n: int, lo: int, hi: int, seed: int) -> list[tuple[str, int]]:
@@ -60,18 +42,7 @@ def requests(n: int, lo: int, hi: int, seed: int) -> list[tuple[str, int]]:
 
 def run_side(name: str, model: Path, lines: list[dict[str, Any]], extra: list[str], tmp: Path
              ) -> dict[str, Any]:  # fmt: skip
-    inp, out = tmp / f"{name}.jsonl", tmp / f"{name}.out.jsonl"
-    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cmd = [sys.executable, "-m", "shoestring", "infer", "--model", str(model),
-           "--input", str(inp), "--output", str(out), "--job.progress", "off", *extra]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise SystemExit(f"{name} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    events = [json.loads(x) for x in (tmp / f"{name}.out.jsonl.run/events.jsonl").open()]
-    end = next(e for e in events if e["event"] == "infer_end")
+    wall, end, out = infer_job(name, model, lines, extra, tmp)
     return {"wall_s": wall, **end, "output": out}
 
 
@@ -87,7 +58,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    model = build_model(a.hidden, a.layers)
+    model = random_llama("mixed", a.hidden, a.layers)
     reqs = requests(a.requests, a.min_tokens, a.max_tokens, a.seed)
     common = ["--batch-size", str(a.batch), "--threads", str(a.threads)]
     common += ["--memory-budget", a.budget] if a.budget else []

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,23 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-CACHE = Path(os.environ.get("SHOESTRING_BENCH_CACHE", Path.home() / ".cache" / "shoestring"))
-WORDS = "the of and to in is was for on are with as by at from that this be it an".split()
-
-
-def build_model(hidden: int, layers: int) -> Path:
-    from shoestring.infer.fixtures import build_random_model
-
-    target = CACHE / f"bench-infer-prefix-h{hidden}-l{layers}"
-    if not (target / ".complete").is_file():
-        print(f"building {target.name} ...", flush=True)
-        build_random_model(
-            target, "llama", hidden=hidden, layers=layers, ffn=hidden * 11 // 4,
-            heads=hidden // 64, kv_heads=max(hidden // 256, 1), shard="1GB", init_std=0.02,
-            context=4096,
-        )  # fmt: skip
-        (target / ".complete").touch()
-    return target
+from _common import WORDS, infer_job, random_llama  # noqa: E402
 
 
 def text(rng: random.Random, chars: int) -> str:
@@ -68,18 +51,7 @@ def prompts(n: int, prefix: int, lo: int, hi: int, seed: int) -> list[str]:
 
 def run_side(name: str, model: Path, lines: list[str], extra: list[str], tmp: Path
              ) -> dict[str, Any]:  # fmt: skip
-    inp, out = tmp / f"{name}.jsonl", tmp / f"{name}.out.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
-    cmd = [sys.executable, "-m", "shoestring", "infer", "--model", str(model),
-           "--input", str(inp), "--output", str(out), "--job.progress", "off", *extra]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise SystemExit(f"{name} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    events = [json.loads(x) for x in (tmp / f"{name}.out.jsonl.run/events.jsonl").open()]
-    end = next(e for e in events if e["event"] == "infer_end")
+    wall, end, out = infer_job(name, model, [{"prompt": p} for p in lines], extra, tmp)
     return {"process_s": round(wall, 3), **end, "output_sha": _sha(out)}
 
 
@@ -103,7 +75,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the raw result here")
     a = ap.parse_args()
-    model = build_model(a.hidden, a.layers)
+    model = random_llama("prefix", a.hidden, a.layers, context=4096)
     lines = prompts(a.requests, a.prefix_tokens, a.min_question, a.max_question, a.seed)
     common = ["--batch-size", str(a.requests), "--threads", str(a.threads)]
     common += ["--max-new-tokens", str(a.new_tokens)]

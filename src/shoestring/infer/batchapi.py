@@ -426,8 +426,10 @@ def _tool_choice(choice: Any, functions: list[Function]) -> Literal["none", "req
             "function, and the answer is held to the tools' JSON Schemas",
             "unsupported",
         )
-    if choice == "none" or choice == "required":
-        return "none" if choice == "none" else "required"
+    if choice == "none":
+        return "none"
+    if choice == "required":
+        return "required"
     if not isinstance(choice, dict) or choice.get("type") != "function":
         raise _Bad(
             where, 'must be "none", "required" or {"type": "function", "function": {"name": ...}}'

@@ -168,22 +168,21 @@ def _chat_template(cfg: InferConfig) -> str | None:
         raise ConfigError(f"generate.chat_template: {e}") from None
 
 
-def _config_count(model_dir: Path, key: str) -> int | None:
-    """A positive integer of the model's config.json, None when it names none: the
-    context (``max_position_embeddings``), the width of the logits (``vocab_size``)."""
+def _config_counts(model_dir: Path, *keys: str) -> list[int | None]:
+    """Positive integers of the model's config.json, read once (None where it names
+    none): the context (``max_position_embeddings``), the logits' width (``vocab_size``)."""
     try:
-        n = read_config_json(model_dir).get(key)
+        doc = read_config_json(model_dir)
     except (OSError, ValueError):
-        return None
-    return n if isinstance(n, int) and n > 0 else None
+        doc = {}
+    return [n if isinstance(n := doc.get(k), int) and n > 0 else None for k in keys]
 
 
 def _work(cfg: InferConfig, given: Input, tok: Any, template: str | None, model_dir: Path) -> Work:
     """The input tokenized: an OpenAI batch file's requests, or the job's own lines
     (continued as ``generate.*`` says)."""
     g = cfg.generate
-    context = _config_count(model_dir, "max_position_embeddings")
-    vocab = _config_count(model_dir, "vocab_size")
+    context, vocab = _config_counts(model_dir, "max_position_embeddings", "vocab_size")
     if given.items is not None:
         return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input, vocab)
     assert given.records is not None
