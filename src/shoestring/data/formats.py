@@ -9,7 +9,10 @@ Five shapes are understood; ``detect_format`` picks one from an object's keys:
 * ``sharegpt``: ``{"conversations": [{"from", "value"}, ...], "system" (optional)}``;
 * ``preference``: ``{"prompt", "chosen", "rejected"}`` as text, or TRL's conversational
   shape: ``chosen``/``rejected`` message lists, after a ``prompt`` message list or
-  sharing their first messages as the prompt (``train.objective dpo|orpo|simpo``).
+  sharing their first messages as the prompt (``train.objective dpo|orpo|simpo``);
+* ``prompt``: ``{"prompt": "..." or [messages], ...columns}``, a prompt and no answer
+  (``train.objective grpo``, which reads only this shape; never detected by ``auto``):
+  the other fields are kept for the reward functions (TRL's prompt-only format).
 
 Alpaca and ShareGPT become conversations (``Record.messages``), so everything after
 parsing sees three kinds of record: text, pair and chat. Every error names the place
@@ -26,7 +29,7 @@ from typing import Any, Literal
 from shoestring.data.records import DataError, Record
 
 ConcreteFormat = Literal[
-    "text", "prompt_completion", "messages", "alpaca", "sharegpt", "preference"
+    "text", "prompt_completion", "messages", "alpaca", "sharegpt", "preference", "prompt"
 ]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -306,6 +309,25 @@ def _parse_preference(obj: dict[str, Any], where: str) -> Record:
     return _chat_preference(obj, where, chosen, rejected)
 
 
+def _parse_prompt(obj: dict[str, Any], where: str) -> Record:
+    if "prompt" not in obj:
+        raise DataError(
+            f"{where}: missing 'prompt' (train.objective grpo reads prompt records: "
+            '{"prompt": "..."} or {"prompt": [messages]}, plus any fields the reward '
+            f"functions take; keys found: {_keys_found(obj)})"
+        )
+    columns = {k: v for k, v in obj.items() if k != "prompt"}
+    raw = obj["prompt"]
+    if isinstance(raw, list):
+        messages = _message_list(raw, where, "prompt")
+        if not messages:
+            raise DataError(f"{where}: 'prompt' is an empty message list")
+        tools = parse_tools(obj, where)
+        columns.pop("tools", None)
+        return Record(where, messages=tuple(messages), tools=tools, columns=columns)
+    return Record(where, prompt=_string(obj, "prompt", where, non_empty=True), columns=columns)
+
+
 _PARSERS: Mapping[ConcreteFormat, Callable[[dict[str, Any], str], Record]] = MappingProxyType(
     {
         "text": _parse_text,
@@ -314,6 +336,7 @@ _PARSERS: Mapping[ConcreteFormat, Callable[[dict[str, Any], str], Record]] = Map
         "alpaca": _parse_alpaca,
         "sharegpt": _parse_sharegpt,
         "preference": _parse_preference,
+        "prompt": _parse_prompt,
     }
 )
 

@@ -45,7 +45,10 @@ class PairStats:
 
 
 def preference_only(records: Sequence[Record], objective: str) -> None:
-    """``train.objective dpo|orpo|simpo`` trains on preference records only, SFT on none."""
+    """``train.objective dpo|orpo|simpo`` trains on preference records only, SFT on none
+    (``grpo`` reads prompt records, a shape only it asks for)."""
+    if objective == "grpo":
+        return
     for r in records:
         if objective == "sft" and r.is_preference:
             raise DataError(

@@ -9,7 +9,7 @@ IGNORE_INDEX = -100
 
 #: ``data.format``: ``auto`` detects per file from the first record's keys.
 Format = Literal[
-    "auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt", "preference"
+    "auto", "text", "prompt_completion", "messages", "alpaca", "sharegpt", "preference", "prompt"
 ]
 #: ``data.loss_on`` for conversations: every token, every assistant turn, or the last one.
 LossOn = Literal["all", "assistant", "last_assistant"]
@@ -38,6 +38,13 @@ class Record:
     #: one, both after the same prompt (``prompt``, or ``messages[:answer_start]``).
     rejected: Record | None = None
     answer_start: int = 0
+    #: A prompt record (``train.objective grpo``): its other fields, handed to the reward
+    #: functions as keyword columns. The prompt is ``prompt`` or ``messages``; no answer.
+    columns: dict[str, Any] | None = None
+
+    @property
+    def is_prompt(self) -> bool:
+        return self.columns is not None
 
     @property
     def kind(self) -> RecordKind:

@@ -398,6 +398,12 @@ def _parallel_notes(w: Workload) -> list[str]:
 
 def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
     notes = _parallel_notes(w)
+    if w.sampled:
+        notes.append(
+            "GRPO: the sequences are each prompt's sampled completions (prompt up to "
+            "data.max_length + grpo.max_completion_tokens); the time counts training only, "
+            "not the sampling (generate, one token per forward), which often takes longer"
+        )
     if w.device == "cpu":
         notes.append(
             "a CPU run: the peak is host RAM, the tensors plus "

@@ -82,6 +82,8 @@ class Workload:
     #: ``train.objective dpo`` without ``dpo.precompute_ref``: each micro-batch also runs
     #: a no-grad forward of the base with the adapter disabled (the reference).
     reference_forward: bool = False
+    #: ``train.objective grpo``: each step first samples its completions (generate).
+    sampled: bool = False
     #: ``train.kernels``: 'liger' fuses the head and the loss (no whole logits), SwiGLU
     #: (the SiLU output is recomputed) and RMSNorm (its input saved in its own dtype).
     kernels: Kernels = "none"

@@ -80,8 +80,12 @@ def workload_from_config(
     n = resolve_numerics(cfg.model, t, device, _gpu_bf16(gpu))
     mb = t.micro_batch_size or max(t.batch_size // world_size, 1)
     accum = max(t.batch_size // (mb * world_size), 1)
-    # dpo/orpo: the batch counts pairs, each a chosen and a rejected sequence.
-    sequences = 1 if t.objective == "sft" else 2
+    # dpo/orpo: the batch counts pairs, each a chosen and a rejected sequence; grpo:
+    # prompts, each trained with its group of sampled completions (a prompt of up to
+    # data.max_length tokens and up to grpo.max_completion_tokens more).
+    grpo = t.objective == "grpo"
+    sequences = {"sft": 1, "grpo": cfg.grpo.generations}.get(t.objective, 2)
+    seq_len = cfg.data.max_length + (cfg.grpo.max_completion_tokens if grpo else 0)
     # A pre-quantized base stays as its checkpoint stored it, whatever lora.quantize says.
     quantize = (
         cast(Quantize, arch.prequantized) if arch.prequantized != "none" else cfg.lora.quantize
@@ -94,7 +98,7 @@ def workload_from_config(
         lora_r=cfg.lora.r,
         lora_targets=_targets(cfg.lora.target_modules, "lora.target_modules"),
         lora_dropout=cfg.lora.dropout,
-        seq_len=cfg.data.max_length,
+        seq_len=seq_len,
         micro_batch=mb * sequences,
         grad_accum=accum,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
@@ -108,7 +112,9 @@ def workload_from_config(
         world_size=world_size,
         cpu_offload=cfg.distributed.cpu_offload
         and parallelism_of(cfg.distributed.strategy, world_size) == "fsdp",
-        reference_forward=t.objective == "dpo" and not cfg.dpo.precompute_ref,
+        reference_forward=(t.objective == "dpo" and not cfg.dpo.precompute_ref)
+        or (grpo and cfg.grpo.beta > 0),
+        sampled=grpo,
         kernels=t.kernels,
         **numerics_fields(n),
     )

@@ -28,7 +28,26 @@ PREFERENCE_FIELDS = (
     "logps/rejected",
     "logps/accuracies",
 )
-STEP_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "cuda_peak_bytes", *PREFERENCE_FIELDS)
+#: GRPO's step metrics (``train.objective grpo``), named as TRL names them; each reward
+#: function adds ``rewards/<name>/mean`` (:data:`REWARD_PREFIX`).
+GRPO_FIELDS = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "kl",
+)
+REWARD_PREFIX = "rewards/"
+STEP_FIELDS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "cuda_peak_bytes",
+    *PREFERENCE_FIELDS,
+    *GRPO_FIELDS,
+)
 EVAL_FIELDS = ("loss", "perplexity", "exact_match", *PREFERENCE_FIELDS)
 CHECKPOINT_FIELDS = ("blocking_ms", "bytes", "background_ms")
 COST_FIELDS = (
@@ -127,8 +146,13 @@ def _run_start(rec: Mapping[str, Any]) -> TrackerRow:
     return _row(rec, config=flatten(fields, "run.", "."))
 
 
+def _reward_names(rec: Mapping[str, Any]) -> tuple[str, ...]:
+    """GRPO's per-function rewards (``rewards/<name>/mean``) a step record carries."""
+    return tuple(k for k in rec if k.startswith(REWARD_PREFIX) and k.endswith("/mean"))
+
+
 def _step(rec: Mapping[str, Any]) -> TrackerRow:
-    return _row(rec, scalars=_numbers(rec, STEP_FIELDS, "train/"))
+    return _row(rec, scalars=_numbers(rec, STEP_FIELDS + _reward_names(rec), "train/"))
 
 
 def _eval(rec: Mapping[str, Any]) -> TrackerRow:

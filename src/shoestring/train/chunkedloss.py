@@ -125,3 +125,40 @@ def causal_lm_loss(
     with _decoder_only(base) as head:
         hidden = wrapped(**inputs).logits
     return chunked_lm_loss(head, hidden, batch["labels"], num_items, chunk_tokens)
+
+
+def _chunk_logps(
+    head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    logits = head(hidden).float() / temperature
+    return -F.cross_entropy(logits, labels, reduction="none")
+
+
+def completion_logps(
+    wrapped: torch.nn.Module,
+    model: Any,
+    batch: Mapping[str, torch.Tensor],
+    chunk_tokens: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Each position's tempered log-prob of its next label (0 where ignored), float32,
+    ``(rows, width - 1)``: the head runs on the labelled positions only, ``chunk_tokens``
+    at a time under checkpoint (GRPO's completion tokens; the prompts get no logits)."""
+    base = causal_lm(model)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with _decoder_only(base) as head:
+        hidden = wrapped(**inputs).logits
+    labels = batch["labels"][:, 1:]
+    where = (labels != IGNORE_INDEX).reshape(-1).nonzero().squeeze(-1)
+    flat = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, where)
+    targets = labels.reshape(-1).index_select(0, where)
+    rng = head.training and _has_dropout(head)
+    parts = [
+        checkpoint(
+            _chunk_logps, head, h, y, temperature, use_reentrant=False, preserve_rng_state=rng
+        )
+        for h, y in zip(flat.split(chunk_tokens), targets.split(chunk_tokens))
+    ]
+    values = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    out = torch.zeros(labels.numel(), dtype=torch.float32, device=hidden.device)
+    return out.index_put((where,), values).view_as(labels)

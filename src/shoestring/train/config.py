@@ -49,8 +49,13 @@ Backend = Literal["auto", "gloo", "nccl"]
 #: GGUF tensor types of ``export.gguf`` (``none``: no GGUF) and ``shoestring export --gguf``.
 GgufType = Literal["f16", "bf16", "q8_0"]
 GgufExport = Literal["none", "f16", "bf16", "q8_0"]
-#: ``train.objective``: supervised fine-tuning, or preference tuning on chosen/rejected pairs.
-Objective = Literal["sft", "dpo", "orpo", "simpo"]
+#: ``train.objective``: supervised fine-tuning, preference tuning on chosen/rejected pairs,
+#: or GRPO (online: completions sampled from the policy, scored by reward functions).
+Objective = Literal["sft", "dpo", "orpo", "simpo", "grpo"]
+#: ``grpo.loss_type``: how GRPO's per-token losses are averaged (TRL's names).
+GrpoLoss = Literal["dapo", "grpo", "dr_grpo"]
+#: ``grpo.scale_rewards``: advantages divided by their group's std, or only centred.
+RewardScale = Literal["group", "none"]
 #: ``train.kernels``: fused training kernels patched into the model (train/kernels.py).
 Kernels = Literal["none", "liger"]
 
@@ -232,7 +237,10 @@ class TrainConfig:
         "optimization, no reference; NLL over the chosen sequence as TRL computes it) or "
         "'simpo' (SimPO: length-normalized log-probs with a target margin dpo.simpo_gamma, "
         "no reference; TRL's CPOTrainer loss_type simpo). dpo/orpo/simpo need preference "
-        "records (prompt/chosen/rejected); train.batch_size counts pairs.",
+        "records (prompt/chosen/rejected); train.batch_size counts pairs. 'grpo': Group "
+        "Relative Policy Optimization: each step samples grpo.generations completions per "
+        "prompt from the policy, scores them with grpo.rewards and trains on the "
+        "group-relative advantages (prompt records; train.batch_size counts prompts).",
     )
     offload_activations: bool = knob(
         False,
@@ -296,6 +304,70 @@ class DpoConfig:
         "them with the tokenized data cache (keyed by data, base model, dtype, precision; "
         "sha256-verified) instead of a reference forward every step; the held-out pairs "
         "evaluation reads get theirs too (eval then runs no reference forward).",
+    )
+
+
+def _rewards_given(v: list[str]) -> str | None:
+    return None if all(isinstance(x, str) and x.strip() for x in v) else "names must be non-empty"
+
+
+@dataclass
+class GrpoConfig:
+    generations: int = knob(
+        8,
+        "Completions sampled per prompt each step (the group whose mean reward is the "
+        "baseline; TRL's num_generations). A micro-batch of k prompts trains k x this many "
+        "sequences.",
+        check=lambda v: None if v >= 2 else "must be at least 2 (a group needs a baseline)",
+    )
+    max_completion_tokens: int = knob(
+        256, "Most tokens sampled per completion (TRL's max_completion_length).", check=positive
+    )
+    temperature: float = knob(
+        1.0,
+        "Sampling temperature of the completions; the trained log-probs are those of the "
+        "same tempered distribution (as TRL computes them).",
+        check=positive,
+    )
+    top_p: float = knob(
+        1.0,
+        "Nucleus sampling of the completions (1: off).",
+        check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
+    )
+    top_k: int = knob(0, "Top-k sampling of the completions (0: off).", check=non_negative)
+    rewards: list[str] = knob(
+        ["builtin:similarity"],
+        "Reward functions, summed (weighted by grpo.reward_weights) into each completion's "
+        "reward: 'builtin:exact_match' or 'builtin:similarity' (against the record's "
+        "'answer'), 'MODULE:FUNCTION' (importable) or 'FILE.py:FUNCTION'. A function is "
+        "called as TRL calls it: fn(prompts=[...], completions=[...], completion_ids=[...], "
+        "**columns) -> one float (or None: not scored) per completion, columns being the "
+        "prompt records' other fields; so TRL reward functions work unchanged. They must be "
+        "deterministic for a resumed run to repeat the same steps.",
+        check=_rewards_given,
+    )
+    reward_weights: list[float] = knob([], "One weight per grpo.rewards entry (empty: all 1.0).")
+    beta: float = knob(
+        0.0,
+        "Weight of the KL penalty to the reference (the base, adapter disabled; TRL's k3 "
+        "estimator per token). 0 (TRL's default): no reference forward.",
+        check=non_negative,
+    )
+    loss_type: GrpoLoss = knob(
+        "dapo",
+        "'dapo' (TRL's default): token losses summed over the global batch and divided by "
+        "its completion tokens; 'grpo': each completion's mean, averaged over completions; "
+        "'dr_grpo': summed and divided by completions x grpo.max_completion_tokens.",
+    )
+    scale_rewards: RewardScale = knob(
+        "group",
+        "'group': advantage = (reward - group mean) / (group std + 1e-4) (GRPO); 'none': "
+        "reward - group mean (Dr. GRPO).",
+    )
+    mask_truncated: bool = knob(
+        False,
+        "Leave completions cut by grpo.max_completion_tokens (no end token) out of the "
+        "loss (TRL's mask_truncated_completions).",
     )
 
 
@@ -516,6 +588,7 @@ class FinetuneConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preempt: PreemptConfig = field(default_factory=PreemptConfig)
@@ -640,8 +713,11 @@ def eval_fraction(spec: str) -> float | None:
 
 def resume_relevant(flat: Mapping[str, Any]) -> dict[str, Any]:
     kept = {k: v for k, v in flat.items() if not k.startswith(RESUME_SAFE_PREFIXES)}
-    if kept.get("train.objective", "sft") == "sft":  # SFT hashes as before the objectives
+    objective = kept.get("train.objective", "sft")
+    if objective == "sft":  # SFT hashes as before the objectives
         kept = {k: v for k, v in kept.items() if k != "train.objective" and k[:4] != "dpo."}
+    if objective != "grpo":  # so do the other objectives, as before GRPO
+        kept = {k: v for k, v in kept.items() if not k.startswith("grpo.")}
     # A Hub ref's @revision may change (pinning the commit a run was trained on): the
     # resume compares the commit itself (train/resume.py check_base).
     repo = hub_repo(str(kept.get("model.path", "")))

@@ -25,26 +25,30 @@ import numpy.typing as npt
 from shoestring.config import ConfigError
 from shoestring.data.cache import CacheWriter, TokenCache, cache_key, open_or_build
 from shoestring.data.chat import CHAT_SPANS, load_template
+from shoestring.data.formats import ConcreteFormat, parse_record
 from shoestring.data.preference import (
     PAIR_LAYOUT,
     pair_examples,
     preference_only,
     tokenize_pairs,
 )
-from shoestring.data.records import DataError, Example, Record
+from shoestring.data.prompts import tokenize_prompts
+from shoestring.data.records import DataError, Example, Format, Record
 from shoestring.data.sources import read_records, resolve_source, split_eval
 from shoestring.data.specials import SPECIALS_POLICY
 from shoestring.data.tokenize import TokenizeSpec, check_chat_ready, tokenize_records
 from shoestring.train.builtin import BUILTIN_MODEL, BUILTIN_TASKS, builtin_records
 from shoestring.train.config import FinetuneConfig, eval_fraction
-from shoestring.train.data import SampleOrder, from_dicts
+from shoestring.train.data import SampleOrder
 from shoestring.train.evaluate import Probe, probes
 from shoestring.train.parallel import BatchPlan
+from shoestring.train.rewards import check_fields
 from shoestring.train.samples import (
     ExampleStore,
     PackedSamples,
     PaddedSamples,
     PairSamples,
+    PromptSamples,
     Samples,
 )
 
@@ -70,20 +74,34 @@ class Origin:
     read: Callable[[], tuple[list[Record], Mapping[str, str]]]
 
 
-def _builtin_origin(task: str, split: str) -> Origin:
+def _builtin_origin(task: str, split: str, online: bool) -> Origin:
     rows = builtin_records(split, task)
+    if online:  # GRPO: the prompts, the expected answer kept for the rewards
+        rows = [{"prompt": r["prompt"], "answer": r["completion"]} for r in rows]
     digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
     name = f"{task}[{split}]"
-    fmt = "preference" if "chosen" in rows[0] else "prompt_completion"
-    return Origin(name, digest, lambda: (from_dicts(rows, name), {name: fmt}))
+    fmt: ConcreteFormat = (
+        "prompt" if online else "preference" if "chosen" in rows[0] else "prompt_completion"
+    )
+    return Origin(
+        name,
+        digest,
+        lambda: (
+            [parse_record(r, f"{name}:{i + 1}", fmt) for i, r in enumerate(rows)],
+            {name: fmt},
+        ),
+    )
 
 
 def origin(spec: str, split: str, cfg: FinetuneConfig, cache_dir: Path) -> Origin:
+    online = cfg.train.objective == "grpo"
     if spec in BUILTIN_TASKS:
-        return _builtin_origin(spec, split)
+        return _builtin_origin(spec, split, online)
     key = "data.train" if split == "train" else "data.eval"
     source = resolve_source(spec, cache_dir / "sources", key=key)
-    fmt = cfg.data.format
+    # GRPO reads prompt records, a shape ``auto`` never picks (it would take any
+    # prompt/completion file for SFT's): asked for by the objective.
+    fmt: Format = "prompt" if online else cfg.data.format
     return Origin(spec, source.digest, lambda: read_records(source, fmt))
 
 
@@ -156,12 +174,15 @@ class DataInputs:
         records: list[Record] | None = None
         formats: Mapping[str, str] = {}
         cached = cfg.data.cache and (cache_root(cache_dir) / key / "manifest.json").is_file()
-        if not cached or eval_fraction(cfg.data.eval) is not None:
+        online = cfg.train.objective == "grpo"  # prompts are kept in memory, never cached
+        if online or not cached or eval_fraction(cfg.data.eval) is not None:
             records, formats = train.read()
         eval_records = _eval_records(cfg, records, cache_dir)
         if records is not None and eval_fraction(cfg.data.eval) is not None:
             records, _ = split_eval(records, eval_fraction(cfg.data.eval) or 0, cfg.train.seed)
         preference_only([*(records or ()), *eval_records], cfg.train.objective)
+        if online:
+            check_fields(cfg.grpo.rewards, records or [])
         return cls(train, key, template, records, eval_records, formats)
 
 
@@ -172,7 +193,8 @@ def _eval_records(cfg: FinetuneConfig, train: list[Record] | None, cache_dir: Pa
         assert train is not None
         return split_eval(train, fraction, cfg.train.seed)[1]
     if spec == "auto":
-        spec = cfg.data.train if cfg.data.train in BUILTIN_TASKS else ""
+        builtin = cfg.data.train in BUILTIN_TASKS and cfg.train.objective != "grpo"
+        spec = cfg.data.train if builtin else ""
     if not spec:
         return []
     try:
@@ -287,9 +309,35 @@ def _samples(
     return PaddedSamples(store)
 
 
+def _prompt_data(
+    cfg: FinetuneConfig, inputs: DataInputs, batch: BatchPlan, tok: Any, ctx: DataContext
+) -> TrainData:
+    """GRPO's prompts, tokenized in memory (a prompt set is small next to its rollouts)."""
+    t0 = time.perf_counter()
+    records = inputs.train_records or []
+    spec = token_spec(cfg, inputs.template)
+    check_chat_ready(tok, spec, any(r.kind == "chat" for r in records))
+    prompts, stats = tokenize_prompts(
+        records, tok, inputs.template, cfg.data.max_length, ctx.should_stop
+    )
+    if not prompts:
+        raise DataError(
+            f"{inputs.train.spec}: no prompt fits data.max_length={cfg.data.max_length}"
+        )
+    lengths = [len(p.ids) for p in prompts]
+    meta = {"stats": vars(stats), "formats": inputs.formats, "cache": "off"}
+    samples = PromptSamples(prompts)
+    summary = _data_summary(inputs, meta, len(prompts), len(prompts), sum(lengths), t0)
+    return TrainData(
+        samples, [], [], SampleOrder(len(samples), cfg.train.seed), batch, len(prompts), summary
+    )
+
+
 def load_train_data(
     cfg: FinetuneConfig, inputs: DataInputs, batch: BatchPlan, tok: Any, ctx: DataContext
 ) -> TrainData:
+    if cfg.train.objective == "grpo":
+        return _prompt_data(cfg, inputs, batch, tok, ctx)
     t0 = time.perf_counter()
     store, lengths, meta, plan = _store(cfg, inputs, tok, ctx)
     preference = cfg.train.objective != "sft"

@@ -309,12 +309,19 @@ def make_objective(cfg: FinetuneConfig) -> Objective:
     if kind == "simpo":
         d = cfg.dpo
         return SimPO(d.beta, d.simpo_gamma, d.cpo_alpha, d.label_smoothing)
+    assert kind != "grpo", "GRPO is made by shoestring.train.grpo.make_grpo"
     return SFT(cfg.train.loss_chunk_tokens)
 
 
 def check_objective(cfg: FinetuneConfig) -> None:
     """Options that do not go with preference pairs, refused by name before any work."""
     kind = cfg.train.objective
+    if kind == "grpo":
+        return check_online(cfg)
+    if cfg.data.format == "prompt":
+        raise ConfigError(
+            "data.format: prompt records (no answer) are read by train.objective grpo only"
+        )
     if kind == "sft":
         return
     if cfg.data.packing:
@@ -328,6 +335,41 @@ def check_objective(cfg: FinetuneConfig) -> None:
         )
     if cfg.dpo.precompute_ref and kind != "dpo":
         raise ConfigError("dpo.precompute_ref: only train.objective dpo has a reference model")
+
+
+def check_online(cfg: FinetuneConfig) -> None:
+    """GRPO's options that do not go together, refused by name before any work; the
+    reward functions are imported here, so a typo fails now."""
+    from shoestring.train.rewards import load_rewards
+
+    if cfg.data.format not in ("auto", "prompt"):
+        raise ConfigError(
+            f'data.format: train.objective grpo reads prompt records ({{"prompt": ...}}), '
+            f"not {cfg.data.format}; set data.format auto or prompt"
+        )
+    if cfg.data.packing:
+        raise ConfigError(
+            "data.packing: train.objective grpo trains on its own completions; set it false"
+        )
+    if cfg.train.compile:
+        raise ConfigError(
+            "train.compile: not available with train.objective grpo yet; set it false"
+        )
+    if cfg.distributed.strategy == "fsdp":
+        raise ConfigError(
+            "distributed.strategy: train.objective grpo samples with generate, which FSDP "
+            "would run one gathered layer at a time; use ddp"
+        )
+    if cfg.train.kernels != "none":
+        raise ConfigError(
+            "train.kernels: the fused kernels replace the loss GRPO computes; set it none"
+        )
+    if cfg.data.eval not in ("", "auto"):
+        raise ConfigError(
+            "data.eval: held-out evaluation is not available with train.objective grpo yet "
+            "(the step events carry the rewards); set it empty"
+        )
+    load_rewards(cfg.grpo.rewards, cfg.grpo.reward_weights)
 
 
 def mean_metrics(names: Sequence[str], sums: torch.Tensor, pairs: int) -> dict[str, float]:

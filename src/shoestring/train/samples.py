@@ -20,6 +20,7 @@ import numpy.typing as npt
 import torch
 
 from shoestring.data.packing import PackPlan, collate_packed, flatten_packed, pack_plan
+from shoestring.data.prompts import Prompt
 from shoestring.data.records import IGNORE_INDEX, Example
 
 
@@ -145,3 +146,28 @@ class PairSamples:
     def chosen_positions(self, position: int) -> int:
         """Positions of the chosen sequence that predict a token (ORPO's NLL counts them)."""
         return len(self.store[2 * position].input_ids) - 1
+
+
+@dataclass(frozen=True)
+class PromptSamples:
+    """Position ``p`` is prompt ``p`` (``train.objective grpo``): the step samples its
+    completions, so a prompt alone is never a training row; ``collate`` gives the
+    prompts right-padded, with no labels."""
+
+    prompts: Sequence[Prompt]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def collate(self, positions: Sequence[int], pad_id: int) -> dict[str, torch.Tensor]:
+        batch = [
+            Example(list(self.prompts[p].ids), [IGNORE_INDEX] * len(self.prompts[p].ids))
+            for p in positions
+        ]
+        return collate_padded(batch, pad_id)
+
+    def label_tokens(self, position: int) -> int:
+        return 0
+
+    def tokens(self, position: int) -> int:
+        return len(self.prompts[position].ids)

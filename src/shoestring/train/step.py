@@ -13,8 +13,10 @@ import contextlib
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -30,11 +32,86 @@ from shoestring.train.placement import misplaced
 from shoestring.train.trainer import Trainer
 
 
-def _micro_batch(t: Trainer, idx: list[int], start: int, size: int) -> dict[str, torch.Tensor]:
+class StepInputs(Protocol):
+    """What one step trains on, on this rank: micro-batches by offset into this rank's
+    positions, the global normalizer and token count, and the step's metrics."""
+
+    norm: torch.Tensor
+    tokens: int
+
+    @property
+    def informative(self) -> bool:
+        """Whether the step can move the weights (GRPO: not when every advantage is 0):
+        the first such step checks that every adapter got a gradient."""
+        ...
+
+    def micro_batch(self, start: int, size: int) -> dict[str, torch.Tensor]: ...
+
+    def metrics(
+        self, sums: torch.Tensor | None, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, float]: ...
+
+
+@dataclass
+class SampleInputs:
+    """Offline objectives (SFT, preferences): positions of the tokenized samples."""
+
+    t: Trainer
+    idx: list[int]
+    positions: list[int]
+
+    def __post_init__(self) -> None:
+        samples = self.t.data.samples
+        self.norm = self.t.objective.normalizer(samples, self.idx, self.t.device)
+        self.tokens = sum(samples.tokens(i) for i in self.idx)
+
+    @property
+    def informative(self) -> bool:
+        return True
+
+    def micro_batch(self, start: int, size: int) -> dict[str, torch.Tensor]:
+        return self.t.data.samples.collate(
+            self.positions[start : start + size], self.t.tok.pad_token_id
+        )
+
+    def metrics(
+        self, sums: torch.Tensor | None, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, float]:
+        return _objective_metrics(self.t, sums, len(self.idx), reduce)
+
+
+def _reduce(t: Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Sums a tensor over the ranks (on the strategy's device), or returns it."""
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        if t.run.strategy.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        y = x.to(t.device)
+        dist.all_reduce(y)
+        return y.cpu()
+
+    return reduce
+
+
+def step_inputs(t: Trainer, idx: list[int], step: int) -> StepInputs:
+    """The rank's positions of the global batch ``idx``; with GRPO, rolled out now."""
+    positions = [
+        idx[i] for _, start, size in t.data.batch.my_chunks() for i in range(start, start + size)
+    ]
+    if t.rollouts is None:
+        return SampleInputs(t, idx, positions)
+    t_roll = time.perf_counter()
+    inputs = t.rollouts.inputs(t.learner.model, t.tok, positions, step, t.device, _reduce(t))
+    t.run.rec.work("rollout", time.perf_counter() - t_roll, inputs.tokens)
+    return inputs
+
+
+def _micro_batch(t: Trainer, inputs: StepInputs, start: int, size: int) -> dict[str, torch.Tensor]:
     t_data = time.perf_counter()
     t.run.faults.hit("step.data")
-    batch = t.data.samples.collate(idx[start : start + size], t.tok.pad_token_id)
-    batch = to_device(batch, t.device)
+    batch = to_device(inputs.micro_batch(start, size), t.device)
     t.run.rec.work("data", time.perf_counter() - t_data, batch["input_ids"].numel())
     return batch
 
@@ -88,38 +165,40 @@ def check_placement(t: Trainer, batch: dict[str, torch.Tensor]) -> None:
         )
 
 
-def _objective_metrics(t: Trainer, sums: torch.Tensor | None, pairs: int) -> dict[str, float]:
+def _objective_metrics(
+    t: Trainer,
+    sums: torch.Tensor | None,
+    pairs: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, float]:
     """The preference metrics of the global batch: this rank's sums, summed over ranks."""
     names = t.objective.metrics
     if not names:
         return {}
     if sums is None:  # a rank with no micro-batch this step
         sums = torch.zeros(len(names), dtype=torch.float64, device=t.device)
-    if t.run.strategy.world_size > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(sums)
-    return mean_metrics(names, sums, pairs)
+    return mean_metrics(names, reduce(sums), pairs)
 
 
 def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
     plan, cfg = t.data.batch, t.cfg.train
     t0 = time.perf_counter()
     idx = t.data.order.indices(progress.consumed, plan.batch_size)
-    samples = t.data.samples
-    n_items = t.objective.normalizer(samples, idx, t.device)
-    tokens = sum(samples.tokens(i) for i in idx)
+    inputs = step_inputs(t, idx, progress.step)
+    tokens = inputs.tokens
     chunks = list(plan.my_chunks())
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     sums: torch.Tensor | None = None
-    for k, (chunk, start, size) in enumerate(chunks):
-        batch = _micro_batch(t, idx, start, size)
+    local = 0
+    for k, (chunk, _, size) in enumerate(chunks):
+        batch = _micro_batch(t, inputs, local, size)
+        local += size
         S.seed_micro_batch(cfg.seed, progress.step, chunk)
-        out = _forward_backward(t, batch, n_items, last=k == len(chunks) - 1)
+        out = _forward_backward(t, batch, inputs.norm, last=k == len(chunks) - 1)
         total += out.loss
         if out.sums is not None:
             sums = out.sums if sums is None else sums + out.sums
-    first = not t.grads_checked
+    first = not t.grads_checked and inputs.informative
     if first:  # a silent no-op training run fails here, loudly
         check_lora_gradients(t.learner.params)
         t.grads_checked = True
@@ -134,7 +213,7 @@ def train_step(t: Trainer, progress: S.Progress) -> dict[str, Any]:
     dt = time.perf_counter() - t0
     return {
         "loss": loss,
-        **_objective_metrics(t, sums, len(idx)),
+        **inputs.metrics(sums, _reduce(t)),
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens": tokens,

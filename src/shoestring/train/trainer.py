@@ -27,12 +27,16 @@ from shoestring.train.compiled import compile_module
 from shoestring.train.config import FinetuneConfig, ResolvedConfig, config_hash, precision_of
 from shoestring.train.dataset import DataContext, TrainData, load_train_data
 from shoestring.train.device import Precision, set_deterministic
+from shoestring.train.grpo import GRPO, RolloutWorker, make_grpo
 from shoestring.train.kernels import apply_kernels, check_family
 from shoestring.train.learner import Learner
 from shoestring.train.model import apply_lora, resolve_model_dir
 from shoestring.train.objective import SFT, Objective, make_objective
 from shoestring.train.reflogps import ReferenceJob, with_reference
+from shoestring.train.rewards import load_rewards
+from shoestring.train.rollout import Sampling, Scoring
 from shoestring.train.run import Inputs, Run, data_cache_storage
+from shoestring.train.samples import PromptSamples
 
 
 @dataclass
@@ -57,6 +61,8 @@ class Trainer:
     objective: Objective = field(default_factory=SFT)  # what a step minimizes
     #: ``train.compile``: the compiled view of ``learner.wrapped`` the steps call.
     compiled: torch.nn.Module | None = None
+    #: ``train.objective grpo``: samples and scores each step's completions.
+    rollouts: RolloutWorker | None = None
 
     @property
     def device(self) -> torch.device:
@@ -125,6 +131,25 @@ def _data_context(cfg: FinetuneConfig, run: Run) -> DataContext:
     )
 
 
+def rollout_worker(
+    cfg: FinetuneConfig, data: TrainData, objective: Objective, pad_id: int
+) -> RolloutWorker | None:
+    """``train.objective grpo``: what samples and scores each step's completions."""
+    if not isinstance(objective, GRPO):
+        return None
+    assert isinstance(data.samples, PromptSamples), "GRPO trains on prompts"
+    g = cfg.grpo
+    return RolloutWorker(
+        data.samples.prompts,
+        Sampling(g.generations, g.max_completion_tokens, g.temperature, g.top_p, g.top_k),
+        Scoring(load_rewards(g.rewards, g.reward_weights), g.scale_rewards == "group"),
+        objective,
+        cfg.train.seed,
+        pad_id,
+        g.mask_truncated,
+    )
+
+
 def build_trainer(cfg: ResolvedConfig, run: Run, inputs: Inputs) -> Trainer:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -142,6 +167,7 @@ def build_trainer(cfg: ResolvedConfig, run: Run, inputs: Inputs) -> Trainer:
     run.events.emit("load", phase="data", seconds=round(time.perf_counter() - t0, 3))
     precision = Precision(precision_of(cfg), device)
     learner = _learner(cfg, run, model_dir, base_fp, precision)
+    objective = make_grpo(cfg) if cfg.train.objective == "grpo" else make_objective(cfg)
     if cfg.dpo.precompute_ref and cfg.train.objective == "dpo":
         job = ReferenceJob(cfg, run, learner.model, base_fp, precision, tok.pad_token_id)
         data = with_reference(job, data, inputs.data.key)
@@ -157,6 +183,7 @@ def build_trainer(cfg: ResolvedConfig, run: Run, inputs: Inputs) -> Trainer:
         redact(to_flat(cfg)),  # written into every checkpoint: no credentials
         config_hash(cfg),
         base_source=inputs.model.record() if inputs.model is not None else {},
-        objective=make_objective(cfg),
+        objective=objective,
         compiled=compile_module(learner.wrapped) if cfg.train.compile else None,
+        rollouts=rollout_worker(cfg, data, objective, tok.pad_token_id),
     )

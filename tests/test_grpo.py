@@ -1,0 +1,330 @@
+"""GRPO (train.objective grpo): the loss's gradients equal TRL's ``GRPOTrainer``
+on the same rollouts, advantages follow TRL's rule, sampling is keyed, bad input is
+refused before weights load, and a run learns and resumes byte-identically.
+
+TRL (a test-only dependency) computes the same micro-batch with its own trainer code:
+``GRPOTrainer._compute_loss`` (and its ``_get_per_token_logps_and_entropies``, through
+TRL's fused LM head at the same temperature) on a stand-in ``self`` holding the
+trainer's settings.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CLI, FAST, read_events, state_digest
+from shoestring.data.formats import parse_record
+from shoestring.data.prompts import tokenize_prompts
+from shoestring.train.builtin import model_tokenizer, padded_vocab
+from shoestring.train.grpo import GRPO
+from shoestring.train.rollout import Rollouts, Sampling, group_advantages, sample_group
+
+trl = pytest.importorskip("trl")
+
+TEMPERATURE = 0.7
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return model_tokenizer()
+
+
+def _model(tok: Any) -> Any:
+    """A tiny random Llama with TRL's fused head (before PEFT, as TRL requires) and a
+    LoRA adapter whose B matrices are non-zero, so policy != reference."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=padded_vocab(len(tok)),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        pad_token_id=tok.pad_token_id,
+    )
+    base = LlamaForCausalLM(cfg)
+    add_fused_lm_head(base, outputs=("log_probs", "entropy"), temperature=TEMPERATURE)
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model.train()
+    return model
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    return _model(tok)
+
+
+def _rollouts(tok: Any) -> Rollouts:
+    """Two prompts of one token length (TRL left-pads prompts; ours are whole rows),
+    completions of varied lengths, some ending at EOS, some truncated."""
+    recs = [
+        parse_record({"prompt": f"reverse: {w} =", "answer": w[::-1]}, f"p.jsonl:{i}", "prompt")
+        for i, w in enumerate(("abcde", "vwxyz"), 1)
+    ]
+    prompts, _ = tokenize_prompts(recs, tok, None, 64)
+    rng = random.Random(3)
+    completions, truncated = [], []
+    for _ in range(2 * GROUP):
+        n = rng.randint(2, 9)
+        ids = [rng.randrange(3, 250) for _ in range(n)]
+        cut = rng.random() < 0.3
+        completions.append(ids if cut else [*ids, tok.eos_token_id])
+        truncated.append(cut)
+    table = np.array([[rng.random()] for _ in completions])
+    adv, rewards = group_advantages(table, [1.0], GROUP, True)
+    return Rollouts(prompts, completions, truncated, table, adv, rewards, GROUP)
+
+
+def _trl(model: Any, loss_type: str, beta: float, max_len: int) -> Any:
+    from accelerate import Accelerator
+
+    return SimpleNamespace(
+        model=model,
+        accelerator=Accelerator(cpu=True),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        aux_loss_enabled=False,
+        beta=beta,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        importance_sampling_level="token",
+        loss_type=loss_type,
+        max_completion_length=max_len,
+        off_policy_mask_threshold=None,
+        top_entropy_quantile=1.0,
+        use_vllm=False,
+        current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _get_per_token_logps_and_entropies=lambda *a, **k: (
+            trl.GRPOTrainer._get_per_token_logps_and_entropies(_FAKE[0], *a, **k)
+        ),
+    )
+
+
+_FAKE: list[Any] = []
+
+
+def _trl_inputs(r: Rollouts, tok: Any, fake: Any, mask_truncated: bool) -> dict[str, Any]:
+    width = max(len(c) for c in r.completions)
+    comp = torch.full((len(r.completions), width), tok.pad_token_id, dtype=torch.long)
+    cmask = torch.zeros_like(comp)
+    for i, (c, cut) in enumerate(zip(r.completions, r.truncated)):
+        comp[i, : len(c)] = torch.tensor(c)
+        cmask[i, : len(c)] = 0 if (mask_truncated and cut) else 1
+    prompt = torch.tensor([list(r.prompts[i // r.group].ids) for i in range(len(r.completions))])
+    inputs = {
+        "prompt_ids": prompt,
+        "prompt_mask": torch.ones_like(prompt),
+        "completion_ids": comp,
+        "completion_mask": cmask,
+        "advantages": r.advantages,
+        "num_items_in_batch": cmask.sum(),
+    }
+    if fake.beta:
+        with torch.no_grad(), fake.model.disable_adapter():
+            ids = torch.cat([prompt, comp], 1)
+            mask = torch.cat([torch.ones_like(prompt), cmask.clamp(min=1)], 1)
+            ref, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                fake, fake.model, ids, mask, width
+            )
+        inputs["ref_per_token_logps"] = ref
+    return inputs
+
+
+def _grads(model: Any) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize(
+    "loss_type,beta,mask_truncated,chunk",
+    [
+        ("dapo", 0.0, False, 0),
+        ("grpo", 0.04, True, 0),
+        ("dr_grpo", 0.0, False, 0),
+        ("dapo", 0.04, False, 5),  # train.loss_chunk_tokens: the head on completions only
+    ],
+)
+def test_grpo_gradients_equal_trl(
+    model: Any, tok: Any, loss_type: str, beta: float, mask_truncated: bool, chunk: int
+) -> None:
+    """The same rollouts through TRL's loss and ours: equal adapter gradients (the loss
+    value itself is ~0 by construction: advantages are centred per group)."""
+    r = _rollouts(tok)
+    max_len = 12
+    fake = _trl(model, loss_type, beta, max_len)
+    _FAKE[:] = [fake]
+    inputs = _trl_inputs(r, tok, fake, mask_truncated)
+    want_loss = trl.GRPOTrainer._compute_loss(fake, model, inputs)
+    want_loss.backward()
+    want = _grads(model)
+
+    ours = GRPO(beta, loss_type, TEMPERATURE, max_len, chunk)  # type: ignore[arg-type]
+    batch = r.collate(0, 2, tok.pad_token_id, mask_truncated)
+    norm = {
+        "dapo": float(r.completion_tokens(mask_truncated)),
+        "grpo": float(len(r.completions)),
+        "dr_grpo": float(len(r.completions) * max_len),
+    }[loss_type]
+    out = ours.loss(model, model, batch, torch.tensor(norm, dtype=torch.float64))
+    out.loss.backward()
+    got = _grads(model)
+    assert abs(float(out.loss) - float(want_loss)) < 1e-6
+    assert want.keys() == got.keys() and len(want) > 0
+    scale = max(float(g.abs().max()) for g in want.values())
+    assert scale > 1e-4, "the gradients must not vanish here"
+    for name, g in want.items():
+        assert torch.allclose(got[name], g, atol=1e-5 * scale, rtol=1e-4), name
+    if beta:
+        assert float(out.sums[0]) > 0  # the KL estimate: policy != reference here
+
+
+def test_advantages_follow_trls_rule() -> None:
+    """(reward - group mean) / (group std + 1e-4), NaN-aware, TRL's ``nanstd``; a
+    completion no function scored gets 0; weights sum the functions."""
+    from trl.trainer.utils import nanstd
+
+    rng = np.random.default_rng(0)
+    table = rng.random((12, 2))
+    table[1, 0] = np.nan  # one function did not score it
+    table[5] = np.nan  # no function scored it
+    weights = [1.0, 0.5]
+    adv, rewards = group_advantages(table, weights, 4, True)
+    t = torch.from_numpy(table).float()
+    r = (t * torch.tensor(weights)).nansum(1)
+    r[5] = torch.nan
+    g = r.view(-1, 4)
+    want = (g - torch.nanmean(g, 1, keepdim=True)) / (nanstd(g, dim=1, keepdim=True) + 1e-4)
+    want = torch.nan_to_num(want.reshape(-1), nan=0.0)
+    assert torch.allclose(adv, want, atol=1e-6)
+    assert adv[5] == 0 and torch.isnan(rewards[5])
+    centred, _ = group_advantages(table, weights, 4, False)  # scale_rewards none
+    assert torch.allclose(centred[:4], (r[:4] - r[:4].mean()), atol=1e-6)
+
+
+def test_sampling_is_keyed_by_seed_alone(tok: Any) -> None:
+    """The same seed gives the same completions whatever the global RNG holds; another
+    seed others; each ends at its first stop token or is marked truncated."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=padded_vocab(len(tok)),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    rec = parse_record({"prompt": "reverse: abc ="}, "p:1", "prompt")
+    (prompt,), _ = tokenize_prompts([rec], tok, None, 64)
+    stop = (int(prompt.ids[-1]),)  # a frequent token, so some completions stop early
+    prompt = type(prompt)(prompt.ids, stop, prompt.record)
+    s = Sampling(6, 10, temperature=2.0)
+    dev = torch.device("cpu")
+    a = sample_group(m, prompt, s, 11, tok.pad_token_id, dev)
+    torch.manual_seed(999)
+    b = sample_group(m, prompt, s, 11, tok.pad_token_id, dev)
+    c = sample_group(m, prompt, s, 12, tok.pad_token_id, dev)
+    assert a == b and a != c and len(a) == 6
+    for ids, cut in a + c:
+        assert cut == (stop[0] not in ids)
+        assert len(ids) == 10 if cut else ids.index(stop[0]) == len(ids) - 1
+
+
+LETTERS = '''
+def letters(completions, completion_ids, **_):
+    """The share of a completion's tokens that are lowercase letters."""
+    return [sum(ch.islower() and ch.isascii() for ch in t) / max(len(ids), 1)
+            for t, ids in zip(completions, completion_ids)]
+'''
+
+
+def _grpo_args(tmp_path: Path, *extra: str) -> list[str]:
+    reward = tmp_path / "letters.py"
+    reward.write_text(LETTERS)
+    prompts = tmp_path / "prompts.jsonl"
+    rng = random.Random(5)
+    rows = [{"prompt": f"say: {rng.randint(0, 999)} =", "id": i} for i in range(16)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        *FAST,
+        "--data.train",
+        str(prompts),
+        "--train.objective",
+        "grpo",
+        "--grpo.rewards",
+        json.dumps([f"{reward}:letters"]),
+        "--grpo.generations",
+        "4",
+        "--grpo.max_completion_tokens",
+        "6",
+        "--train.batch_size",
+        "2",
+        "--train.lr",
+        "1e-2",
+        *extra,
+    ]
+
+
+def test_bad_grpo_input_is_refused_before_weights_load(cli: CLI, tmp_path: Path) -> None:
+    args = _grpo_args(tmp_path)
+    r = cli.run(tmp_path / "a", *args, "--grpo.rewards", '["rewards_nowhere:score"]')
+    assert r.returncode == 2 and "grpo.rewards[0] (rewards_nowhere:score)" in r.stderr, r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    r = cli.run(tmp_path / "b", *args, "--data.train", str(bad))
+    assert r.returncode == 2 and f"{bad}:2: missing 'prompt'" in r.stderr, r.stderr
+    r = cli.run(tmp_path / "c", *args, "--grpo.rewards", '["builtin:exact_match"]')
+    assert r.returncode == 2 and "'answer'" in r.stderr, r.stderr
+    assert not any((tmp_path / d / "checkpoints").exists() for d in "abc")
+
+
+@pytest.mark.slow  # ~40 s: two runs and a kill
+def test_grpo_learns_and_a_sigkilled_run_reruns_byte_identical(cli: CLI, tmp_path: Path) -> None:
+    """The letters reward rises from its random-init level; a run SIGKILLed after its
+    first checkpoint and rerun ends byte-identical to the uninterrupted one (the
+    completions are sampled from seeds keyed by step and prompt)."""
+    from test_preference_run import _kill_after_a_commit
+
+    args = _grpo_args(tmp_path, "--train.max_steps", "8", "--checkpoint.every_steps", "2")
+    straight = tmp_path / "straight"
+    r = cli.run(straight, *args)
+    assert r.returncode == 0, r.stderr
+    steps = [e for e in read_events(straight) if e["event"] == "step"]
+    assert all("rewards/letters/mean" in e and "completions/mean_length" in e for e in steps)
+    assert steps[0]["reward"] < 0.5 and steps[-1]["reward"] > 0.9, [e["reward"] for e in steps]
+
+    out = tmp_path / "killed"
+    p = cli.start(out, *args, env={"SHOESTRING_FAULTS": "step.forward@1:slow300"})
+    committed = _kill_after_a_commit(out, p)
+    assert p.returncode == -signal.SIGKILL and not (out / "final").exists()
+    r = cli.run(out, *args)
+    assert r.returncode == 0, r.stderr
+    (resume,) = [e for e in read_events(out) if e["event"] == "resume"]
+    assert resume["from_step"] == committed
+    assert state_digest(out, 8) == state_digest(straight, 8)
