@@ -4,6 +4,7 @@ and a fake clock (no processes)."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
@@ -107,6 +108,90 @@ def test_a_restarted_rank_gets_no_negative_window() -> None:
     fresh.advance(100, 0.1, 0.01)
     w, _ = mon.observe(100.0, {0: fresh.snap(0)})
     assert w == []
+
+
+def test_a_slow_start_is_forgotten_and_a_later_rise_alarms() -> None:
+    # The machine is busy when the job starts (everything 2x slower for 6 windows), then
+    # the job runs at its true speed; then rank 1's collectives take 30 % longer. A
+    # baseline set once by the first windows would be 2x too slow to see that.
+    slow = [[(0.2, 0.020)] * 2] * 6
+    true = [[(0.1, 0.010)] * 2] * 6
+    rise = [[(0.1, 0.010), (0.103, 0.013)]] * 4
+    _, alarms = drive(slow + true + rise)
+    assert [(a["kind"], a["rank"]) for a in alarms] == [("comm_degraded", 1)]
+    (a,) = alarms
+    assert a["baseline"] == pytest.approx(0.010) and a["change"] == pytest.approx(0.30, abs=1e-6)
+    # The baseline was held by the first three windows at true speed (7-9), and the
+    # record says so: window numbers and times, and the message names them.
+    assert a["baseline_windows"] == [7, 9]
+    assert (a["baseline_t0"], a["baseline_t1"]) == (600.0, 900.0)
+    assert "windows 7-9" in a["message"] and "+30%" in a["message"]
+
+
+def test_lucky_windows_do_not_lower_the_baseline() -> None:
+    # Two unusually fast windows in a row (a neighbour paused) are not a level the rank
+    # held: the baseline stays at 10 ms, so a steady 10.3 ms afterwards is no alarm. (The
+    # best *median* of three windows would be 9 ms here, and 10.3 ms is +14 % of it.)
+    steady = [[(0.1, 0.010)]] * 4
+    lucky = [[(0.1, 0.009)]] * 2
+    after = [[(0.1, 0.0103)]] * 8
+    _, alarms = drive(steady + lucky + after)
+    assert alarms == []
+
+
+def test_steady_noisy_run_never_alarms_over_many_windows() -> None:
+    # Window-to-window noise within about half of each margin: communication +-5 %
+    # (margin 10 %), step time +-2 % (throughput margin 5 %), 400 windows (6.7 h of
+    # one-minute windows), two ranks, several seeds, the default policy. The baseline
+    # only improves, so it drifts to the lucky side of the noise; not so far that noise
+    # alarms.
+    for seed in range(5):
+        rng = random.Random(seed)
+        spec = [
+            [(0.1 * (1 + rng.uniform(-0.02, 0.02)), 0.01 * (1 + rng.uniform(-0.05, 0.05)))] * 2
+            for _ in range(400)
+        ]
+        windows, alarms = drive(spec, DegradePolicy())
+        assert len(windows) == 800 and alarms == [], (seed, alarms)
+
+
+def test_a_gradual_degradation_alarms_against_the_best_level_not_its_own_drift() -> None:
+    # Communication creeps up 2 % a window. Each window is close to the last, but the
+    # baseline only improves, so the alarm comes once the creep passes the 10 % margin
+    # for three windows (creep windows 6, 7, 8) and measures it against the true level.
+    base = [[(0.1, 0.010)]] * 6
+    creep = [[(0.1, 0.010 * (1 + 0.02 * i))] for i in range(1, 21)]
+    windows, alarms = drive(base + creep)
+    (a,) = alarms
+    assert a["kind"] == "comm_degraded" and a["baseline"] == pytest.approx(0.010)
+    assert a["current"] == pytest.approx(0.0114)  # the median of creep windows 6-8
+    assert a["baseline_windows"][1] <= 6  # held before the creep began
+
+
+def test_a_new_process_starts_over_with_its_own_warm_up_and_baseline() -> None:
+    mon = DegradationMonitor(POLICY)
+    t = 0.0
+
+    def window(f: FakeRank, step_s: float, comm_s: float) -> list[dict[str, Any]]:
+        nonlocal t
+        f.advance(100, step_s, comm_s)
+        t += 100.0
+        return mon.observe(t, {0: f.snap(0)})[1]
+
+    old = FakeRank()
+    mon.observe(t, {0: old.snap(0)})
+    assert [a for _ in range(6) for a in window(old, 0.1, 0.010)] == []
+    # Restarted (its step counter went back) on a node 1.5x slower, with a slow first
+    # window: judged against the old process's baseline, every window would alarm.
+    new = FakeRank()
+    mon.observe(t + 1, {0: new.snap(0)})
+    t += 1
+    assert window(new, 0.45, 0.045) == []  # its warm-up
+    assert [a for _ in range(6) for a in window(new, 0.15, 0.015)] == []
+    # ... and its own baseline (its windows 2-4) catches its own slowdown.
+    alarms = [a for _ in range(3) for a in window(new, 0.15, 0.0195)]
+    assert [a["kind"] for a in alarms] == ["comm_degraded"]
+    assert alarms[0]["baseline"] == pytest.approx(0.015) and alarms[0]["baseline_windows"] == [2, 4]
 
 
 class Receiver(BaseHTTPRequestHandler):

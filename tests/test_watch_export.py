@@ -59,6 +59,11 @@ def prom_query(port: int, query: str) -> list[dict[str, Any]]:
 # communication 0.56 s a step against 0.03 s once it quieted), so the injected change
 # never left the noise for three windows in a row; alone it passes (49 s). CI keeps the
 # detector's unit tests (tests/test_degrade.py: windows, alarms, webhook, collector).
+# Since then the baseline is the best level held (a slow start is forgotten); re-tried
+# 2026-12-06 at load 3.5-4.4: 4 of 5 runs passed, 79-114 s each (too long for CI). The
+# failure: rank 1's communication before the injection ranged 0.06-0.24 s a step, so a
+# window with the injected +0.2 s was less than 0.1 s above the 0.141 s baseline (the old
+# first-windows median on the same windows: 0.144 s, the same failure).
 @pytest.mark.slow
 def test_degradation_alarms_reach_log_webhook_and_prometheus(cli: CLI, tmp_path: Path) -> None:
     assert PROMETHEUS is not None
