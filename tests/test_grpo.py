@@ -161,9 +161,9 @@ def _grads(model: Any) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "loss_type,beta,mask_truncated,chunk",
     [
-        ("dapo", 0.0, False, 0),
+        pytest.param("dapo", 0.0, False, 0, marks=pytest.mark.slow),  # the next two cover it
         ("grpo", 0.04, True, 0),
-        ("dr_grpo", 0.0, False, 0),
+        pytest.param("dr_grpo", 0.0, False, 0, marks=pytest.mark.slow),  # one more divisor
         ("dapo", 0.04, False, 5),  # train.loss_chunk_tokens: the head on completions only
     ],
 )
@@ -292,16 +292,27 @@ def _grpo_args(tmp_path: Path, *extra: str) -> list[str]:
 
 
 def test_bad_grpo_input_is_refused_before_weights_load(cli: CLI, tmp_path: Path) -> None:
+    """A reward that cannot be imported stops the CLI with exit 2 before anything is
+    written; a record without a prompt, or without the field a built-in reward reads,
+    fails naming file:line (both are read before the model)."""
+    from shoestring.data.records import DataError
+    from shoestring.data.sources import read_records, resolve_source
+    from shoestring.train.rewards import check_fields
+
     args = _grpo_args(tmp_path)
     r = cli.run(tmp_path / "a", *args, "--grpo.rewards", '["rewards_nowhere:score"]')
     assert r.returncode == 2 and "grpo.rewards[0] (rewards_nowhere:score)" in r.stderr, r.stderr
+    assert not (tmp_path / "a" / "checkpoints").exists()
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a"}\n{"question": "b"}\n')
-    r = cli.run(tmp_path / "b", *args, "--data.train", str(bad))
-    assert r.returncode == 2 and f"{bad}:2: missing 'prompt'" in r.stderr, r.stderr
-    r = cli.run(tmp_path / "c", *args, "--grpo.rewards", '["builtin:exact_match"]')
-    assert r.returncode == 2 and "'answer'" in r.stderr, r.stderr
-    assert not any((tmp_path / d / "checkpoints").exists() for d in "abc")
+    bad.write_text('{"prompt": "a", "answer": "b"}\n{"question": "b"}\n')
+    source = resolve_source(str(bad), tmp_path / "sources", key="data.train")
+    with pytest.raises(DataError, match=f"{bad}:2: missing 'prompt'"):
+        read_records(source, "prompt")
+    bad.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "c"}\n')
+    records, _ = read_records(source, "prompt")
+    check_fields(["builtin:similarity"], records[:1])
+    with pytest.raises(DataError, match=f"{bad}:2: no 'answer' field.*grpo.rewards\\[1\\]"):
+        check_fields(["x.py:f", "builtin:exact_match"], records)
 
 
 @pytest.mark.slow  # ~40 s: two runs and a kill
@@ -311,13 +322,21 @@ def test_grpo_learns_and_a_sigkilled_run_reruns_byte_identical(cli: CLI, tmp_pat
     completions are sampled from seeds keyed by step and prompt)."""
     from test_preference_run import _kill_after_a_commit
 
-    args = _grpo_args(tmp_path, "--train.max_steps", "8", "--checkpoint.every_steps", "2")
+    args = _grpo_args(
+        tmp_path,
+        *("--train.max_steps", "8", "--checkpoint.every_steps", "2"),
+        *("--data.eval", "0.25", "--eval.every_steps", "4"),
+    )
     straight = tmp_path / "straight"
     r = cli.run(straight, *args)
     assert r.returncode == 0, r.stderr
-    steps = [e for e in read_events(straight) if e["event"] == "step"]
+    ev = read_events(straight)
+    steps = [e for e in ev if e["event"] == "step"]
     assert all("rewards/letters/mean" in e and "completions/mean_length" in e for e in steps)
     assert steps[0]["reward"] < 0.5 and steps[-1]["reward"] > 0.9, [e["reward"] for e in steps]
+    evals = {e["tag"]: e for e in ev if e["event"] == "eval"}
+    assert evals.keys() == {"before", "periodic", "after"} and evals["before"]["samples"] == 4
+    assert evals["before"]["reward"] < 0.5 < 0.9 < evals["after"]["reward"], evals
 
     out = tmp_path / "killed"
     p = cli.start(out, *args, env={"SHOESTRING_FAULTS": "step.forward@1:slow300"})

@@ -32,7 +32,7 @@ from shoestring.data.preference import (
     preference_only,
     tokenize_pairs,
 )
-from shoestring.data.prompts import tokenize_prompts
+from shoestring.data.prompts import Prompt, tokenize_prompts
 from shoestring.data.records import DataError, Example, Format, Record
 from shoestring.data.sources import read_records, resolve_source, split_eval
 from shoestring.data.specials import SPECIALS_POLICY
@@ -182,7 +182,7 @@ class DataInputs:
             records, _ = split_eval(records, eval_fraction(cfg.data.eval) or 0, cfg.train.seed)
         preference_only([*(records or ()), *eval_records], cfg.train.objective)
         if online:
-            check_fields(cfg.grpo.rewards, records or [])
+            check_fields(cfg.grpo.rewards, [*(records or ()), *eval_records])
         return cls(train, key, template, records, eval_records, formats)
 
 
@@ -193,8 +193,7 @@ def _eval_records(cfg: FinetuneConfig, train: list[Record] | None, cache_dir: Pa
         assert train is not None
         return split_eval(train, fraction, cfg.train.seed)[1]
     if spec == "auto":
-        builtin = cfg.data.train in BUILTIN_TASKS and cfg.train.objective != "grpo"
-        spec = cfg.data.train if builtin else ""
+        spec = cfg.data.train if cfg.data.train in BUILTIN_TASKS else ""
     if not spec:
         return []
     try:
@@ -218,6 +217,8 @@ class TrainData:
     #: ``dpo.precompute_ref``: the reference log-probs of ``eval_examples`` (then cut to
     #: the pairs evaluation reads, see :mod:`shoestring.train.reflogps`).
     eval_ref: npt.NDArray[np.float64] | None = None
+    #: ``train.objective grpo``: the held-out prompts (evaluation samples and scores them).
+    eval_prompts: Sequence[Prompt] = ()
 
 
 @dataclass(frozen=True)
@@ -324,13 +325,13 @@ def _prompt_data(
         raise DataError(
             f"{inputs.train.spec}: no prompt fits data.max_length={cfg.data.max_length}"
         )
+    held_out, _ = tokenize_prompts(inputs.eval_records, tok, inputs.template, cfg.data.max_length)
     lengths = [len(p.ids) for p in prompts]
     meta = {"stats": vars(stats), "formats": inputs.formats, "cache": "off"}
     samples = PromptSamples(prompts)
     summary = _data_summary(inputs, meta, len(prompts), len(prompts), sum(lengths), t0)
-    return TrainData(
-        samples, [], [], SampleOrder(len(samples), cfg.train.seed), batch, len(prompts), summary
-    )
+    order = SampleOrder(len(samples), cfg.train.seed)
+    return TrainData(samples, [], [], order, batch, len(prompts), summary, eval_prompts=held_out)
 
 
 def load_train_data(

@@ -1,5 +1,5 @@
-"""GRPO (``train.objective grpo``): the loss of a micro-batch of rollouts, and a step's
-inputs made by rolling out (:mod:`shoestring.train.rollout`).
+"""GRPO (``train.objective grpo``): the loss of a micro-batch of rollouts (a step's
+rollouts are made by :mod:`shoestring.train.grpostep`).
 
 The loss is TRL's ``GRPOTrainer._compute_loss`` with one policy update per rollout
 (``num_iterations 1``, TRL's default): the importance ratio is ``exp(logp -
@@ -22,12 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shoestring.data.prompts import Prompt
 from shoestring.data.records import IGNORE_INDEX
 from shoestring.train.chunkedloss import completion_logps
 from shoestring.train.config import FinetuneConfig, GrpoLoss
 from shoestring.train.objective import Output, model_inputs, reference_model
-from shoestring.train.rollout import Rollouts, Sampling, Scoring, rollout_seed, sample_group
 from shoestring.train.samples import Samples
 
 
@@ -100,151 +98,3 @@ def make_grpo(cfg: FinetuneConfig) -> GRPO:
     return GRPO(
         g.beta, g.loss_type, g.temperature, g.max_completion_tokens, cfg.train.loss_chunk_tokens
     )
-
-
-# --------------------------------------------------------------------------- a step's inputs
-
-#: The rollout counts every rank adds up (one all-reduce per step), before the rewards.
-_COUNTS = ("completions", "completion_tokens", "loss_tokens", "tokens", "truncated", "zero_std")
-
-
-@dataclass
-class GrpoInputs:
-    """One step's rollouts on this rank, with the global normalizer and counts."""
-
-    rollouts: Rollouts
-    norm: torch.Tensor
-    tokens: int
-    totals: dict[str, float]
-    reward_names: tuple[str, ...]
-    pad_id: int
-    mask_truncated: bool
-    with_kl: bool = False
-
-    @property
-    def informative(self) -> bool:
-        """Some completion of the global batch has a nonzero advantage."""
-        return self.totals["zero_std"] < self.totals["completions"] / self.rollouts.group
-
-    def micro_batch(self, start: int, size: int) -> dict[str, torch.Tensor]:
-        return self.rollouts.collate(start, size, self.pad_id, self.mask_truncated)
-
-    def metrics(self, sums: torch.Tensor | None, reduce: Reduce) -> dict[str, float]:
-        """TRL's GRPO step metrics over the global batch."""
-        kl = reduce(sums if sums is not None else torch.zeros(2, dtype=torch.float64))
-        g = self.totals
-        n = max(g["scored"], 1.0)
-        mean = g["reward_sum"] / n
-        var = (g["reward_sq"] - n * mean * mean) / (n - 1) if n > 1 else 0.0
-        out = {
-            "reward": mean,
-            "reward_std": max(var, 0.0) ** 0.5,
-            "frac_reward_zero_std": g["zero_std"] / max(g["completions"] / self.rollouts.group, 1),
-            "completions/mean_length": g["completion_tokens"] / max(g["completions"], 1),
-            "completions/clipped_ratio": g["truncated"] / max(g["completions"], 1),
-        }
-        for name in self.reward_names:
-            out[f"rewards/{name}/mean"] = g[f"{name}_sum"] / max(g[f"{name}_count"], 1.0)
-        if self.with_kl and float(kl[1]) > 0:
-            out["kl"] = float(kl[0]) / float(kl[1])
-        return out
-
-
-Reduce = Any  # Callable[[torch.Tensor], torch.Tensor]: sums a float64 vector over ranks
-
-
-def _local_counts(r: Rollouts, mask_truncated: bool, names: Sequence[str]) -> torch.Tensor:
-    rewards = r.rewards.double()
-    ok = ~torch.isnan(rewards)
-    grouped = rewards.view(-1, r.group)
-    zero_std = sum(
-        1 for row in grouped if torch.nan_to_num(row).max() == torch.nan_to_num(row).min()
-    )
-    values = [
-        float(len(r.completions)),
-        float(sum(len(c) for c in r.completions)),
-        float(r.completion_tokens(mask_truncated)),
-        float(sum(len(r.prompts[i // r.group].ids) + len(c) for i, c in enumerate(r.completions))),
-        float(sum(r.truncated)),
-        float(zero_std),
-        float(ok.sum()),
-        float(rewards[ok].sum()),
-        float((rewards[ok] ** 2).sum()),
-    ]
-    for j, _ in enumerate(names):
-        col = torch.from_numpy(r.table[:, j])
-        good = ~torch.isnan(col)
-        values += [float(col[good].sum()), float(good.sum())]
-    return torch.tensor(values, dtype=torch.float64)
-
-
-def _totals(counts: torch.Tensor, names: Sequence[str]) -> dict[str, float]:
-    keys = [*_COUNTS, "scored", "reward_sum", "reward_sq"]
-    for name in names:
-        keys += [f"{name}_sum", f"{name}_count"]
-    return dict(zip(keys, counts.tolist(), strict=True))
-
-
-@dataclass(frozen=True)
-class RolloutWorker:
-    """Samples and scores one rank's share of a step's prompts."""
-
-    prompts: Sequence[Prompt]
-    sampling: Sampling
-    scoring: Scoring
-    objective: GRPO
-    seed: int
-    pad_id: int
-    mask_truncated: bool
-
-    def _sample(
-        self, model: Any, positions: Sequence[int], step: int, device: torch.device
-    ) -> tuple[list[Prompt], list[list[int]], list[bool]]:
-        prompts, completions, truncated = [], [], []
-        was_training = model.training
-        model.eval()
-        try:
-            for p in positions:
-                prompt = self.prompts[p]
-                seed = rollout_seed(self.seed, step, p)
-                for ids, cut in sample_group(
-                    model, prompt, self.sampling, seed, self.pad_id, device
-                ):
-                    completions.append(ids)
-                    truncated.append(cut)
-                prompts.append(prompt)
-        finally:
-            model.train(was_training)
-        return prompts, completions, truncated
-
-    def inputs(
-        self,
-        model: Any,
-        tok: Any,
-        positions: Sequence[int],
-        step: int,
-        device: torch.device,
-        reduce: Reduce,
-    ) -> GrpoInputs:
-        """This rank's rollouts of ``positions`` (its share, in order) at ``step``."""
-        prompts, completions, truncated = self._sample(model, positions, step, device)
-        group = self.sampling.generations
-        table, adv, rewards = self.scoring.advantages(prompts, completions, group, tok)
-        r = Rollouts(prompts, completions, truncated, table, adv, rewards, group)
-        names = tuple(x.name for x in self.scoring.rewards)
-        totals = _totals(reduce(_local_counts(r, self.mask_truncated, names)), names)
-        norm = {
-            "dapo": totals["loss_tokens"],
-            "grpo": totals["completions"],
-            "dr_grpo": totals["completions"] * self.sampling.max_new_tokens,
-        }[self.objective.loss_type]
-        return GrpoInputs(
-            r,
-            torch.tensor(max(norm, 1.0), dtype=torch.float64, device=device),
-            int(totals["tokens"]),
-            totals,
-            names,
-            self.pad_id,
-            self.mask_truncated,
-            with_kl=self.objective.beta > 0,
-        )

@@ -125,8 +125,23 @@ def save(t: Trainer, progress: S.Progress, reason: str, *, sync: bool) -> float:
     return time.perf_counter() - t0
 
 
+def _evaluate_rollouts(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
+    """GRPO: the rewards of the held-out prompts' completions."""
+    assert t.rollouts is not None
+    if not t.data.eval_prompts or not t.run.strategy.evaluates_here():
+        return None
+    t0 = time.perf_counter()
+    prompts = t.data.eval_prompts[: t.cfg.eval.max_samples or None]
+    stop = t.run.strategy.eval_stop(t.run.flag)
+    with t.precision.autocast():
+        res = t.rollouts.evaluate(t.learner.model, t.tok, prompts, t.device, stop)
+    return _eval_done(t, step, tag, res, t0)
+
+
 def evaluate(t: Trainer, step: int, tag: str) -> dict[str, Any] | None:
     """Loss/perplexity and exact match on the held-out set, where the strategy says."""
+    if t.rollouts is not None:
+        return _evaluate_rollouts(t, step, tag)
     if not t.data.eval_examples or not t.run.strategy.evaluates_here():
         return None
     c, model = t.cfg.eval, t.learner.model
@@ -371,6 +386,11 @@ def preempted(t: Trainer, progress: S.Progress) -> int:
 
 
 def _fmt_eval(res: dict[str, Any]) -> str:
+    if "reward" in res:
+        return (
+            f"eval reward {res['reward']:.4f} (std {res['reward_std']:.4f}) over "
+            f"{res['samples']} prompts, completions of {res['completions/mean_length']:.1f} tokens"
+        )
     if "rewards/accuracies" in res:
         return (
             f"eval loss {res['loss']:.4f}, reward accuracy "

@@ -364,11 +364,6 @@ def check_online(cfg: FinetuneConfig) -> None:
         raise ConfigError(
             "train.kernels: the fused kernels replace the loss GRPO computes; set it none"
         )
-    if cfg.data.eval not in ("", "auto"):
-        raise ConfigError(
-            "data.eval: held-out evaluation is not available with train.objective grpo yet "
-            "(the step events carry the rewards); set it empty"
-        )
     load_rewards(cfg.grpo.rewards, cfg.grpo.reward_weights)
 
 

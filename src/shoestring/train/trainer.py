@@ -27,7 +27,8 @@ from shoestring.train.compiled import compile_module
 from shoestring.train.config import FinetuneConfig, ResolvedConfig, config_hash, precision_of
 from shoestring.train.dataset import DataContext, TrainData, load_train_data
 from shoestring.train.device import Precision, set_deterministic
-from shoestring.train.grpo import GRPO, RolloutWorker, make_grpo
+from shoestring.train.grpo import GRPO, make_grpo
+from shoestring.train.grpostep import RolloutWorker
 from shoestring.train.kernels import apply_kernels, check_family
 from shoestring.train.learner import Learner
 from shoestring.train.model import apply_lora, resolve_model_dir
@@ -143,7 +144,8 @@ def rollout_worker(
         data.samples.prompts,
         Sampling(g.generations, g.max_completion_tokens, g.temperature, g.top_p, g.top_k),
         Scoring(load_rewards(g.rewards, g.reward_weights), g.scale_rewards == "group"),
-        objective,
+        objective.loss_type,
+        objective.beta > 0,
         cfg.train.seed,
         pad_id,
         g.mask_truncated,
