@@ -347,3 +347,66 @@ def test_grpo_learns_and_a_sigkilled_run_reruns_byte_identical(cli: CLI, tmp_pat
     (resume,) = [e for e in read_events(out) if e["event"] == "resume"]
     assert resume["from_step"] == committed
     assert state_digest(out, 8) == state_digest(straight, 8)
+
+
+@pytest.mark.slow  # ~60 s: torchrun with 2 gloo ranks, and one process
+def test_two_ddp_ranks_train_grpo_like_one_process(cli: CLI, tmp_path: Path) -> None:
+    """Each rank samples its prompts' groups from the same keyed seeds one process
+    would, and divides by the same global normalizer: the steps' rewards and losses
+    equal one process's (micro-batches of one prompt on both sides: the same dropout)."""
+    from conftest import run_job
+
+    args = _grpo_args(
+        tmp_path,
+        *("--train.max_steps", "4", "--train.batch_size", "4", "--train.micro_batch_size", "1"),
+    )
+    two, one = tmp_path / "two", tmp_path / "one"
+    r = run_job(cli, two, 2, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli.run(one, *args)
+    assert r.returncode == 0, r.stderr
+    a = {e["step"]: e for e in read_events(two) if e["event"] == "step"}
+    b = {e["step"]: e for e in read_events(one) if e["event"] == "step"}
+    start = next(e for e in read_events(two) if e["event"] == "run_start")
+    assert start["world_size"] == 2 and sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a:
+        assert a[s]["batch_crc"] == b[s]["batch_crc"] and a[s]["tokens"] == b[s]["tokens"], s
+        assert a[s]["reward"] == b[s]["reward"], (s, a[s]["reward"], b[s]["reward"])
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-6 + 1e-4 * abs(b[s]["loss"]), s
+    assert a[4]["reward"] > a[1]["reward"]
+
+
+def test_conversation_prompts_end_at_the_turn_and_reach_rewards_as_messages() -> None:
+    """A {"prompt": [messages]} record: rendered with the generation prompt, stopped at
+    the template's end of turn; the reward functions get TRL's conversational shapes
+    (the message list; the completion as an assistant message, its end token dropped
+    from the text, kept in completion_ids) and the record's other fields."""
+    from chat_fixtures import chatml_tokenizer
+    from shoestring.train.rewards import Reward
+    from shoestring.train.rollout import Scoring
+
+    tok = chatml_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    rec = parse_record({"prompt": messages, "answer": "yo"}, "c.jsonl:1", "prompt")
+    (prompt,), stats = tokenize_prompts([rec], tok, None, 64)
+    text = tok.decode(list(prompt.ids))
+    assert text.endswith("<|im_start|>assistant\n") and text.startswith("<|im_start|>system")
+    assert prompt.stop == (tok.convert_tokens_to_ids("<|im_end|>"),) and stats.samples == 1
+    seen: dict[str, Any] = {}
+
+    def spy(**kw: Any) -> list[float]:
+        seen.update(kw)
+        return [float(len(c[0]["content"])) for c in kw["completions"]]
+
+    hello = tok("hello", add_special_tokens=False)["input_ids"]
+    completions = [[*hello, *prompt.stop], hello[:2]]
+    table, adv, _ = Scoring((Reward("spy", spy),), True).advantages([prompt], completions, 2, tok)
+    assert seen["prompts"] == [messages, messages] and seen["answer"] == ["yo", "yo"]
+    assert seen["completions"] == [
+        [{"role": "assistant", "content": "hello"}],
+        [{"role": "assistant", "content": tok.decode(hello[:2])}],
+    ]
+    assert seen["completion_ids"] == completions
+    assert table[:, 0].tolist() == [5.0, float(len(tok.decode(hello[:2])))] and adv[0] > 0
+    long = parse_record({"prompt": [{"role": "user", "content": "x " * 200}]}, "c:2", "prompt")
+    assert tokenize_prompts([long], tok, None, 64)[1].dropped == 1
