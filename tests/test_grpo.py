@@ -410,3 +410,26 @@ def test_conversation_prompts_end_at_the_turn_and_reach_rewards_as_messages() ->
     assert table[:, 0].tolist() == [5.0, float(len(tok.decode(hello[:2])))] and adv[0] > 0
     long = parse_record({"prompt": [{"role": "user", "content": "x " * 200}]}, "c:2", "prompt")
     assert tokenize_prompts([long], tok, None, 64)[1].dropped == 1
+
+
+def test_a_notice_while_sampling_abandons_the_step_and_the_rerun_is_exact(
+    cli: CLI, tmp_path: Path
+) -> None:
+    """SIGTERM before the 6th group (step 2's second of four): the run stops before
+    sampling the third, without training step 2, commits step 1's state and exits 75;
+    the rerun samples step 2 again from the same seeds and ends as the uninterrupted run."""
+    args = _grpo_args(
+        tmp_path, *("--train.max_steps", "3", "--train.batch_size", "4", "--data.max_length", "24")
+    )
+    straight = tmp_path / "straight"
+    assert cli.run(straight, *args).returncode == 0
+    out = tmp_path / "noticed"
+    r = cli.run(out, *args, env={"SHOESTRING_FAULTS": "step.rollout@6:term"})
+    assert r.returncode == 75, r.stderr
+    ev = read_events(out)
+    assert [e["step"] for e in ev if e["event"] == "step"] == [1]
+    (gone,) = [e for e in ev if e["event"] == "step_abandoned"]
+    (notice,) = [e for e in ev if e["event"] == "preempt"]
+    assert gone["step"] == 2 and notice["step"] == 1 and notice["saved"] is True
+    assert cli.run(out, *args).returncode == 0
+    assert state_digest(out, 3) == state_digest(straight, 3)

@@ -17,6 +17,7 @@ out on this rank, ``extra`` issues an additional mis-shaped one), ``step.forward
 slower — a straggler), ``comm.ddp`` (each DDP gradient all-reduce; ``delayMS``
 holds every one from the N-th bucket on for MS milliseconds more — a degrading link),
 ``pass.unit`` (``shoestring infer``: before each unit of a pass after the first),
+``step.rollout`` (GRPO: before each prompt's group of completions is sampled),
 ``start.init`` (a distributed rank, before it announces itself and joins the group).
 
 Qualifiers after the action: ``rankN`` fires only in rank N of a distributed
@@ -56,6 +57,7 @@ POINTS = frozenset(
         "step.forward",
         "comm.ddp",
         "pass.unit",
+        "step.rollout",
         "start.init",
     }
 )

@@ -192,10 +192,14 @@ class RolloutWorker:
         step: int,
         device: torch.device,
         reduce: Reduce,
-    ) -> GrpoInputs:
-        """This rank's rollouts of ``positions`` (its share, in order) at ``step``."""
-        r = self.rollouts(model, tok, [(p, self.prompts[p]) for p in positions], step, device)
-        assert r is not None, "a step's rollouts are not stopped midway"
+        should_stop: Callable[[], bool],
+    ) -> GrpoInputs | None:
+        """This rank's rollouts of ``positions`` (its share, in order) at ``step``; None
+        when ``should_stop`` (asked before each group, on every rank alike) says stop."""
+        pairs = [(p, self.prompts[p]) for p in positions]
+        r = self.rollouts(model, tok, pairs, step, device, should_stop)
+        if r is None:
+            return None
         names = self.reward_names
         totals = _totals(reduce(_local_counts(r, self.mask_truncated, names)), names)
         norm = _normalizer(self.loss_type, totals, self.sampling.max_new_tokens)

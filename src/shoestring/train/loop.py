@@ -33,7 +33,7 @@ from shoestring.train.resume import resume
 from shoestring.train.resumecheck import check_resume
 from shoestring.train.run import Inputs, RunOptions, open_run
 from shoestring.train.saves import SavePolicy
-from shoestring.train.step import compile_warm_up, train_step
+from shoestring.train.step import RolloutStopped, compile_warm_up, train_step
 from shoestring.train.tracking import check_trackers, tracking
 from shoestring.train.trainer import Trainer, build_trainer
 
@@ -238,7 +238,11 @@ def train(t: Trainer, progress: S.Progress, saves: SavePolicy, display: Progress
         while progress.step < cfg.train.max_steps and not run.strategy.stop_requested(run.flag):
             with run.rec.phase("train_step"):
                 quiet = not run.writer.busy()
-                m = train_step(t, progress)
+                try:
+                    m = train_step(t, progress)
+                except RolloutStopped as e:  # GRPO: nothing of the step was applied
+                    run.events.emit("step_abandoned", step=progress.step + 1, reason=str(e))
+                    return True
                 quiet = quiet and not run.writer.busy()
                 run.faults.hit("step.end")
                 run.writer.check()

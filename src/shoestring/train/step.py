@@ -95,15 +95,39 @@ def _reduce(t: Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
     return reduce
 
 
+class RolloutStopped(Exception):
+    """Every rank agreed to stop while sampling a step's completions: the step is
+    abandoned (nothing of it was applied), and the run saves the state before it. The
+    rerun samples the same completions again (their seeds are keyed by the step)."""
+
+
+def _between_groups(t: Trainer) -> Callable[[], bool]:
+    """Asked before each group is sampled: whether every rank agrees to stop now (a
+    preemption notice must not wait for a whole step's sampling)."""
+
+    def stop() -> bool:
+        t.run.faults.hit("step.rollout")
+        agreed = not t.run.strategy.all_agree(not t.run.flag.is_set())
+        if agreed and not t.run.flag.is_set():
+            t.run.flag.set("peer")
+        return agreed
+
+    return stop
+
+
 def step_inputs(t: Trainer, idx: list[int], step: int) -> StepInputs:
-    """The rank's positions of the global batch ``idx``; with GRPO, rolled out now."""
+    """The rank's positions of the global batch ``idx``; with GRPO, rolled out now
+    (:class:`RolloutStopped` when a stop is agreed midway)."""
     positions = [
         idx[i] for _, start, size in t.data.batch.my_chunks() for i in range(start, start + size)
     ]
     if t.rollouts is None:
         return SampleInputs(t, idx, positions)
     t_roll = time.perf_counter()
-    inputs = t.rollouts.inputs(t.learner.model, t.tok, positions, step, t.device, _reduce(t))
+    model, stop = t.learner.model, _between_groups(t)
+    inputs = t.rollouts.inputs(model, t.tok, positions, step, t.device, _reduce(t), stop)
+    if inputs is None:
+        raise RolloutStopped(f"stopped while sampling step {step + 1}'s completions")
     t.run.rec.work("rollout", time.perf_counter() - t_roll, inputs.tokens)
     return inputs
 
