@@ -27,7 +27,8 @@ from shoestring.data.formats import parse_record
 from shoestring.data.prompts import tokenize_prompts
 from shoestring.train.builtin import model_tokenizer, padded_vocab
 from shoestring.train.grpo import GRPO
-from shoestring.train.rollout import Rollouts, Sampling, group_advantages, sample_group
+from shoestring.train.rollout import Rollouts, group_advantages
+from shoestring.train.sampler import Sampling, sample
 
 trl = pytest.importorskip("trl")
 
@@ -224,9 +225,7 @@ def test_advantages_follow_trls_rule() -> None:
     assert torch.allclose(centred[:4], (r[:4] - r[:4].mean()), atol=1e-6)
 
 
-def test_sampling_is_keyed_by_seed_alone(tok: Any) -> None:
-    """The same seed gives the same completions whatever the global RNG holds; another
-    seed others; each ends at its first stop token or is marked truncated."""
+def _tiny_llama(tok: Any) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
@@ -239,21 +238,49 @@ def test_sampling_is_keyed_by_seed_alone(tok: Any) -> None:
         num_key_value_heads=2,
         head_dim=32,
     )
-    m = LlamaForCausalLM(cfg).eval()
-    rec = parse_record({"prompt": "reverse: abc ="}, "p:1", "prompt")
-    (prompt,), _ = tokenize_prompts([rec], tok, None, 64)
-    stop = (int(prompt.ids[-1]),)  # a frequent token, so some completions stop early
-    prompt = type(prompt)(prompt.ids, stop, prompt.record)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_completions_are_keyed_by_step_and_prompt_whatever_the_batch(tok: Any) -> None:
+    """The same (seed, step, position) give the same completions whatever the global
+    RNG holds and whichever prompts share the generate call; another step others; each
+    ends at its first stop token or is marked truncated."""
+    m = _tiny_llama(tok)
+    recs = [
+        parse_record({"prompt": p}, f"p:{i}", "prompt")
+        for i, p in enumerate(["reverse: abc =", "say: a much longer prompt here ="])
+    ]
+    prompts, _ = tokenize_prompts(recs, tok, None, 64)
+    stop = (int(prompts[0].ids[-1]),)  # a frequent token, so some completions stop early
+    prompts = [type(p)(p.ids, stop, p.record) for p in prompts]
     s = Sampling(6, 10, temperature=2.0)
     dev = torch.device("cpu")
-    a = sample_group(m, prompt, s, 11, tok.pad_token_id, dev)
+    pairs = list(enumerate(prompts))
+    alone = [row for pair in pairs for row in sample(m, [pair], s, 11, 3, tok.pad_token_id, dev)]
     torch.manual_seed(999)
-    b = sample_group(m, prompt, s, 11, tok.pad_token_id, dev)
-    c = sample_group(m, prompt, s, 12, tok.pad_token_id, dev)
-    assert a == b and a != c and len(a) == 6
-    for ids, cut in a + c:
+    together = sample(m, pairs, s, 11, 3, tok.pad_token_id, dev)
+    later = sample(m, pairs, s, 11, 4, tok.pad_token_id, dev)
+    assert together == alone and later != alone and len(alone) == 12
+    for ids, cut in alone + later:
         assert cut == (stop[0] not in ids)
         assert len(ids) == 10 if cut else ids.index(stop[0]) == len(ids) - 1
+
+
+def test_keyed_sampler_draws_from_the_tempered_filtered_distribution() -> None:
+    """Gumbel-max over HF's warpers: frequencies match softmax(logits / T) restricted to
+    the top-k, within 4 standard errors; filtered tokens are never drawn."""
+    from shoestring.train.sampler import KeyedSampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    s = Sampling(1, 1, temperature=0.8, top_k=4)
+    n = 20000
+    sampler = KeyedSampler(range(n), s, torch.device("cpu"))
+    draws = sampler(torch.zeros((n, 1), dtype=torch.long), logits.expand(n, -1)).argmax(-1)
+    counts = torch.bincount(draws, minlength=6).double() / n
+    want = torch.softmax(logits[0, :4] / 0.8, -1).double()
+    assert counts[4:].sum() == 0
+    se = (want * (1 - want) / n).sqrt()
+    assert ((counts[:4] - want).abs() < 4 * se).all(), (counts, want)
 
 
 LETTERS = '''
@@ -326,6 +353,7 @@ def test_grpo_learns_and_a_sigkilled_run_reruns_byte_identical(cli: CLI, tmp_pat
         tmp_path,
         *("--train.max_steps", "8", "--checkpoint.every_steps", "2"),
         *("--data.eval", "0.25", "--eval.every_steps", "4"),
+        *("--grpo.sample_prompts", "2"),  # batched calls: still keyed per completion
     )
     straight = tmp_path / "straight"
     r = cli.run(straight, *args)

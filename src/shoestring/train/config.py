@@ -335,6 +335,15 @@ class GrpoConfig:
         check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
     )
     top_k: int = knob(0, "Top-k sampling of the completions (0: off).", check=non_negative)
+    sample_prompts: int = knob(
+        1,
+        "Prompts whose groups one generate call samples together (left-padded). Every "
+        "completion draws from its own random stream keyed by (train.seed, step, prompt, "
+        "k), so batching changes no draw; 1 also keeps a padded batch's float noise out, "
+        "so the completions are the same at any world size. Larger: faster sampling, "
+        "identical completions only at the same world size and batching.",
+        check=positive,
+    )
     rewards: list[str] = knob(
         ["builtin:similarity"],
         "Reward functions, summed (weighted by grpo.reward_weights) into each completion's "

@@ -19,7 +19,8 @@ import torch
 
 from shoestring.data.prompts import Prompt
 from shoestring.train.config import GrpoLoss
-from shoestring.train.rollout import Rollouts, Sampling, Scoring, rollout_seed, sample_group
+from shoestring.train.rollout import Rollouts, Scoring
+from shoestring.train.sampler import Sampling, sample
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 #: The seed's step of held-out prompts: one draw for every evaluation of a run.
@@ -161,28 +162,25 @@ class RolloutWorker:
         device: torch.device,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> Rollouts | None:
-        """Each ``(position, prompt)``'s group sampled (eval mode) and scored; None when
-        stopped between groups."""
-        completions: list[list[int]] = []
-        truncated: list[bool] = []
+        """Each ``(position, prompt)``'s group sampled (eval mode, ``prompts_per_call``
+        prompts at a time) and scored; None when stopped before a call."""
+        rows: list[tuple[list[int], bool]] = []
+        per_call = self.sampling.prompts_per_call
         was_training = model.training
         model.eval()
         try:
-            for position, prompt in prompts:
+            for start in range(0, len(prompts), per_call):
                 if should_stop():
                     return None
-                seed = rollout_seed(self.seed, step, position)
-                for ids, cut in sample_group(
-                    model, prompt, self.sampling, seed, self.pad_id, device
-                ):
-                    completions.append(ids)
-                    truncated.append(cut)
+                part = prompts[start : start + per_call]
+                rows += sample(model, part, self.sampling, self.seed, step, self.pad_id, device)
         finally:
             model.train(was_training)
         group = self.sampling.generations
         kept = [p for _, p in prompts]
+        completions = [ids for ids, _ in rows]
         table, adv, rewards = self.scoring.advantages(kept, completions, group, tok)
-        return Rollouts(kept, completions, truncated, table, adv, rewards, group)
+        return Rollouts(kept, completions, [cut for _, cut in rows], table, adv, rewards, group)
 
     def inputs(
         self,
@@ -195,7 +193,7 @@ class RolloutWorker:
         should_stop: Callable[[], bool],
     ) -> GrpoInputs | None:
         """This rank's rollouts of ``positions`` (its share, in order) at ``step``; None
-        when ``should_stop`` (asked before each group, on every rank alike) says stop."""
+        when ``should_stop`` (asked before each call, on every rank alike) says stop."""
         pairs = [(p, self.prompts[p]) for p in positions]
         r = self.rollouts(model, tok, pairs, step, device, should_stop)
         if r is None:

@@ -1,13 +1,9 @@
 """GRPO's rollouts: completions sampled from the policy, scored, turned into advantages.
 
-Each prompt's group of ``grpo.generations`` completions is sampled in one
-``generate`` call (the rows share the prompt: no padding), in eval mode (no dropout:
-the completions come from the policy being trained) under no grad, from a seed
-keyed by (``train.seed``, step, prompt position) alone. So a step samples the same
-completions whatever the world size, and a resumed run — whose weights are restored
-exactly — samples what the uninterrupted run sampled. A completion ends at its
-prompt's first stop token (kept: the model learns to end) or after
-``grpo.max_completion_tokens`` tokens (truncated).
+Completions are sampled by :mod:`shoestring.train.sampler` in eval mode (no dropout:
+they come from the policy being trained), each from its own keyed random stream. A
+completion ends at its prompt's first stop token (kept: the model learns to end) or
+after ``grpo.max_completion_tokens`` tokens (truncated).
 
 Advantages are TRL's (``multi_objective_aggregation sum_then_normalize``): the
 weighted sum of the functions' rewards (NaN where none scored), minus the group's
@@ -18,8 +14,6 @@ labels on the completion tokens.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,66 +27,6 @@ from shoestring.data.records import IGNORE_INDEX
 from shoestring.train.rewards import Reward, score
 
 Batch = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How completions are sampled (``grpo.*``)."""
-
-    generations: int
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-
-def rollout_seed(seed: int, step: int, position: int) -> int:
-    """The sampling seed of one prompt's group at one step."""
-    digest = hashlib.sha256(struct.pack("<qqq", seed, step, position)).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def _cut(row: list[int], stop: tuple[int, ...]) -> tuple[list[int], bool]:
-    """The completion up to and including its first stop token; whether it had none."""
-    for i, t in enumerate(row):
-        if t in stop:
-            return row[: i + 1], False
-    return row, True
-
-
-def _generation_config(s: Sampling, prompt: Prompt, pad_id: int) -> Any:
-    from transformers import GenerationConfig
-
-    return GenerationConfig(
-        do_sample=True,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_new_tokens=s.max_new_tokens,
-        num_return_sequences=s.generations,
-        eos_token_id=list(prompt.stop) or None,
-        pad_token_id=pad_id,
-        use_cache=True,
-    )
-
-
-@torch.no_grad()
-def sample_group(
-    model: Any, prompt: Prompt, s: Sampling, seed: int, pad_id: int, device: torch.device
-) -> list[tuple[list[int], bool]]:
-    """``s.generations`` completions of ``prompt`` (the model already in eval mode):
-    each ``(ids, truncated)``."""
-    ids = torch.tensor([prompt.ids], dtype=torch.long, device=device)
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            generation_config=_generation_config(s, prompt, pad_id),
-        )
-    rows = out[:, len(prompt.ids) :].tolist()
-    return [_cut(row, prompt.stop) for row in rows]
 
 
 def group_advantages(

@@ -35,8 +35,9 @@ from shoestring.train.model import apply_lora, resolve_model_dir
 from shoestring.train.objective import SFT, Objective, make_objective
 from shoestring.train.reflogps import ReferenceJob, with_reference
 from shoestring.train.rewards import load_rewards
-from shoestring.train.rollout import Sampling, Scoring
+from shoestring.train.rollout import Scoring
 from shoestring.train.run import Inputs, Run, data_cache_storage
+from shoestring.train.sampler import Sampling
 from shoestring.train.samples import PromptSamples
 
 
@@ -142,7 +143,14 @@ def rollout_worker(
     g = cfg.grpo
     return RolloutWorker(
         data.samples.prompts,
-        Sampling(g.generations, g.max_completion_tokens, g.temperature, g.top_p, g.top_k),
+        Sampling(
+            g.generations,
+            g.max_completion_tokens,
+            g.temperature,
+            g.top_p,
+            g.top_k,
+            g.sample_prompts,
+        ),
         Scoring(load_rewards(g.rewards, g.reward_weights), g.scale_rewards == "group"),
         objective.loss_type,
         objective.beta > 0,
