@@ -461,3 +461,38 @@ def test_a_notice_while_sampling_abandons_the_step_and_the_rerun_is_exact(
     assert gone["step"] == 2 and notice["step"] == 1 and notice["saved"] is True
     assert cli.run(out, *args).returncode == 0
     assert state_digest(out, 3) == state_digest(straight, 3)
+
+
+def test_batch_scaled_advantages_use_the_whole_batch_std(tok: Any) -> None:
+    """grpo.scale_rewards batch: (reward - group mean) / (std of every reward + 1e-4),
+    applied after the counts are summed (here one rank), as TRL's ``batch``."""
+    from trl.trainer.utils import nanstd
+
+    from shoestring.train.grpostep import RolloutWorker
+    from shoestring.train.rewards import Reward
+    from shoestring.train.rollout import Scoring
+
+    def length(completion_ids: list[list[int]], **_: Any) -> list[float]:
+        return [float(len(c)) for c in completion_ids]
+
+    recs = [parse_record({"prompt": f"q{i} ="}, f"p:{i}", "prompt") for i in range(3)]
+    prompts, _ = tokenize_prompts(recs, tok, None, 64)
+    prompts = [type(p)(p.ids, (int(p.ids[-1]),), p.record) for p in prompts]
+    worker = RolloutWorker(
+        prompts,
+        Sampling(4, 8, temperature=2.0, prompts_per_call=3),
+        Scoring((Reward("length", length),), "batch"),
+        "dapo",
+        False,
+        7,
+        tok.pad_token_id,
+        False,
+    )
+    dev = torch.device("cpu")
+    inputs = worker.inputs(_tiny_llama(tok), tok, [0, 1, 2], 0, dev, lambda x: x, lambda: False)
+    assert inputs is not None
+    r = inputs.rollouts.rewards
+    g = r.view(-1, 4)
+    want = ((g - g.mean(1, keepdim=True)) / (nanstd(r) + 1e-4)).reshape(-1)
+    assert torch.allclose(inputs.rollouts.advantages, want, atol=1e-5)
+    assert r.std() > 0 and inputs.norm == sum(len(c) for c in inputs.rollouts.completions)

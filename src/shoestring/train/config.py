@@ -54,8 +54,9 @@ GgufExport = Literal["none", "f16", "bf16", "q8_0"]
 Objective = Literal["sft", "dpo", "orpo", "simpo", "grpo"]
 #: ``grpo.loss_type``: how GRPO's per-token losses are averaged (TRL's names).
 GrpoLoss = Literal["dapo", "grpo", "dr_grpo"]
-#: ``grpo.scale_rewards``: advantages divided by their group's std, or only centred.
-RewardScale = Literal["group", "none"]
+#: ``grpo.scale_rewards``: advantages divided by their group's std, by the whole batch's
+#: std, or only centred.
+RewardScale = Literal["group", "batch", "none"]
 #: ``train.kernels``: fused training kernels patched into the model (train/kernels.py).
 Kernels = Literal["none", "liger"]
 
@@ -370,8 +371,9 @@ class GrpoConfig:
     )
     scale_rewards: RewardScale = knob(
         "group",
-        "'group': advantage = (reward - group mean) / (group std + 1e-4) (GRPO); 'none': "
-        "reward - group mean (Dr. GRPO).",
+        "'group': advantage = (reward - group mean) / (group std + 1e-4) (GRPO); 'batch': "
+        "divided by the std of the whole global batch's rewards instead (PPO Lite); "
+        "'none': reward - group mean (Dr. GRPO).",
     )
     mask_truncated: bool = knob(
         False,

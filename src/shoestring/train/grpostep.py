@@ -200,6 +200,8 @@ class RolloutWorker:
             return None
         names = self.reward_names
         totals = _totals(reduce(_local_counts(r, self.mask_truncated, names)), names)
+        if self.scoring.scale == "batch":  # TRL's: the std of every reward of the batch
+            r.advantages.div_(rollout_metrics(totals, names, r.group)["reward_std"] + 1e-4)
         norm = _normalizer(self.loss_type, totals, self.sampling.max_new_tokens)
         return GrpoInputs(
             r,

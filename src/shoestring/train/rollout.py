@@ -8,8 +8,9 @@ after ``grpo.max_completion_tokens`` tokens (truncated).
 Advantages are TRL's (``multi_objective_aggregation sum_then_normalize``): the
 weighted sum of the functions' rewards (NaN where none scored), minus the group's
 mean, divided by the group's std (Bessel-corrected) + 1e-4 with ``scale_rewards
-group``; NaN advantages become 0. A micro-batch is laid out ``[prompt][completion][pad]``,
-labels on the completion tokens.
+group`` (by the whole global batch's std with ``batch``, once the ranks' sums are in:
+:mod:`shoestring.train.grpostep`); NaN advantages become 0. A micro-batch is laid out
+``[prompt][completion][pad]``, labels on the completion tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from shoestring.data.prompts import Prompt
 from shoestring.data.records import IGNORE_INDEX
+from shoestring.train.config import RewardScale
 from shoestring.train.rewards import Reward, score
 
 Batch = dict[str, torch.Tensor]
@@ -111,7 +113,8 @@ def _reward_inputs(
 @dataclass(frozen=True)
 class Scoring:
     rewards: tuple[Reward, ...]
-    scale: bool
+    #: ``grpo.scale_rewards``: ``group`` divides here; ``batch`` later, by the global std.
+    scale: RewardScale
 
     def advantages(
         self, prompts: list[Prompt], completions: list[list[int]], group: int, tok: Any
@@ -119,5 +122,5 @@ class Scoring:
         """``(table, advantages, rewards)`` of one rank's completions."""
         table = score(self.rewards, *_reward_inputs(prompts, completions, group, tok))
         weights = [r.weight for r in self.rewards]
-        adv, rewards = group_advantages(table, weights, group, self.scale)
+        adv, rewards = group_advantages(table, weights, group, self.scale == "group")
         return table, adv, rewards

@@ -151,7 +151,7 @@ def rollout_worker(
             g.top_k,
             g.sample_prompts,
         ),
-        Scoring(load_rewards(g.rewards, g.reward_weights), g.scale_rewards == "group"),
+        Scoring(load_rewards(g.rewards, g.reward_weights), g.scale_rewards),
         objective.loss_type,
         objective.beta > 0,
         cfg.train.seed,
