@@ -111,6 +111,24 @@ def test_host_and_gpu_samples_and_degradation_alarms_become_rows() -> None:
     assert alarm is not None and alarm.alarm == "throughput_drop: rank 1 -31% vs its baseline"
 
 
+def test_grpo_rewards_reach_the_trackers_with_each_functions_mean() -> None:
+    step = {"event": "step", "step": 3, "loss": 0.0, "reward": 0.5, "kl": 0.01}
+    step |= {"rewards/letters/mean": 0.25, "completions/clipped_ratio": 1.0, "tokens": 9}
+    row = to_row(step)
+    assert row is not None and row.step == 3
+    assert row.scalars == {
+        "train/loss": 0.0,
+        "train/reward": 0.5,
+        "train/kl": 0.01,
+        "train/completions/clipped_ratio": 1.0,
+        "train/rewards/letters/mean": 0.25,
+    }
+    held_out = {"event": "eval", "step": 3, "tag": "after", "reward": 0.75}
+    row = to_row(held_out | {"rewards/letters/mean": 0.5, "samples": 4})
+    assert row is not None
+    assert row.scalars == {"eval/after/reward": 0.75, "eval/after/rewards/letters/mean": 0.5}
+
+
 @pytest.mark.parametrize(
     "dropped,errors,warned",
     [(0, {"wandb": 0, "mlflow": 0}, False), (0, {"wandb": 2, "mlflow": 0}, True), (3, {}, True)],

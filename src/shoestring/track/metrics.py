@@ -48,7 +48,7 @@ STEP_FIELDS = (
     *PREFERENCE_FIELDS,
     *GRPO_FIELDS,
 )
-EVAL_FIELDS = ("loss", "perplexity", "exact_match", *PREFERENCE_FIELDS)
+EVAL_FIELDS = ("loss", "perplexity", "exact_match", *PREFERENCE_FIELDS, *GRPO_FIELDS)
 CHECKPOINT_FIELDS = ("blocking_ms", "bytes", "background_ms")
 COST_FIELDS = (
     "usd",
@@ -156,7 +156,8 @@ def _step(rec: Mapping[str, Any]) -> TrackerRow:
 
 
 def _eval(rec: Mapping[str, Any]) -> TrackerRow:
-    return _row(rec, scalars=_numbers(rec, EVAL_FIELDS, f"eval/{_g(rec, 'tag', 'eval')}/"))
+    names = EVAL_FIELDS + _reward_names(rec)
+    return _row(rec, scalars=_numbers(rec, names, f"eval/{_g(rec, 'tag', 'eval')}/"))
 
 
 def _checkpoint(rec: Mapping[str, Any]) -> TrackerRow:
