@@ -459,6 +459,16 @@ def test_a_notice_while_sampling_abandons_the_step_and_the_rerun_is_exact(
     (gone,) = [e for e in ev if e["event"] == "step_abandoned"]
     (notice,) = [e for e in ev if e["event"] == "preempt"]
     assert gone["step"] == 2 and notice["step"] == 1 and notice["saved"] is True
+    shown = [e for e in ev if e["event"] == "completions"]
+    assert [e["step"] for e in shown] == [1] and len(shown[0]["samples"]) == 2
+    assert set(shown[0]["samples"][0]) == {
+        "prompt",
+        "completion",
+        "rewards",
+        "advantage",
+        "truncated",
+    }
+    assert shown[0]["samples"][0]["prompt"].startswith("say: ")
     assert cli.run(out, *args).returncode == 0
     assert state_digest(out, 3) == state_digest(straight, 3)
 

@@ -375,6 +375,13 @@ class GrpoConfig:
         "divided by the std of the whole global batch's rewards instead (PPO Lite); "
         "'none': reward - group mean (Dr. GRPO).",
     )
+    log_completions: int = knob(
+        2,
+        "Completions per step written to events.jsonl (a 'completions' event: prompt, "
+        "text, each reward, advantage), from rank 0; 0: none. Reading them is how a "
+        "reward being gamed is caught.",
+        check=non_negative,
+    )
     mask_truncated: bool = knob(
         False,
         "Leave completions cut by grpo.max_completion_tokens (no end token) out of the "
@@ -649,6 +656,7 @@ RESUME_SAFE_PREFIXES: tuple[str, ...] = (
     "cost.",
     "plan.",
     "track.",
+    "grpo.log_completions",
 )
 
 

@@ -118,6 +118,24 @@ class GrpoInputs:
     def micro_batch(self, start: int, size: int) -> dict[str, torch.Tensor]:
         return self.rollouts.collate(start, size, self.pad_id, self.mask_truncated)
 
+    def samples(self, tok: Any, n: int) -> list[dict[str, Any]]:
+        """The first ``n`` completions as text, with their prompt, rewards and advantage
+        (what a person reads to catch a reward being gamed)."""
+        r = self.rollouts
+        out = []
+        for i in range(min(n, len(r.completions))):
+            rewards = dict(zip(self.reward_names, r.table[i].tolist(), strict=True))
+            out.append(
+                {
+                    "prompt": r.prompts[i // r.group].raw,
+                    "completion": str(tok.decode(r.completions[i], skip_special_tokens=True)),
+                    "rewards": {k: None if v != v else round(v, 6) for k, v in rewards.items()},
+                    "advantage": round(float(r.advantages[i]), 6),
+                    "truncated": r.truncated[i],
+                }
+            )
+        return out
+
     def metrics(self, sums: torch.Tensor | None, reduce: Reduce) -> dict[str, float]:
         """The step's metrics over the global batch; ``sums``: the loss's KL sums."""
         kl = reduce(sums if sums is not None else torch.zeros(2, dtype=torch.float64))

@@ -129,6 +129,9 @@ def step_inputs(t: Trainer, idx: list[int], step: int) -> StepInputs:
     if inputs is None:
         raise RolloutStopped(f"stopped while sampling step {step + 1}'s completions")
     t.run.rec.work("rollout", time.perf_counter() - t_roll, inputs.tokens)
+    shown = t.cfg.grpo.log_completions
+    if shown and t.run.strategy.rank == 0:
+        t.run.events.emit("completions", step=step + 1, samples=inputs.samples(t.tok, shown))
     return inputs
 
 
