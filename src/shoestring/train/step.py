@@ -101,8 +101,8 @@ class RolloutStopped(Exception):
     rerun samples the same completions again (their seeds are keyed by the step)."""
 
 
-def _between_groups(t: Trainer) -> Callable[[], bool]:
-    """Asked before each group is sampled: whether every rank agrees to stop now (a
+def _before_each_call(t: Trainer) -> Callable[[], bool]:
+    """Asked before each generate call: whether every rank agrees to stop now (a
     preemption notice must not wait for a whole step's sampling)."""
 
     def stop() -> bool:
@@ -124,7 +124,7 @@ def step_inputs(t: Trainer, idx: list[int], step: int) -> StepInputs:
     if t.rollouts is None:
         return SampleInputs(t, idx, positions)
     t_roll = time.perf_counter()
-    model, stop = t.learner.model, _between_groups(t)
+    model, stop = t.learner.model, _before_each_call(t)
     inputs = t.rollouts.inputs(model, t.tok, positions, step, t.device, _reduce(t), stop)
     if inputs is None:
         raise RolloutStopped(f"stopped while sampling step {step + 1}'s completions")
