@@ -57,6 +57,20 @@ metric_list:
   - metric: exact_match
 """
 
+PPL_YAML = """\
+task: tiny_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{question}}}}"
+metric_list:
+  - metric: word_perplexity
+"""
+
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "rock", "fish"]
 
 
@@ -102,6 +116,9 @@ def _write_tasks(folder: Path, stop: str) -> Path:
     (folder / "tiny_mc.yaml").write_text(MC_YAML.format(data=mc))
     until = json.dumps(["\n", "zz", "qq", "##", "@@", stop])
     (folder / "tiny_gen.yaml").write_text(GEN_YAML.format(data=gen, until=until))
+    sampled = GEN_YAML.format(data=gen, until=until).replace("do_sample: false", "do_sample: true")
+    (folder / "tiny_sampled.yaml").write_text(sampled.replace("tiny_gen", "tiny_sampled"))
+    (folder / "tiny_ppl.yaml").write_text(PPL_YAML.format(data=gen))
     return folder
 
 
@@ -112,15 +129,20 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, _write_tasks(root / "tasks", _stop_hit_by_greedy(model))
 
 
-def _ours(model: Path, tasks: Path, work: Path, chunk_size: int = 0) -> dict[str, Any]:
-    cfg = EvaluateConfig(
+def _config(model: Path, tasks: Path, work: Path, names: list[str]) -> EvaluateConfig:
+    return EvaluateConfig(
         model=InferModelConfig(path=str(model), device="cpu"),
-        tasks=["tiny_mc", "tiny_gen"],
+        tasks=names,
         include_path=str(tasks),
         work_dir=str(work),
         log_samples=True,
+        job=JobConfig(progress="off"),
     )
-    cfg.job = JobConfig(progress="off", chunk_size=chunk_size)
+
+
+def _ours(model: Path, tasks: Path, work: Path, chunk_size: int = 0) -> dict[str, Any]:
+    cfg = _config(model, tasks, work, ["tiny_mc", "tiny_gen"])
+    cfg.job.chunk_size = chunk_size
     assert evaluate(cfg) == 0
     return json.loads((work / "results.json").read_text())
 
@@ -241,3 +263,23 @@ def test_score_lines_of_token_ids_are_checked_naming_the_line(tmp_path: Path) ->
     path.write_text(json.dumps(good) + "\n")
     (rec,) = read_input(path, "score", 8).records or []
     assert (rec.prompt_ids, rec.completion_ids, rec.single) == ((5, 6), (7,), True)
+
+
+@pytest.mark.parametrize(
+    ("task", "why"),
+    [
+        ("tiny_ppl", "task(s) tiny_ppl ask for loglikelihood_rolling"),
+        ("tiny_sampled", "task tiny_sampled samples"),
+    ],
+)
+def test_what_streaming_cannot_answer_is_refused_naming_the_task(
+    setup: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    task: str,
+    why: str,
+) -> None:
+    model, tasks = setup
+    assert evaluate(_config(model, tasks, tmp_path / "work", [task])) == 2
+    assert why in capsys.readouterr().err
+    assert not (tmp_path / "work" / "jobs").exists()  # refused before any job ran

@@ -18,7 +18,7 @@ from typing import Any
 from shoestring import exitcodes
 from shoestring.config import ConfigError, Invocation
 from shoestring.evaluate.config import EvaluateConfig
-from shoestring.evaluate.jobs import InferJobs, JobEnv, JobStopped
+from shoestring.evaluate.jobs import InferJobs, JobEnv, JobStopped, Refused
 from shoestring.evaluate.tasks import task_manager
 from shoestring.events import EventLog
 from shoestring.fsio import atomic_write
@@ -76,6 +76,10 @@ def evaluate(cfg: EvaluateConfig, env: JobEnv | None = None) -> int:
             log.emit("eval_preempt", job=str(e.folder), code=e.code)
             print(f"shoestring evaluate: {e}; rerun the same command", file=sys.stderr)
             return e.code
+        except Refused as e:
+            log.emit("eval_end", status="refused", error=str(e))
+            print(str(e), file=sys.stderr)
+            return exitcodes.USAGE
         output = Path(cfg.output) if cfg.output else work / "results.json"
         atomic_write(output, _results_json(results, cfg.log_samples))
         log.emit("eval_end", status="completed", output=str(output),

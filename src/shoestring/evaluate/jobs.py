@@ -33,6 +33,11 @@ class JobStopped(Exception):
         self.folder = folder
 
 
+class Refused(NotImplementedError):
+    """A request the backend does not answer (rolling likelihood, sampling, a prompt
+    longer than the context): one line naming the task, exit 2."""
+
+
 @dataclass(frozen=True)
 class Batch:
     """One job's work: its input lines, in lm-eval's request order."""

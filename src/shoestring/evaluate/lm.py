@@ -16,7 +16,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_text
 
-from shoestring.evaluate.jobs import Batch, InferJobs
+from shoestring.evaluate.jobs import Batch, InferJobs, Refused
 from shoestring.infer.batchapi import MAX_STOP
 
 #: lm-eval's default ``max_gen_toks`` (its ``hf`` backend's).
@@ -75,7 +75,7 @@ class StreamedLM(TemplateLM):  # type: ignore[misc]  # lm-eval is untyped
         self, requests: list[Instance], disable_tqdm: bool = False
     ) -> list[float]:
         tasks = sorted({str(r.task_name) for r in requests})
-        raise NotImplementedError(
+        raise Refused(
             f"shoestring evaluate: task(s) {', '.join(tasks)} ask for loglikelihood_rolling "
             "(perplexity over whole documents), which is not supported yet; "
             "multiple-choice (loglikelihood) and generate_until tasks are"
@@ -103,15 +103,15 @@ class Generation:
         kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
         task = request.task_name
         if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
-            raise NotImplementedError(
+            raise Refused(
                 f"shoestring evaluate: task {task} samples (do_sample/temperature in its "
                 "generation_kwargs); only greedy generation is supported"
             )
         if int(kwargs.get("num_beams") or 1) > 1:
-            raise NotImplementedError(f"shoestring evaluate: task {task}: beam search")
+            raise Refused(f"shoestring evaluate: task {task}: beam search")
         other = sorted(set(kwargs) - GREEDY_NEUTRAL - {"until", "max_gen_toks"})
         if other:
-            raise NotImplementedError(
+            raise Refused(
                 f"shoestring evaluate: task {task}: generation_kwargs {', '.join(other)} "
                 "are not supported (until, max_gen_toks, greedy only)"
             )
@@ -136,6 +136,7 @@ class Generation:
 
     def answer(self, out: dict[str, Any]) -> str:
         if out.get("error"):
-            raise ValueError(f"shoestring evaluate: a generation was refused: {out['error']}")
+            why = out["error"].get("message", out["error"])
+            raise Refused(f"shoestring evaluate: a generation was refused: {why}")
         text = str(out["response"]["body"]["choices"][0]["text"])
         return str(postprocess_generated_text(text, self.until, None))
