@@ -225,7 +225,7 @@ def test_killed_mid_job_the_rerun_resumes_it_and_gives_the_same_results(
     starts = [e for e in starts if e["event"] == "infer_start"]
     assert [e["chunks_done"] for e in starts] == [0, 2]  # the rerun computed only the rest
     jobs = [json.loads(x) for x in (work / "events.jsonl").read_text().splitlines()]
-    assert [(e["mode"], e["resumed"]) for e in jobs if e["event"] == "eval_job"] == [
+    assert [(e["mode"], e["resumed"]) for e in jobs if e["event"] == "evaluate_job"] == [
         ("score", False),
         ("score", True),
         ("generate", False),

@@ -67,22 +67,22 @@ def evaluate(cfg: EvaluateConfig, env: JobEnv | None = None) -> int:
         hold(work, "wait for it to end, or use another --work-dir"),
         _open_log(RunDir(work)) as log,
     ):
-        log.emit("eval_start", tasks=cfg.tasks, model=cfg.model.path, pid=os.getpid())
+        log.emit("evaluate_start", tasks=cfg.tasks, model=cfg.model.path, pid=os.getpid())
         try:
             results = _simple_evaluate(
                 cfg, InferJobs(infer_config(cfg), work / "jobs", log, env or JobEnv()), tasks
             )
         except JobStopped as e:
-            log.emit("eval_preempt", job=str(e.folder), code=e.code)
+            log.emit("evaluate_preempt", job=str(e.folder), code=e.code)
             print(f"shoestring evaluate: {e}; rerun the same command", file=sys.stderr)
             return e.code
         except Refused as e:
-            log.emit("eval_end", status="refused", error=str(e))
+            log.emit("evaluate_end", status="refused", error=str(e))
             print(str(e), file=sys.stderr)
             return exitcodes.USAGE
         output = Path(cfg.output) if cfg.output else work / "results.json"
         atomic_write(output, _results_json(results, cfg.log_samples))
-        log.emit("eval_end", status="completed", output=str(output),
+        log.emit("evaluate_end", status="completed", output=str(output),
                  results=results.get("results", {}))  # fmt: skip
     print(_table(results), file=sys.stderr)
     return exitcodes.OK

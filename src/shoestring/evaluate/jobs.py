@@ -88,7 +88,11 @@ class InferJobs:
         cfg = self.job_config(folder, batch)
         resumed = (folder / "run" / "run.json").exists()
         self.log.emit(
-            "eval_job", mode=batch.mode, requests=len(batch.lines), dir=str(folder), resumed=resumed
+            "evaluate_job",
+            mode=batch.mode,
+            requests=len(batch.lines),
+            dir=str(folder),
+            resumed=resumed,
         )
         env = self.env
         code = run_infer(cfg, faults=env.faults, stream=env.stream, hub=env.hub)
