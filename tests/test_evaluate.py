@@ -204,15 +204,22 @@ def _cli(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow  # three evaluations (~15 s); the CI test checks the results themselves
+@pytest.mark.slow  # three evaluations (~20 s); the CI test checks the results themselves
+@pytest.mark.parametrize(
+    ("faults", "code", "done"),
+    [
+        ("step.end@3:kill", -9, 2),  # SIGKILL after the score job's 3rd chunk's pass
+        ("step.end@3:term", 75, 2),  # SIGTERM there: the job stops, exit 75
+    ],
+)
 def test_killed_mid_job_the_rerun_resumes_it_and_gives_the_same_results(
-    setup: tuple[Path, Path], tmp_path: Path
+    setup: tuple[Path, Path], tmp_path: Path, faults: str, code: int, done: int
 ) -> None:
     model, tasks = setup
     clean = _ours(model, tasks, tmp_path / "clean", chunk_size=4)  # the same chunks
     work = tmp_path / "work"
-    killed = _cli(model, tasks, work, faults="step.end@3:kill")  # the score job's 3rd chunk
-    assert killed.returncode == -9, killed.stderr[-2000:]
+    stopped = _cli(model, tasks, work, faults=faults)
+    assert stopped.returncode == code, stopped.stderr[-2000:]
     assert not (work / "results.json").exists()
     rerun = _cli(model, tasks, work)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
@@ -223,13 +230,14 @@ def test_killed_mid_job_the_rerun_resumes_it_and_gives_the_same_results(
     (score,) = (work / "jobs").glob("score-*")
     starts = [json.loads(x) for x in (score / "run" / "events.jsonl").read_text().splitlines()]
     starts = [e for e in starts if e["event"] == "infer_start"]
-    assert [e["chunks_done"] for e in starts] == [0, 2]  # the rerun computed only the rest
+    assert [e["chunks_done"] for e in starts] == [0, done]  # the rerun computed only the rest
     jobs = [json.loads(x) for x in (work / "events.jsonl").read_text().splitlines()]
     assert [(e["mode"], e["resumed"]) for e in jobs if e["event"] == "evaluate_job"] == [
         ("score", False),
         ("score", True),
         ("generate", False),
     ]
+    assert any(e["event"] == "evaluate_preempt" for e in jobs) == (code == 75)
 
 
 @pytest.mark.slow  # an unknown name is only known unknown after lm-eval indexes its ~14,700 built-in tasks (~10 s here)

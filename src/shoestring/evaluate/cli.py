@@ -21,7 +21,7 @@ from shoestring.evaluate.config import EvaluateConfig
 from shoestring.evaluate.jobs import InferJobs, JobEnv, JobStopped, Refused
 from shoestring.evaluate.tasks import task_manager
 from shoestring.events import EventLog
-from shoestring.fsio import atomic_write
+from shoestring.fsio import atomic_write, unwritable
 from shoestring.hub import HubAccess, resolve
 from shoestring.infer.config import InferConfig
 from shoestring.rundir import RunDir, hold
@@ -63,6 +63,7 @@ def evaluate(cfg: EvaluateConfig, env: JobEnv | None = None) -> int:
     _required_keys(cfg)
     tasks = task_manager(cfg.tasks, cfg.include_path)
     work = Path(cfg.work_dir)
+    output = _output_path(cfg, work)
     with (
         hold(work, "wait for it to end, or use another --work-dir"),
         _open_log(RunDir(work)) as log,
@@ -80,12 +81,22 @@ def evaluate(cfg: EvaluateConfig, env: JobEnv | None = None) -> int:
             log.emit("evaluate_end", status="refused", error=str(e))
             print(str(e), file=sys.stderr)
             return exitcodes.USAGE
-        output = Path(cfg.output) if cfg.output else work / "results.json"
         atomic_write(output, _results_json(results, cfg.log_samples))
         log.emit("evaluate_end", status="completed", output=str(output),
                  results=results.get("results", {}))  # fmt: skip
     print(_table(results), file=sys.stderr)
     return exitcodes.OK
+
+
+def _output_path(cfg: EvaluateConfig, work: Path) -> Path:
+    """Where the results go, its folder checked writable before any work."""
+    if not cfg.output:
+        return work / "results.json"
+    output = Path(cfg.output)
+    problem = unwritable(output.parent)
+    if problem is not None:
+        raise ConfigError(f"--output: cannot write into {output.parent}: {problem.strerror}")
+    return output
 
 
 def _simple_evaluate(cfg: EvaluateConfig, jobs: InferJobs, tasks: Any) -> dict[str, Any]:
