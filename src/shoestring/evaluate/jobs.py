@@ -96,6 +96,7 @@ class InferJobs:
         )
         env = self.env
         code = run_infer(cfg, faults=env.faults, stream=env.stream, hub=env.hub)
+        _release_memory()
         if code != 0:
             raise JobStopped(code, folder)
         text = Path(cfg.io.output).read_text(encoding="utf-8")
@@ -111,3 +112,14 @@ class InferJobs:
             run_dir=str(folder / "run"),
         )
         return replace(self.base, io=io, generate=gen)
+
+
+def _release_memory() -> None:
+    """Hand what a finished job held (its resident layers, buffers) back to the OS: the
+    next job measures the process's RSS as its runtime share of the same budget."""
+    import gc
+
+    from shoestring.infer.engine import trim_heap
+
+    gc.collect()
+    trim_heap()
