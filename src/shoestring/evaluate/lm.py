@@ -10,6 +10,7 @@ the left (the ``hf`` backend keeps one more: it does not feed the last token).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from lm_eval.api.instance import Instance
@@ -89,13 +90,14 @@ class StreamedLM(TemplateLM):  # type: ignore[misc]  # lm-eval is untyped
         return [a.answer(o) for a, o in zip(asks, out)]
 
 
+@dataclass(frozen=True)
 class Generation:
-    """One ``generate_until`` request: greedy, at most ``max_tokens``, cut at ``until``."""
+    """One ``generate_until`` request: greedy, at most ``max_tokens``, cut at ``until``
+    (non-empty stop strings)."""
 
-    def __init__(self, context: str, until: list[str], max_tokens: int) -> None:
-        self.context = context
-        self.until = [s for s in until if s]
-        self.max_tokens = max_tokens
+    context: str
+    until: tuple[str, ...]
+    max_tokens: int
 
     @classmethod
     def of(cls, request: Instance) -> Generation:
@@ -115,7 +117,8 @@ class Generation:
                 f"shoestring evaluate: task {task}: generation_kwargs {', '.join(other)} "
                 "are not supported (until, max_gen_toks, greedy only)"
             )
-        return cls(context, list(kwargs.get("until") or []), int(kwargs["max_gen_toks"]))
+        until = tuple(s for s in kwargs.get("until") or () if s)
+        return cls(context, until, int(kwargs["max_gen_toks"]))
 
     def line(self, index: int) -> dict[str, Any]:
         """An OpenAI batch line (the job's stop strings: the first MAX_STOP; the rest
@@ -126,7 +129,7 @@ class Generation:
             "temperature": 0,
         }
         if self.until:
-            body["stop"] = self.until[:MAX_STOP]
+            body["stop"] = list(self.until[:MAX_STOP])
         return {
             "custom_id": f"req-{index}",
             "method": "POST",
@@ -139,4 +142,4 @@ class Generation:
             why = out["error"].get("message", out["error"])
             raise Refused(f"shoestring evaluate: a generation was refused: {why}")
         text = str(out["response"]["body"]["choices"][0]["text"])
-        return str(postprocess_generated_text(text, self.until, None))
+        return str(postprocess_generated_text(text, list(self.until), None))
