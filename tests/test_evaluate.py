@@ -291,3 +291,14 @@ def test_what_streaming_cannot_answer_is_refused_naming_the_task(
     assert evaluate(_config(model, tasks, tmp_path / "work", [task])) == 2
     assert why in capsys.readouterr().err
     assert not (tmp_path / "work" / "jobs").exists()  # refused before any job ran
+
+
+def test_the_verb_names_a_missing_key_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shoestring.cli import main
+
+    argv = ["evaluate", "--tasks", "tiny_mc", "--work-dir", str(tmp_path / "w")]
+    assert main(argv) == 2
+    assert "--model.path (model.path) is required" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
