@@ -37,6 +37,7 @@ from shoestring.config import (
     parse_command_line,
     read_yaml,
 )
+from shoestring.evaluate.config import EVALUATE_EPILOG, EvaluateConfig
 from shoestring.fsio import unwritable
 from shoestring.hub import HubAccess
 from shoestring.infer.cli import INFER_ARGS, INFER_DESCRIPTION, INFER_EPILOG
@@ -256,6 +257,17 @@ VERBS: dict[str, Verb] = {
         description=INFER_DESCRIPTION,
         epilog=INFER_EPILOG,
         args=INFER_ARGS,
+    ),
+    "evaluate": Verb(
+        EvaluateConfig,
+        "shoestring.evaluate.cli:run_evaluate",
+        help="lm-evaluation-harness benchmarks of a model larger than memory, preemptible",
+        description="Score lm-evaluation-harness tasks (built-in names, or custom task YAMLs "
+        "with --include-path) on a Hugging Face causal LM streamed layer by layer within "
+        "--memory.budget, as shoestring infer runs it: each batch of lm-eval's requests "
+        "is one resumable inference job in --work-dir. Needs pip install "
+        "'shoestring[eval]'.",
+        epilog=EVALUATE_EPILOG,
     ),
     "export": Verb(
         ExportVerbConfig,

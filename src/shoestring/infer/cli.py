@@ -43,6 +43,7 @@ input JSONL, one object per line (-> output fields):
   generate:  {{"prompt": "...", "id": ...}} or {{"messages": [...]}}
                -> {{"index", "id", "completion", "tokens", "finish"}}
   score:     {{"prompt": "...", "completion": "..."}}
+             or {{"prompt_ids": [...], "completion_ids": [...]}} (token ids, as given)
                -> {{"index", "logprob", "tokens", "greedy"}}
              {{"prompt": "...", "choices": [...]}}
                -> {{"index", "choice", "label", "logprobs", "tokens"}}

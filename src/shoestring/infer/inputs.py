@@ -24,10 +24,21 @@ class InputRecord:
     id: Any = None
     messages: tuple[dict[str, Any], ...] | None = None
     tools: tuple[dict[str, Any], ...] | None = None
+    # Token ids given as they are, no specials added (lm-eval splits a pair's tokens
+    # itself): "prompt_ids" in place of the prompt, "completion_ids" of the completion.
+    prompt_ids: tuple[int, ...] | None = None
+    completion_ids: tuple[int, ...] | None = None
+
+    @property
+    def single(self) -> bool:
+        """Score mode: one completion (not a list of choices)."""
+        return self.completion is not None or self.completion_ids is not None
 
 
 def _prompt(obj: dict[str, Any], where: str) -> tuple[str, Any, Any]:
     """The prompt text, or the conversation (OpenAI ``messages`` [+ ``tools``]) to render."""
+    if "prompt_ids" in obj:
+        return "", None, None
     if "messages" in obj:
         try:
             chat = parse_data_record(
@@ -40,6 +51,39 @@ def _prompt(obj: dict[str, Any], where: str) -> tuple[str, Any, Any]:
     if not isinstance(prompt, str):
         raise ConfigError(f'{where}: needs a string "prompt" or a "messages" list')
     return prompt, None, None
+
+
+def _ids(obj: dict[str, Any], key: str, where: str) -> tuple[int, ...] | None:
+    """A ``*_ids`` field: a non-empty list of token ids (non-negative integers)."""
+    if key not in obj:
+        return None
+    ids = obj[key]
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise ConfigError(f'{where}: "{key}" must be a non-empty list of token ids (integers >= 0)')
+    return tuple(ids)
+
+
+def _scored_fields(obj: dict[str, Any], where: str) -> None:
+    """A score line has exactly one of "completion", "completion_ids", "choices"."""
+    given = [k for k in ("completion", "completion_ids", "choices") if obj.get(k) is not None]
+    if len(given) != 1:
+        raise ConfigError(
+            f'{where}: score mode needs exactly one of "completion" (a string), '
+            '"completion_ids" (token ids) or "choices" (a list of strings)'
+        )
+    completion, choices = obj.get("completion"), obj.get("choices")
+    if completion is not None and (not isinstance(completion, str) or not completion):
+        raise ConfigError(f'{where}: "completion" must be a non-empty string')
+    if choices is not None and (
+        not isinstance(choices, list)
+        or not choices
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise ConfigError(f'{where}: "choices" must be a non-empty list of non-empty strings')
 
 
 @dataclass(frozen=True)
@@ -99,21 +143,9 @@ def read_inputs(path: Path, mode: str, data: bytes) -> list[InputRecord]:
         prompt, messages, tools = _prompt(obj, where)
         completion, choices = obj.get("completion"), obj.get("choices")
         if mode == "score":
-            if (completion is None) == (choices is None):
-                raise ConfigError(
-                    f'{where}: score mode needs exactly one of "completion" '
-                    '(a string) or "choices" (a list of strings)'
-                )
-            if completion is not None and (not isinstance(completion, str) or not completion):
-                raise ConfigError(f'{where}: "completion" must be a non-empty string')
-            if choices is not None and (
-                not isinstance(choices, list)
-                or not choices
-                or not all(isinstance(c, str) and c for c in choices)
-            ):
-                raise ConfigError(
-                    f'{where}: "choices" must be a non-empty list of non-empty strings'
-                )
+            _scored_fields(obj, where)
+        elif "completion_ids" in obj:
+            raise ConfigError(f'{where}: "completion_ids" is scored: --mode score')
         records.append(
             InputRecord(
                 n,
@@ -123,6 +155,8 @@ def read_inputs(path: Path, mode: str, data: bytes) -> list[InputRecord]:
                 obj.get("id"),
                 messages,
                 tools,
+                _ids(obj, "prompt_ids", where),
+                _ids(obj, "completion_ids", where),
             )
         )
     if not records:

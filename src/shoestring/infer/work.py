@@ -105,7 +105,9 @@ def _draws(c: Choice) -> bool:
 def _context(r: InputRecord, tok: Any, template: str | None) -> list[int]:
     """The prompt's tokens: a conversation rendered with the chat template (with the
     assistant header, as training rendered it), else the text with the tokenizer's
-    special tokens."""
+    special tokens (``prompt_ids``: as given)."""
+    if r.prompt_ids is not None:
+        return list(r.prompt_ids)
     if r.messages is None:
         return plain_prompt_ids(tok, r.prompt)
     try:
@@ -132,6 +134,7 @@ def tokenize(
     seqs, starts = [], []
     for r in records:
         ctx = _context(r, tok, template)
+        _known_ids(r, vocab_size)
         if mode == "generate":
             if not ctx:
                 raise ConfigError(f"io.input: line {r.line}: the prompt has no tokens")
@@ -158,8 +161,11 @@ def _scored_seqs(r: InputRecord, ctx: list[int], tok: Any, context: int | None) 
             f"io.input: line {r.line}: score mode needs a non-empty prompt "
             "(the first completion token is predicted from it)"
         )
-    outs = [r.completion] if r.completion is not None else list(r.choices or ())
-    conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
+    if r.completion_ids is not None:
+        conts = [list(r.completion_ids)]
+    else:
+        outs = [r.completion] if r.completion is not None else list(r.choices or ())
+        conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
     _fits(r, len(ctx) + max(len(c) for c in conts), context, "+ its completion")
     return [ctx + c for c in conts]
 
@@ -179,6 +185,16 @@ def _held_lines(
         return grammars, grammars.compile(fmt)
     except ValueError as e:
         raise ConfigError(f"{key}: {fmt.name}: the schema cannot be used: {e}") from None
+
+
+def _known_ids(r: InputRecord, vocab_size: int | None) -> None:
+    """Token ids given in a line name rows of the model's embedding."""
+    for key, ids in (("prompt_ids", r.prompt_ids), ("completion_ids", r.completion_ids)):
+        if ids is not None and vocab_size is not None and max(ids) >= vocab_size:
+            raise ConfigError(
+                f"io.input: line {r.line}: {key} has token id {max(ids)}, beyond the "
+                f"model's vocabulary of {vocab_size} (vocab_size)"
+            )
 
 
 def _fits(r: InputRecord, tokens: int, context: int | None, what: str) -> None:
@@ -279,7 +295,7 @@ def _generated(g: Generated, tok: Any) -> dict[str, Any]:
 
 
 def _scored(r: InputRecord, res: list[Scored]) -> dict[str, Any]:
-    if r.completion is not None:
+    if r.single:
         s = res[0]
         return {"logprob": s.logprob, "tokens": s.tokens, "greedy": s.greedy}
     lps = [s.logprob for s in res]
