@@ -506,3 +506,20 @@ def test_batch_scaled_advantages_use_the_whole_batch_std(tok: Any) -> None:
     want = ((g - g.mean(1, keepdim=True)) / (nanstd(r) + 1e-4)).reshape(-1)
     assert torch.allclose(inputs.rollouts.advantages, want, atol=1e-5)
     assert r.std() > 0 and inputs.norm == sum(len(c) for c in inputs.rollouts.completions)
+
+
+def test_the_head_runs_on_completions_in_chunks_where_the_model_allows(tok: Any) -> None:
+    """By default GRPO's LM head sees only completion positions (HEAD_CHUNK at a time;
+    train.loss_chunk_tokens when set); a model whose logits the chunks would skip
+    (soft-capping) gets its own whole forward."""
+    from shoestring.config import build
+    from shoestring.train.config import FinetuneConfig
+    from shoestring.train.grpo import HEAD_CHUNK, head_chunk
+
+    cfg = build(FinetuneConfig, [])
+    m = _tiny_llama(tok)
+    assert head_chunk(cfg, m) == HEAD_CHUNK
+    cfg.train.loss_chunk_tokens = 256
+    assert head_chunk(cfg, m) == 256
+    m.config.final_logit_softcapping = 30.0
+    assert head_chunk(cfg, m) == 0

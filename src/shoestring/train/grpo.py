@@ -7,7 +7,10 @@ logp.detach())`` (1, with the policy gradient), so PPO's clipping never binds an
 not computed. Per completion token: ``-ratio × advantage``, plus ``beta ×`` the k3
 estimate of KL to the reference (the base, adapter disabled) when ``grpo.beta > 0``.
 Log-probs are those of the tempered distribution the completions were sampled from
-(logits / ``grpo.temperature``, float32). The sum is divided by a normalizer over the
+(logits / ``grpo.temperature``, float32), with the LM head run on the completion
+positions only, in checkpointed chunks
+(:func:`shoestring.train.chunkedloss.completion_logps`: the prompts never get logits),
+unless the model's head cannot be chunked. The sum is divided by a normalizer over the
 *global* batch: its completion tokens (``dapo``), its completions (``grpo``, each
 completion's own mean first) or completions × ``max_completion_tokens``
 (``dr_grpo``). Micro-batching and world size therefore do not change the math.
@@ -22,8 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shoestring.config import ConfigError
 from shoestring.data.records import IGNORE_INDEX
-from shoestring.train.chunkedloss import completion_logps
+from shoestring.train.chunkedloss import causal_lm, completion_logps
 from shoestring.train.config import FinetuneConfig, GrpoLoss
 from shoestring.train.objective import Output, model_inputs, reference_model
 from shoestring.train.samples import Samples
@@ -47,6 +51,9 @@ class GRPO:
     loss_type: GrpoLoss = "dapo"
     temperature: float = 1.0
     max_completion_tokens: int = 256
+    #: Completion positions the LM head runs on at a time (``train.loss_chunk_tokens``,
+    #: else :data:`HEAD_CHUNK`); 0: the model's own forward, whole logits (a model whose
+    #: head the chunks would bypass: logit soft-capping or scaling).
     chunk_tokens: int = 0
     name = "grpo"
     #: Summed per step: the KL estimate over completion tokens, and those tokens.
@@ -93,8 +100,22 @@ class GRPO:
         return Output(total / norm.to(total.dtype), sums)
 
 
-def make_grpo(cfg: FinetuneConfig) -> GRPO:
+#: Completion positions per LM-head chunk when train.loss_chunk_tokens is 0: at a
+#: 128k vocabulary, 0.5 GB of float32 logits at a time.
+HEAD_CHUNK = 1024
+
+
+def head_chunk(cfg: FinetuneConfig, model: Any) -> int:
+    """The LM head on completion positions only, in chunks, where the model allows it
+    (as TRL's fused head does): prompt positions never get logits."""
+    try:
+        causal_lm(model)
+    except ConfigError:
+        return 0
+    return cfg.train.loss_chunk_tokens or HEAD_CHUNK
+
+
+def make_grpo(cfg: FinetuneConfig, model: Any) -> GRPO:
     g = cfg.grpo
-    return GRPO(
-        g.beta, g.loss_type, g.temperature, g.max_completion_tokens, cfg.train.loss_chunk_tokens
-    )
+    chunk = head_chunk(cfg, model)
+    return GRPO(g.beta, g.loss_type, g.temperature, g.max_completion_tokens, chunk)

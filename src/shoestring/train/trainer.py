@@ -177,7 +177,8 @@ def build_trainer(cfg: ResolvedConfig, run: Run, inputs: Inputs) -> Trainer:
     run.events.emit("load", phase="data", seconds=round(time.perf_counter() - t0, 3))
     precision = Precision(precision_of(cfg), device)
     learner = _learner(cfg, run, model_dir, base_fp, precision)
-    objective = make_grpo(cfg) if cfg.train.objective == "grpo" else make_objective(cfg)
+    online = cfg.train.objective == "grpo"
+    objective = make_grpo(cfg, learner.model) if online else make_objective(cfg)
     if cfg.dpo.precompute_ref and cfg.train.objective == "dpo":
         job = ReferenceJob(cfg, run, learner.model, base_fp, precision, tok.pad_token_id)
         data = with_reference(job, data, inputs.data.key)
