@@ -119,6 +119,7 @@ def ours_cmd(a: argparse.Namespace, mdir: Path, data: Path, reward: Path, out: P
         "grpo.top_k": 0,
         "grpo.beta": 0.0,
         "grpo.loss_type": "dapo",
+        "grpo.sample_prompts": a.sample_prompts,
         "checkpoint.every_steps": 100_000,
     }
     args = [x for k, v in opts.items() for x in (f"--{k}", str(v))]
@@ -338,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", dest="max_tokens", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--sample-prompts",
+        dest="sample_prompts",
+        type=int,
+        default=1,
+        help="ours: grpo.sample_prompts (prompts whose groups one generate call samples)",
+    )
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
