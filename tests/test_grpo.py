@@ -387,6 +387,7 @@ def test_two_ddp_ranks_train_grpo_like_one_process(cli: CLI, tmp_path: Path) -> 
     args = _grpo_args(
         tmp_path,
         *("--train.max_steps", "4", "--train.batch_size", "4", "--train.micro_batch_size", "1"),
+        *("--grpo.sample_prompts", "1"),  # no padded batches: the same floats at any size
     )
     two, one = tmp_path / "two", tmp_path / "one"
     r = run_job(cli, two, 2, *args)
@@ -442,7 +443,9 @@ def test_conversation_prompts_end_at_the_turn_and_reach_rewards_as_messages() ->
 
 def _notice_args(tmp_path: Path) -> list[str]:
     return _grpo_args(
-        tmp_path, *("--train.max_steps", "3", "--train.batch_size", "4", "--data.max_length", "24")
+        tmp_path,
+        *("--train.max_steps", "3", "--train.batch_size", "4", "--data.max_length", "24"),
+        *("--grpo.sample_prompts", "1"),  # a generate call per prompt: four calls a step
     )
 
 
