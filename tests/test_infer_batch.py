@@ -212,6 +212,8 @@ def _child(args: list[str], faults: str) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~50 s in CI: kill-anywhere resume is CI's in test_infer_job.py, keyed
+# sampling's in test_sampling.py; this joins them on OpenAI batch lines (CI time, 2026-12-06)
 def test_a_sampled_job_killed_at_random_moments_ends_byte_identical(
     chat_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
