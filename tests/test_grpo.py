@@ -41,25 +41,31 @@ def tok() -> Any:
     return model_tokenizer()
 
 
-def _model(tok: Any) -> Any:
-    """A tiny random Llama with TRL's fused head (before PEFT, as TRL requires) and a
-    LoRA adapter whose B matrices are non-zero, so policy != reference."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from trl.trainer.utils import add_fused_lm_head
+def _llama_config(tok: Any, layers: int) -> Any:
+    """A tiny random Llama's config (widths multiples of 64) over ``tok``'s vocabulary."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=padded_vocab(len(tok)),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=32,
         pad_token_id=tok.pad_token_id,
     )
-    base = LlamaForCausalLM(cfg)
+
+
+def _model(tok: Any) -> Any:
+    """A tiny random Llama with TRL's fused head (before PEFT, as TRL requires) and a
+    LoRA adapter whose B matrices are non-zero, so policy != reference."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(_llama_config(tok, layers=2))
     add_fused_lm_head(base, outputs=("log_probs", "entropy"), temperature=TEMPERATURE)
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
     model = get_peft_model(base, lora)
@@ -226,19 +232,10 @@ def test_advantages_follow_trls_rule() -> None:
 
 
 def _tiny_llama(tok: Any) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(1)
-    cfg = LlamaConfig(
-        vocab_size=padded_vocab(len(tok)),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(_llama_config(tok, layers=1)).eval()
 
 
 def test_completions_are_keyed_by_step_and_prompt_whatever_the_batch(tok: Any) -> None:
