@@ -15,6 +15,10 @@ from shoestring import exitcodes
 from shoestring.checkpoint.local import committed_steps
 
 
+# Random kill points repeat what the suite's fixed ones check in CI (SIGKILL at a step, in
+# a save, after a commit: test_resume_exact, test_qlora, test_data_e2e, test_preference_run);
+# run it, with -m slow, for the moments nobody thought of (CI time).
+@pytest.mark.slow
 def test_random_sigkills_end_byte_identical(
     cli: CLI, tmp_path: Path, reference: dict[str, str]
 ) -> None:

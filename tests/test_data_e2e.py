@@ -157,6 +157,10 @@ def test_malformed_data_exits_2_before_anything_is_written(
     assert not out.exists()
 
 
+# Its parts are CI's elsewhere: the data cache published to and read back from the bucket
+# (tests/test_token_cache.py, real S3), a fresh machine resuming from checkpoint storage
+# (tests/test_launch.py) (CI time).
+@pytest.mark.slow
 def test_fresh_machine_gets_data_and_cache_from_the_bucket(
     cli: CLI, chat_model: Path, tmp_path: Path, s3_server: Any
 ) -> None:

@@ -223,6 +223,7 @@ def test_fsdp_qlora_checkpoint_resumes_in_one_process(
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # the 2-rank test shards the same way; one process resumes its checkpoint
 def test_one_process_shards_over_a_mesh_of_one(
     cli: CLI, tmp_path: Path, single_qlora: Path, fsdp_qlora: Path
 ) -> None:

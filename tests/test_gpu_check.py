@@ -16,6 +16,9 @@ pytestmark = pytest.mark.e2e
 STATUSES = {"pass", "fail", "skipped", "not_run"}
 
 
+# Benchmark tooling (as benchmarks/scale.py's smoke): its parts are CI's elsewhere, and the
+# brief has it run by hand, `--device cpu --small`, before each device call (CI time).
+@pytest.mark.slow
 def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check.json"
     r = subprocess.run(

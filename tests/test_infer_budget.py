@@ -147,9 +147,10 @@ def _events(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-#: CI runs exact float32 and an adapter; the other modes repeat one of
-#: those paths with another dtype, codec or KV width.
-REPEATS = {"bf16", "nf4", "kv8", "int8"}  # int8: also tests/test_infer_job.py (CI time)
+#: CI runs the adapter mode (exact float32 weights, streamed, plus the adapter merged in
+#: row blocks); the other modes repeat its path with another dtype, codec or KV width, or
+#: without the adapter (CI time).
+REPEATS = {"fp32", "bf16", "nf4", "kv8", "int8"}  # int8: also tests/test_infer_job.py
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,10 @@ def _args() -> list[str]:
 
 
 @pytest.mark.e2e
-# CI keeps the TERM case (the same continuation, by an emergency checkpoint); the SIGKILL
-# case repeats it from a periodic one (CI time).
-@pytest.mark.parametrize("stop", [pytest.param("kill", marks=pytest.mark.slow), "term"])
+# Both cases are slow: tests/test_track.py's CI tests stop and resume a real run under
+# SIGKILL and SIGTERM and check each tracker's records (CI time).
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["kill", "term"])
 def test_a_stopped_finetune_continues_the_same_tracker_runs(
     cli: CLI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str
 ) -> None:
