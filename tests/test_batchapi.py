@@ -178,6 +178,14 @@ def test_response_formats_are_read_on_both_endpoints() -> None:
     assert isinstance(text, Request) and text.sampling == Sampling(max_tokens=16)
 
 
+def test_a_completion_prompt_may_be_its_token_ids() -> None:
+    req = parse(completion("ids", prompt=[17, 0, 42]))
+    assert isinstance(req, Request)
+    assert (req.prompt, req.prompt_ids) == ("", (17, 0, 42))
+    text = parse(completion("text"))
+    assert isinstance(text, Request) and text.prompt_ids is None
+
+
 def test_defaults_follow_openai() -> None:
     req = parse(chat("a"), default_max_tokens=77)
     assert isinstance(req, Request)
@@ -378,8 +386,12 @@ BAD: list[tuple[Any, str | None, str, str]] = [
         "invalid_request",
         "between 0 and 20",
     ),
-    (completion("pl", prompt=["a", "b"]), "body.prompt", "unsupported", "one prompt string"),
-    (completion("pi", prompt=[1, 2, 3]), "body.prompt", "unsupported", "token ids"),
+    (completion("pl", prompt=["a", "b"]), "body.prompt", "unsupported", "several prompts"),
+    (completion("pll", prompt=[[1], [2]]), "body.prompt", "unsupported", "several prompts"),
+    (completion("pn", prompt=[5, -1]), "body.prompt[1]", "invalid_request", "integer >= 0"),
+    (completion("pb", prompt=[5, True]), "body.prompt[1]", "invalid_request", "integer >= 0"),
+    (completion("pe", prompt=[]), "body.prompt", "invalid_request", "empty list"),
+    (completion("po", prompt={"a": 1}), "body.prompt", "invalid_request", "list of token ids"),
     (without(completion("pm"), "body") | {"body": {}}, "body.prompt", "invalid_request", "missing"),
     (completion("lb", logprobs=True), "body.logprobs", "invalid_request", "got boolean"),
     (completion("l6", logprobs=6), "body.logprobs", "invalid_request", "between 0 and 5"),

@@ -3,6 +3,8 @@
 The honest check is lm-eval's own ``hf`` backend on the same model and tasks: the
 same per-document log-likelihoods (within 1e-4), greedy flags, generated strings
 and metrics. Tasks are tiny custom YAMLs over local JSON files (nothing downloaded).
+The model's context is 64 tokens (a byte tokenizer: a token per character), so one
+multiple-choice pair and most perplexity documents are longer than it.
 """
 
 from __future__ import annotations
@@ -66,16 +68,24 @@ dataset_kwargs:
 test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
-doc_to_target: "{{{{question}}}}"
+doc_to_target: "{{{{text}}}}"
 metric_list:
   - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
 """
+
+#: The test model's context (max_position_embeddings).
+CONTEXT = 64
 
 WORDS = ["red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "rock", "fish"]
 
 
 def _questions() -> list[str]:
-    return [f"say {WORDS[i]} {WORDS[(i * 7) % 10]}" for i in range(4)]
+    """The third is longer than the context less max_gen_toks: lm-eval cuts its left end."""
+    qs = [f"say {WORDS[i]} {WORDS[(i * 7) % 10]}" for i in range(4)]
+    qs[2] = "say " + " ".join(WORDS * 3) + " " + qs[2][4:]
+    return qs
 
 
 def _stop_hit_by_greedy(model: Path) -> str:
@@ -91,17 +101,28 @@ def _stop_hit_by_greedy(model: Path) -> str:
     return next(c for c in text[2:] if c.isascii() and c.isprintable() and c != '"')
 
 
+def _question(i: int) -> str:
+    """The first is longer than the model's context: lm-eval cuts its left end."""
+    lead = " ".join(WORDS * 8) + ", then " if i == 0 else ""
+    return f"which word follows {lead}{WORDS[i]} {WORDS[(i * 3) % 10]}?"
+
+
+def _documents() -> list[str]:
+    """Perplexity documents of one to five of the model's windows."""
+    return [" ".join(WORDS[(i + k) % 10] for k in range(n)) for i, n in enumerate((3, 12, 40, 70))]
+
+
 def _write_tasks(folder: Path, stop: str) -> Path:
-    """Two tasks over local JSONL files: multiple choice (loglikelihood) and generation
+    """Three tasks over local JSONL files: multiple choice (loglikelihood), generation
     (stopped at ``stop``, sixth of its stop strings: the job is given the first four,
-    the rest are cut afterwards)."""
+    the rest are cut afterwards) and perplexity (loglikelihood_rolling)."""
     folder.mkdir(parents=True, exist_ok=True)
-    mc, gen = folder / "mc.jsonl", folder / "gen.jsonl"
+    mc, gen, ppl = folder / "mc.jsonl", folder / "gen.jsonl", folder / "ppl.jsonl"
     mc.write_text(
         "".join(
             json.dumps(
                 {
-                    "question": f"which word follows {WORDS[i]} {WORDS[(i * 3) % 10]}?",
+                    "question": _question(i),
                     "choices": [f" {WORDS[(i + k) % 10]}" for k in range(3)],
                     "label": i % 3,
                 }
@@ -118,14 +139,17 @@ def _write_tasks(folder: Path, stop: str) -> Path:
     (folder / "tiny_gen.yaml").write_text(GEN_YAML.format(data=gen, until=until))
     sampled = GEN_YAML.format(data=gen, until=until).replace("do_sample: false", "do_sample: true")
     (folder / "tiny_sampled.yaml").write_text(sampled.replace("tiny_gen", "tiny_sampled"))
-    (folder / "tiny_ppl.yaml").write_text(PPL_YAML.format(data=gen))
+    ppl.write_text("".join(json.dumps({"text": t}) + "\n" for t in _documents()))
+    (folder / "tiny_ppl.yaml").write_text(PPL_YAML.format(data=ppl))
     return folder
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("lmeval")
-    model = build_random_model(root / "model", "llama", hidden=128, layers=2, ffn=256, seed=3)
+    model = build_random_model(
+        root / "model", "llama", hidden=128, layers=2, ffn=256, seed=3, context=CONTEXT
+    )
     return model, _write_tasks(root / "tasks", _stop_hit_by_greedy(model))
 
 
@@ -140,23 +164,33 @@ def _config(model: Path, tasks: Path, work: Path, names: list[str]) -> EvaluateC
     )
 
 
+MC_GEN = ("tiny_mc", "tiny_gen")
+
+
 def _ours(
-    model: Path, tasks: Path, work: Path, chunk_size: int = 0, limit: int = 0
+    model: Path,
+    tasks: Path,
+    work: Path,
+    chunk_size: int = 0,
+    limit: int = 0,
+    names: tuple[str, ...] = MC_GEN,
 ) -> dict[str, Any]:
-    cfg = _config(model, tasks, work, ["tiny_mc", "tiny_gen"])
+    cfg = _config(model, tasks, work, list(names))
     cfg.job.chunk_size, cfg.limit = chunk_size, limit
     assert evaluate(cfg) == 0
     return json.loads((work / "results.json").read_text())
 
 
-def _hf(model: Path, tasks: Path, limit: int | None = None) -> dict[str, Any]:
+def _hf(
+    model: Path, tasks: Path, limit: int | None = None, names: tuple[str, ...] = MC_GEN
+) -> dict[str, Any]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     return simple_evaluate(  # type: ignore[no-any-return]
         model="hf",
         model_args={"pretrained": str(model), "dtype": "float32", "device": "cpu"},
-        tasks=["tiny_mc", "tiny_gen"],
+        tasks=list(names),
         task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         batch_size=4,
         limit=limit,
@@ -174,7 +208,9 @@ def _per_doc(results: dict[str, Any], task: str) -> list[Any]:
 
 def test_results_match_lm_evals_hf_backend(setup: tuple[Path, Path], tmp_path: Path) -> None:
     model, tasks = setup
-    ours, theirs = _ours(model, tasks, tmp_path / "work", limit=6), _hf(model, tasks, limit=6)
+    names = (*MC_GEN, "tiny_ppl")
+    ours = _ours(model, tasks, tmp_path / "work", limit=6, names=names)
+    theirs = _hf(model, tasks, limit=6, names=names)
     mc_ours, mc_theirs = _per_doc(ours, "tiny_mc"), _per_doc(theirs, "tiny_mc")
     assert len(mc_ours) == len(mc_theirs) == 6  # --limit reached lm-eval (the file has 8)
     for doc_ours, doc_theirs in zip(mc_ours, mc_theirs):
@@ -191,9 +227,19 @@ def test_results_match_lm_evals_hf_backend(setup: tuple[Path, Path], tmp_path: P
     ):
         for m in metrics:
             assert ours["results"][task][m] == theirs["results"][task][m], (task, m)
-    # one score job for every loglikelihood request (6 docs x 3 choices), one generate job
-    names = sorted(p.name.split("-")[0] for p in (tmp_path / "work" / "jobs").iterdir())
-    assert names == ["generate", "score"]
+    # Perplexity: each document's windows summed; the longest spans 6 windows of 64.
+    ppl_ours, ppl_theirs = _per_doc(ours, "tiny_ppl"), _per_doc(theirs, "tiny_ppl")
+    assert len(ppl_ours) == len(ppl_theirs) == len(_documents())
+    for doc_ours, doc_theirs in zip(ppl_ours, ppl_theirs):
+        assert doc_ours[0][0] == pytest.approx(doc_theirs[0][0], abs=1e-4)
+    for m in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours["results"]["tiny_ppl"][m] == pytest.approx(
+            theirs["results"]["tiny_ppl"][m], rel=1e-5
+        )
+    # one score job per call (multiple choice: 6 docs x 3 choices; perplexity: every
+    # document's windows), one generate job
+    jobs = sorted(p.name.split("-")[0] for p in (tmp_path / "work" / "jobs").iterdir())
+    assert jobs == ["generate", "score", "score"]
 
 
 def _cli(
@@ -276,10 +322,41 @@ def test_score_lines_of_token_ids_are_checked_naming_the_line(tmp_path: Path) ->
     assert (rec.prompt_ids, rec.completion_ids, rec.single) == ((5, 6), (7,), True)
 
 
+def test_a_score_line_one_token_longer_than_the_context_is_scored_as_transformers_does(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last token is scored, never fed: context + 1 tokens fit, context + 2 do not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shoestring.cli import main
+
+    model, _ = setup
+    ids = [(7 * i + 3) % 200 + 10 for i in range(CONTEXT + 1)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"prompt_ids": ids[:40], "completion_ids": ids[40:]}) + "\n")
+    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(out)]
+    args += ["--mode", "score", "--device", "cpu", "--job.progress", "off"]
+    assert main(args) == 0, capsys.readouterr().err
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(lm(torch.tensor([ids[:-1]])).logits[0].double(), -1)
+    expected = sum(float(logp[i - 1, ids[i]]) for i in range(40, len(ids)))
+    assert line["tokens"] == CONTEXT + 1 - 40
+    assert line["logprob"] == pytest.approx(expected, abs=1e-4)
+    inp.write_text(json.dumps({"prompt_ids": ids[:41], "completion_ids": ids[40:]}) + "\n")
+    assert main([*args[:6], str(tmp_path / "out2.jsonl"), *args[7:]]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"io.input: line 1: the prompt + its completion but the last token (never fed) is {CONTEXT + 1} tokens, more than the model's context of {CONTEXT}"
+        in err
+    ), err
+
+
 @pytest.mark.parametrize(
     ("task", "why"),
     [
-        ("tiny_ppl", "task(s) tiny_ppl ask for loglikelihood_rolling"),
         ("tiny_sampled", "task tiny_sampled samples"),
     ],
 )

@@ -42,7 +42,7 @@ def chat(cid: str, text: str, **body: Any) -> dict[str, Any]:
     }
 
 
-def completion(cid: str, prompt: str, **body: Any) -> dict[str, Any]:
+def completion(cid: str, prompt: str | list[int], **body: Any) -> dict[str, Any]:
     return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
             "body": {"prompt": prompt, **body}}  # fmt: skip
 
@@ -163,17 +163,26 @@ def _text(line: dict[str, Any]) -> str:
 def test_greedy_answers_equal_in_memory_transformers(chat_model: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    reqs = [r for r in valid_requests() if r["body"].get("temperature") == 0]
-    inp = _write(tmp_path / "greedy.jsonl", [json.dumps(r) for r in reqs])
-    out = tmp_path / "out.jsonl"
-    assert main(_args(chat_model, inp, out, "--batch-size", "3")) == 0
     tok = AutoTokenizer.from_pretrained(str(chat_model))
     model = AutoModelForCausalLM.from_pretrained(str(chat_model)).eval()
-    for r, line in zip(reqs, _read(out)):
+    reqs = [r for r in valid_requests() if r["body"].get("temperature") == 0]
+    # A prompt given as token ids (OpenAI's form) is fed as given: no BOS added here.
+    given = tok("upon a time", add_special_tokens=False)["input_ids"]
+    reqs.append(completion("c-ids", given, temperature=0, max_tokens=9))
+    beyond = completion("c-oov", [5, model.config.vocab_size], temperature=0)
+    inp = _write(tmp_path / "greedy.jsonl", [json.dumps(r) for r in [*reqs, beyond]])
+    out = tmp_path / "out.jsonl"
+    assert main(_args(chat_model, inp, out, "--batch-size", "3")) == 0
+    *lines, oov = _read(out)
+    assert oov["response"] is None and oov["error"]["param"] == "body.prompt"
+    assert f"token id {model.config.vocab_size} is beyond" in oov["error"]["message"]
+    for r, line in zip(reqs, lines, strict=True):
         b = r["body"]
         if "messages" in b:
             ids = tok.apply_chat_template(b["messages"], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+        elif isinstance(b["prompt"], list):
+            ids = torch.tensor([b["prompt"]])
         else:
             ids = tok(b["prompt"], return_tensors="pt")["input_ids"]
         g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

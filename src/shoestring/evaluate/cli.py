@@ -121,16 +121,22 @@ def _simple_evaluate(cfg: EvaluateConfig, jobs: InferJobs, tasks: Any) -> dict[s
     return results
 
 
-def _tokenizer(cfg: EvaluateConfig, hub: HubAccess | None) -> tuple[Any, int | None]:
-    """The model's tokenizer (lm-eval tokenizes) and context (max_position_embeddings)."""
+def _tokenizer(cfg: EvaluateConfig, hub: HubAccess | None) -> tuple[Any, int]:
+    """The model's tokenizer (lm-eval tokenizes) and context, found as lm-eval's ``hf``
+    backend finds it (the config's ``n_positions``/``max_position_embeddings``/``n_ctx``,
+    its ``text_config``'s first, then the tokenizer's ``model_max_length``, else 2048)."""
+    from lm_eval.models.utils import resolve_max_length
+    from transformers import AutoConfig
+
+    from shoestring.evaluate.lm import DEFAULT_MAX_LENGTH
     from shoestring.hf import load_tokenizer, quiet_hf
-    from shoestring.infer.engine import read_config_json
 
     ref = resolve(cfg.model.path, hub or HubAccess(Path.home() / ".cache" / "shoestring"),
                   key="--model.path (model.path)")  # fmt: skip
     quiet_hf()
-    context = read_config_json(ref.path).get("max_position_embeddings")
-    return load_tokenizer(ref.path), context if isinstance(context, int) else None
+    tok = load_tokenizer(ref.path)
+    config = AutoConfig.from_pretrained(ref.path)
+    return tok, resolve_max_length(config, tok, default=DEFAULT_MAX_LENGTH)
 
 
 def _lm_eval() -> None:

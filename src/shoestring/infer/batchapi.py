@@ -7,7 +7,8 @@ vLLM's ``run-batch``::
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}}
 
 ``url`` is ``/v1/chat/completions`` (``body.messages``, rendered with the chat template
-by the caller) or ``/v1/completions`` (``body.prompt``, a string). Every output line is
+by the caller) or ``/v1/completions`` (``body.prompt``: a string, or its token ids as
+OpenAI takes them, a list of integers fed as given). Every output line is
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` with
 a ``chat.completion`` or ``text_completion`` object as the body, or ``response: null``
 and an ``error`` shaped like ``openai.types.BatchError``.
@@ -23,7 +24,7 @@ Design choices:
   absent for every optional field, as in the OpenAI API.
 * **Supported, or refused.** OpenAI fields this engine cannot honour (``n`` > 1,
   ``stream``, penalties other than 0, ``tool_choice`` ``"auto"``, ``functions``,
-  ``echo``, ``suffix``, ``best_of`` > 1, token-id or list prompts) give code
+  ``echo``, ``suffix``, ``best_of`` > 1, several prompts in one line) give code
   ``unsupported``
   rather than being ignored; ``user``, ``metadata`` and ``store`` are accepted and
   ignored. ``top_k`` (-1 or 0: off) is the vLLM extension. ``response_format``
@@ -114,6 +115,7 @@ class Request:
     messages: tuple[dict[str, Any], ...] | None = None  # chat endpoint
     tools: tuple[dict[str, Any], ...] | None = None  # rendered by the chat template
     tool_use: ToolUse | None = None  # the answer is tool calls (tools.py)
+    prompt_ids: tuple[int, ...] | None = None  # completion endpoint: the prompt as token ids
 
 
 @dataclass(frozen=True)
@@ -495,19 +497,29 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     return record.messages
 
 
-def _prompt(body: dict[str, Any]) -> str:
+def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
+    """A prompt string, or one prompt's token ids (fed as given, no specials added)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
     if prompt is None:
         raise _Bad("body.prompt", "missing: a completion request needs a 'prompt' string")
-    if isinstance(prompt, list):
+    if not isinstance(prompt, list):
+        raise _Bad(
+            "body.prompt", f"must be a string or a list of token ids, got {_json_type(prompt)}"
+        )
+    if any(isinstance(x, (str, list)) for x in prompt):
         raise _Bad(
             "body.prompt",
-            "a list of prompts or token ids is not supported: one prompt string per line",
+            "several prompts in one line are not supported: one a line",
             "unsupported",
         )
-    raise _Bad("body.prompt", f"must be a string, got {_json_type(prompt)}")
+    for i, x in enumerate(prompt):
+        if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < _INT64:
+            raise _Bad(f"body.prompt[{i}]", f"a token id must be an integer >= 0, got {_show(x)}")
+    if not prompt:
+        raise _Bad("body.prompt", "an empty list of token ids")
+    return tuple(prompt)
 
 
 def _endpoint(obj: dict[str, Any]) -> Endpoint:
@@ -545,13 +557,15 @@ def _request(obj: Any, line: int, default_max_tokens: int) -> Request:
     chat = endpoint == "chat"
     messages = _messages(body) if chat else None
     prompt = "" if chat else _prompt(body)
+    ids = prompt if isinstance(prompt, tuple) else None
     sampling = _sampling(body, endpoint, default_max_tokens)
     tools, use = _tools(body) if chat else (None, None)
     if use is not None:
         if sampling.response_format is not None:
             raise _Bad("body.response_format", "cannot go with a tool_choice that calls a tool")
         sampling = replace(sampling, response_format=use.response_format())
-    return Request(line, custom_id, endpoint, model, sampling, prompt, messages, tools, use)
+    text = prompt if isinstance(prompt, str) else ""
+    return Request(line, custom_id, endpoint, model, sampling, text, messages, tools, use, ids)
 
 
 def _decode(raw: bytes, line: int) -> Any:

@@ -337,10 +337,13 @@ def score(
 ) -> list[Scored]:
     """Log-likelihood of ``tokens[start:]`` given ``tokens[:start]`` for each (tokens, start).
 
-    One prefill pass, no KV cache; the lm_head runs only on the positions that
+    One prefill pass, no KV cache; the last token is not fed (nothing follows it to
+    predict), so a sequence may be one token longer than the model's context, as
+    lm-eval's ``hf`` backend scores it. The lm_head runs only on the positions that
     predict a completion token."""
-    groups = group([len(s) for s, _ in seqs], micro_tokens)
-    mbs = [MicroBatch(*_left_pad([seqs[i][0] for i in g], pad_id)) for g in groups]
+    fed = [toks[:-1] for toks, _ in seqs]
+    groups = group([len(f) for f in fed], micro_tokens)
+    mbs = [MicroBatch(*_left_pad([fed[i] for i in g], pad_id)) for g in groups]
 
     def head(mb: MicroBatch, h: torch.Tensor, g: list[int]) -> list[Scored]:
         t = h.shape[1]
@@ -348,7 +351,7 @@ def score(
         for r, i in enumerate(g):
             toks, start = seqs[i]
             n = len(toks)
-            off = t - n
+            off = t - (n - 1)
             pos = torch.arange(off + start - 1, off + n - 1, device=h.device)
             logp = torch.log_softmax(engine.logits(h[r, pos]), dim=-1)
             target = torch.tensor(toks[start:], device=h.device)

@@ -39,7 +39,12 @@ class Answering:
 
 
 def request_ids(
-    item: Item, tok: Any, template: str | None, context: int | None, path: str
+    item: Item,
+    tok: Any,
+    template: str | None,
+    context: int | None,
+    path: str,
+    vocab_size: int | None = None,
 ) -> tuple[Item, list[int]]:
     """The request's prompt tokens, or the error line it becomes (with no tokens)."""
     if isinstance(item, LineError):
@@ -47,6 +52,8 @@ def request_ids(
     try:
         if item.messages is not None:
             ids = prompt_ids(item.messages, tok, template, item.tools)
+        elif item.prompt_ids is not None:
+            ids = list(item.prompt_ids)
         else:
             ids = plain_prompt_ids(tok, item.prompt)
     except (DataError, ValueError, TypeError) as e:  # jinja raises TemplateError(ValueError)
@@ -54,6 +61,9 @@ def request_ids(
         return _refused(item, path, "body.messages", why), []
     if not ids:
         return _refused(item, path, "body", "the prompt has no tokens"), []
+    if vocab_size is not None and max(ids) >= vocab_size:
+        why = f"token id {max(ids)} is beyond the model's vocabulary of {vocab_size}"
+        return _refused(item, path, "body.prompt", why), []
     need = len(ids) + item.sampling.max_tokens
     if context is not None and need > context:
         return _refused(

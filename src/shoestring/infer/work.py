@@ -166,7 +166,9 @@ def _scored_seqs(r: InputRecord, ctx: list[int], tok: Any, context: int | None) 
     else:
         outs = [r.completion] if r.completion is not None else list(r.choices or ())
         conts = [tok(c, add_special_tokens=False)["input_ids"] for c in outs]
-    _fits(r, len(ctx) + max(len(c) for c in conts), context, "+ its completion")
+    # The last completion token is scored but never fed (infer/decode.py::score).
+    longest = len(ctx) + max(len(c) for c in conts) - 1
+    _fits(r, longest, context, "+ its completion but the last token (never fed)")
     return [ctx + c for c in conts]
 
 
@@ -217,7 +219,7 @@ def tokenize_requests(
     """An OpenAI batch file's work: each request's prompt, limit, sampling, stop
     strings and response format (compiled for a model of ``vocab_size`` logits);
     lines that cannot be answered become error lines with no sequence."""
-    checked = [request_ids(item, tok, template, context, path) for item in items]
+    checked = [request_ids(item, tok, template, context, path, vocab_size) for item in items]
     reqs = [item if isinstance(item, Request) else None for item, _ in checked]
     eos, pad = _stops(any(r is not None and r.messages is not None for r in reqs), tok, template)
     wants = any(r is not None and r.sampling.response_format is not None for r in reqs)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoestring.exitcodes import RESUMABLE
 from shoestring.gpus import CATALOG, detect_gpu_name
 from shoestring.report.timeline import SUPERVISOR_RANK, Event, Timeline, stream
 
@@ -159,7 +160,7 @@ class LedgerFold:
         self.preempted.add(e.attempt)
 
     def _attempt_end(self, e: Event) -> None:
-        if e.get("exit_code") in (75, 76):  # died before it could log its ``preempt``
+        if e.get("exit_code") in RESUMABLE:  # died before it could log its ``preempt``
             self.preempted.add(e.attempt)
 
     @property

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from shoestring.events import segments
+from shoestring.exitcodes import RESUMABLE
 from shoestring.rundir import RunDir
 
 #: Events that report a problem: listed in the alarms table and marked on the timeline.
@@ -212,7 +213,7 @@ class Timeline:
         for e in self.of("preempt"):
             out.setdefault(e.attempt, e)
         for e in self.of("attempt_end"):
-            if e.get("exit_code") in (75, 76) and e.attempt not in out:
+            if e.get("exit_code") in RESUMABLE and e.attempt not in out:
                 out[e.attempt] = e
         return sorted(out.values(), key=lambda e: e.ts)
 
