@@ -57,9 +57,6 @@ PROCESS_FIXTURES = frozenset(
 LONGEST_FIRST = (
     "test_fsdp_qlora.py",
     "test_distributed.py",
-    # Its first-phase test needs two ranks to start within 20 s of launch: not in the
-    # first wave, when every worker's fixtures start processes at once.
-    "test_watchdog.py",
     "test_resume_exact.py",
     "test_s3_storage.py",
     "test_multinode.py",
@@ -81,16 +78,17 @@ LONGEST_FIRST = (
 )
 
 
-#: Last of all: the default job runs on every core (its threads are the default's), and
-#: it took 341 s in the first wave beside the other workers' process-starting fixtures
-#: against 126 s at the end of the run (fresh-clone CI, 2026-12-06).
-LAST = ("test_default_run.py",)
+#: Last of all, when the other workers run short tests: the watchdog's tests time a job's
+#: start-up phases (its first wave of two fresh-clone CI runs, 2026-12-06, took its ranks
+#: past a 20 s setup budget), and the default job runs on every core (its threads are
+#: the default's: 341 s in the first wave, 126 s at the end).
+LAST = ("test_watchdog.py", "test_default_run.py")
 
 
 def _file_rank(item: pytest.Item) -> int:
     name = item.path.name
     if name in LAST:
-        return len(LONGEST_FIRST) + 1
+        return len(LONGEST_FIRST) + 1 + LAST.index(name)
     return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
 

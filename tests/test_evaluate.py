@@ -4,7 +4,8 @@ The honest check is lm-eval's own ``hf`` backend on the same model and tasks: th
 same per-document log-likelihoods (within 1e-4), greedy flags, generated strings
 and metrics. Tasks are tiny custom YAMLs over local JSON files (nothing downloaded).
 The model's context is 64 tokens (a byte tokenizer: a token per character), so one
-multiple-choice pair and most perplexity documents are longer than it.
+multiple-choice pair, one generation prompt and half the perplexity documents are
+longer than it.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _question(i: int) -> str:
 
 
 def _documents() -> list[str]:
-    """Perplexity documents of one to five of the model's windows."""
+    """Perplexity documents of one, one, three and six of the model's windows."""
     return [" ".join(WORDS[(i + k) % 10] for k in range(n)) for i, n in enumerate((3, 12, 40, 70))]
 
 

@@ -60,7 +60,8 @@ def test_rank_that_never_joins_is_named_and_restarted(
 ) -> None:
     # Rank 1 is stuck before it joins the process group (the first attempt only); rank 0
     # has announced itself and waits in init_process_group. No collective timeout, no
-    # step: named after the first-phase timeout (20 s here), then the job restarts.
+    # step: named after the first-phase timeout (30 s here: the restarted ranks' setup
+    # must fit in it on a loaded 2-core machine), then the job restarts.
     out = tmp_path / "run"
     r = run_job(
         cli,
@@ -69,7 +70,7 @@ def test_rank_that_never_joins_is_named_and_restarted(
         *DIST,
         restarts=1,
         env={"SHOESTRING_FAULTS": "start.init@1:hang:rank1:once"},
-        run_args=("--first-phase-timeout", "20"),
+        run_args=("--first-phase-timeout", "30"),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     ev = read_events(out)
@@ -78,8 +79,8 @@ def test_rank_that_never_joins_is_named_and_restarted(
     assert hang["ranks"]["0"]["status"] == "starting" and "1" not in hang["ranks"]
     # Within a poll or so of the timeout — or of rank 0's announcement, when a loaded
     # machine took longer than that to import and start it.
-    assert hang["detected_after_s"] >= 20.0
-    assert hang["detected_after_s"] <= 24.0 or hang["ranks"]["0"]["in_phase_s"] <= 4.0
+    assert hang["detected_after_s"] >= 30.0
+    assert hang["detected_after_s"] <= 34.0 or hang["ranks"]["0"]["in_phase_s"] <= 4.0
     verdict = json.loads(Path(hang["verdict_file"]).read_text())
     assert "in init_process_group" in verdict["ranks"]["0"]["stacks"]
     (restart,) = [e for e in ev if e["event"] == "restart"]
