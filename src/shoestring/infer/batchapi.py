@@ -511,7 +511,7 @@ def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
     if any(isinstance(x, (str, list)) for x in prompt):
         raise _Bad(
             "body.prompt",
-            "several prompts in one line are not supported: one a line",
+            "several prompts in one line are not supported: one prompt per line",
             "unsupported",
         )
     for i, x in enumerate(prompt):
