@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import shoestring.data.tokenize as tokenize_module
@@ -185,8 +186,19 @@ def test_drop_skips_samples_over_max_length_and_counts_them() -> None:
     assert right.samples == 4 and right.truncated == 2 and right.dropped == 0
 
 
+def _pool_workers() -> int:
+    """This process's spawned pool workers (not its resource tracker, not servers)."""
+    return sum("spawn_main" in " ".join(child.cmdline()) for child in psutil.Process().children())
+
+
+def _small_chunks(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """Many chunks from few records, and a pool for any number of them."""
+    monkeypatch.setattr(tokenize_module, "CHUNK", chunk)
+    monkeypatch.setattr(tokenize_module, "MIN_PARALLEL_RECORDS", 0)
+
+
 def test_many_workers_give_the_same_examples_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokenize_module, "CHUNK", 16)  # many chunks from few records
+    _small_chunks(monkeypatch, 16)
     tok = chatml_tokenizer()
     records: list[Record] = []
     for i, r in enumerate(_mixed_plain(60)):
@@ -201,7 +213,7 @@ def test_many_workers_give_the_same_examples_as_one(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_bad_record_in_a_worker_fails_with_its_source(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokenize_module, "CHUNK", 4)
+    _small_chunks(monkeypatch, 4)
     tok = chatml_tokenizer()
     records = [_chat(i) for i in range(12)]
     records[9] = Record("chats.jsonl:10", messages=({"role": "user", "content": "no answer"},))
@@ -213,11 +225,11 @@ def test_a_bad_record_in_a_worker_fails_with_its_source(monkeypatch: pytest.Monk
 def test_should_stop_interrupts_between_chunks(
     monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
-    monkeypatch.setattr(tokenize_module, "CHUNK", 8)
+    _small_chunks(monkeypatch, 8)
     polls: list[int] = []
 
     def stop_on_third_poll() -> bool:
-        polls.append(1)
+        polls.append(_pool_workers())
         return len(polls) >= 3
 
     records = _mixed_plain(40)
@@ -230,6 +242,25 @@ def test_should_stop_interrupts_between_chunks(
             should_stop=stop_on_third_poll,
         )
     assert len(polls) == 3
+    assert max(polls) == (2 if workers == 2 else 0)
+
+
+def test_a_small_dataset_is_tokenized_in_this_process() -> None:
+    """Below MIN_PARALLEL_RECORDS a pool would cost more than it saves: no worker starts."""
+    workers_seen: list[int] = []
+
+    def count_workers() -> bool:
+        workers_seen.append(_pool_workers())
+        return False
+
+    records = _mixed_plain(2000)
+    chunks = -(-len(records) // tokenize_module.CHUNK)
+    assert chunks > 1 and len(records) < tokenize_module.MIN_PARALLEL_RECORDS
+    many = tokenize_records(
+        records, plain_tokenizer(), TokenizeSpec(64), workers=4, should_stop=count_workers
+    )
+    assert many == tokenize_records(records, plain_tokenizer(), TokenizeSpec(64))
+    assert len(workers_seen) == chunks + 1 and max(workers_seen) == 0
 
 
 def test_progress_bar_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
@@ -277,3 +308,48 @@ def test_tokenizer_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
         p.wait()
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, f"workers outlived their parent: {[w.pid for w in alive]}"
+
+
+def test_a_notice_to_the_whole_job_stops_tokenizing_cleanly(tmp_path: Path) -> None:
+    """Slurm signals every process of a job step, a terminal every process of its group:
+    the workers, even while they start, leave the notice to the trainer, which stops
+    between chunks; a worker that died of it would break the pool instead."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from chat_fixtures import chatml_tokenizer\n"
+        "from shoestring.data import tokenize as T\n"
+        "from shoestring.data.records import Record\n"
+        "from shoestring.preempt.flag import PreemptionFlag, SignalSource\n"
+        "T.MIN_PARALLEL_RECORDS = 0\n"
+        "recs = [Record(f'r:{i}', text='word ' * 200) for i in range(100_000)]\n"
+        "flag = PreemptionFlag()\n"
+        "with SignalSource(flag):\n"
+        "    print('start', flush=True)\n"
+        "    try:\n"
+        "        T.tokenize_records(recs, chatml_tokenizer(), T.TokenizeSpec(64), workers=2,\n"
+        "                           should_stop=flag.is_set)\n"
+        "    except InterruptedError as e:\n"
+        "        print('stopped:', e, flag.reason, flush=True)\n"
+    )
+    tests = str(Path(__file__).parent)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, tests], stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"start"
+        parent = psutil.Process(p.pid)
+        deadline = time.monotonic() + 60
+        while sum("spawn_main" in " ".join(c.cmdline()) for c in parent.children()) < 2:
+            assert time.monotonic() < deadline, "no workers started"
+            time.sleep(0.02)
+        os.killpg(p.pid, signal.SIGTERM)  # the workers are still importing
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0, out
+    assert out.decode().strip() == "stopped: preempted while tokenizing SIGTERM"

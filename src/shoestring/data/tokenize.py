@@ -8,17 +8,19 @@ inference follow: for a tokenizer that adds BOS itself (Llama) text and pairs gi
 exactly the ids and labels the trainer has always given.
 
 Records are tokenized in chunks with batch encoding; ``workers > 1`` spreads the
-chunks over a process pool. The result is the same for any number of workers.
+chunks of a large dataset over a pool of spawned processes. The result is the same for
+any number of workers.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -38,6 +40,10 @@ from shoestring.proc import die_with_parent
 
 #: Records per unit of work: ``should_stop`` is polled and progress shown per chunk.
 CHUNK = 1024
+#: Fewer records than this are tokenized in this process: a worker is a fresh interpreter
+#: that imports the tokenizer's library first. On 2 cores (2026-12-07), pairs of ~1,300
+#: tokens: 4,000 records took 2.9 s here, 5.2 s on 2 workers; 16,000 took 13.5 s and 12.5 s.
+MIN_PARALLEL_RECORDS = 16 * CHUNK
 #: A text piece (a text, a prompt, a completion, a rendered conversation) of at most this
 #: many characters per token of ``data.max_length`` (+ :data:`SLACK`) is tokenized whole.
 CHARS_PER_TOKEN = 8
@@ -260,37 +266,72 @@ def _sequential(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> Chun
         yield _tokenize_chunk(records[start:end], tok, spec)
 
 
-#: Set once in each pool worker process by ``_start_worker`` (inherited, not pickled,
-#: under fork); the parent never sets it.
-_WORKER_JOB: list[tuple[Sequence[Record], Any, TokenizeSpec]] = []
+def _caught_signals() -> tuple[int, ...]:
+    """The signals this process handles in Python: its preemption notices, Ctrl-C."""
+    return tuple(s for s in signal.valid_signals() if callable(signal.getsignal(s)))
 
 
-def _start_worker(records: Sequence[Record], tok: Any, spec: TokenizeSpec, parent: int) -> None:
-    die_with_parent(parent)  # a killed trainer must not leave workers holding its locks
-    _WORKER_JOB[:] = [(records, tok, spec)]
+@contextmanager
+def _blocked(signums: tuple[int, ...]) -> Iterator[None]:
+    """This thread does not take ``signums`` inside (the kernel gives them to another
+    thread, or holds them until the end); children started inside begin with them
+    blocked, as CPython's resource tracker starts."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _worker_chunk(bounds: tuple[int, int]) -> ChunkResult:
-    records, tok, spec = _WORKER_JOB[0]
-    return _tokenize_chunk(records[bounds[0] : bounds[1]], tok, spec)
+#: Set once in each pool worker process by ``_start_worker``; the parent never sets it.
+_WORKER_JOB: list[tuple[Any, TokenizeSpec]] = []
+
+
+def _start_worker(tok: Any, spec: TokenizeSpec, parent: int, notices: tuple[int, ...]) -> None:
+    """A notice sent to the whole job (Slurm signals every process of a step, a terminal
+    every process of its group) is the parent's to act on: a worker that died of it would
+    turn a clean preemption stop into a broken pool. Born with them blocked, a worker
+    ignores them before it unblocks them."""
+    die_with_parent(parent)  # a killed trainer must not leave workers behind
+    for signum in notices:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, notices)
+    _WORKER_JOB[:] = [(tok, spec)]
+
+
+def _worker_chunk(records: Sequence[Record]) -> ChunkResult:
+    tok, spec = _WORKER_JOB[0]
+    return _tokenize_chunk(records, tok, spec)
 
 
 def _parallel(
     records: Sequence[Record], tok: Any, spec: TokenizeSpec, workers: int
 ) -> ChunkResults:
-    """Chunks over a process pool, results in record order. Under fork (Linux) the
-    workers inherit the records and tokenizer; only chunk bounds and results travel."""
-    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
+    """Chunks over a process pool, results in record order. Workers are spawned fresh,
+    never forked: the trainer has threads (watchers, torch's pool, a tracker's), and a
+    child forked from a threaded process can inherit a lock some thread held at the fork
+    and crash or hang (Python 3.12 warns of it; seen here as a worker dying of a
+    signal). Each worker gets the tokenizer once; each chunk travels with its task."""
+    notices = _caught_signals()
+    chunks = (records[start:end] for start, end in _chunk_bounds(len(records)))
     pool = ProcessPoolExecutor(
         workers,
-        mp_context=context,
+        mp_context=multiprocessing.get_context("spawn"),
         initializer=_start_worker,
-        initargs=(records, tok, spec, os.getpid()),
+        initargs=(tok, spec, os.getpid(), notices),
     )
     try:
-        yield from pool.map(_worker_chunk, _chunk_bounds(len(records)))
+        with _blocked(notices):  # the workers start in map()
+            results = pool.map(_worker_chunk, chunks)
+        yield from results
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pool_size(n_records: int, workers: int) -> int:
+    if n_records < MIN_PARALLEL_RECORDS:
+        return 1
+    return min(workers, len(_chunk_bounds(n_records)))
 
 
 def tokenize_records(
@@ -312,7 +353,7 @@ def tokenize_records(
     """
     from tqdm import tqdm
 
-    pool_size = min(workers, len(_chunk_bounds(len(records))))
+    pool_size = _pool_size(len(records), workers)
     results = (
         _parallel(records, tok, spec, pool_size)
         if pool_size > 1

@@ -147,7 +147,10 @@ class DataConfig:
         check=storage_url,
     )
     workers: int = knob(
-        0, "Tokenizer processes on a cache miss (0: one per CPU core).", check=non_negative
+        0,
+        "Tokenizer processes on a cache miss (0: one per CPU core); datasets under "
+        "16,384 records are tokenized in the trainer's process.",
+        check=non_negative,
     )
 
 
