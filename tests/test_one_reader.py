@@ -46,17 +46,19 @@ WARM_IMPORTS = (
     "transformers.models.llama.modeling_llama",
 )
 #: What a rank's RSS may grow by beyond the bytes it keeps and the one tensor in flight:
-#: the allocator's slack, the LoRA init on the CPU, peft's and FSDP2's bookkeeping, the
-#: lazily loaded modeling code (measured 2026-12-06: 18 MiB plain, 24 MiB nf4, on rank 1).
-MARGIN = 32 * MIB
+#: the LoRA init on the CPU, peft's and FSDP2's bookkeeping. Measured 2026-12-07 on rank 1,
+#: after the warm-up and with a fixed mmap threshold: within the tensor in flight (plain
+#: 123.1 MB for 107.1 kept + 16.8 in flight; nf4 25.6 MB for 19.9 + 16.8).
+MARGIN = 16 * MIB
 
 
-def write_random_llama(path: Path) -> int:
-    """A random-weight Llama as ``from_pretrained`` reads it; returns its weight bytes."""
+def write_random_llama(path: Path, **shape: int) -> int:
+    """A random-weight Llama as ``from_pretrained`` reads it (``LLAMA``, with ``shape``'s
+    changes); returns its weight bytes."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**LLAMA)
+    config = LlamaConfig(**(LLAMA | shape))
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
     gen = torch.Generator().manual_seed(0)
@@ -141,6 +143,33 @@ def _trimmed() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def _warm_up(cfg: Any, pg: Any) -> None:
+    """A first load of a tiny Llama, unmeasured: what a process imports and allocates
+    once, on its first load (modeling code, peft's and FSDP2's lazily imported modules),
+    is not what the load holds, and its size depends on what the process ran before
+    (rank 1 grew 20-27 MB beyond its shard here without it, 51 MB in one CI run)."""
+    from shoestring.train.baseload import load_base
+    from shoestring.train.strategy import FSDPStrategy
+
+    strategy = FSDPStrategy(torch.device("cpu"), pg, quantize=cfg.lora.quantize)
+    run = SimpleNamespace(strategy=strategy)
+    _built(cfg, strategy, load_base(cfg, run, Path(cfg.model.path), "").model)
+
+
+def _fixed_mmap_threshold() -> None:
+    """glibc serves a large block from mmap, and returns it to the system when freed,
+    until the first such free: then it raises its mmap threshold to that block's size
+    (up to 32 MiB), and later blocks come from the heap and stay there once freed. A rank
+    that receives 16 MiB tensors one at a time would then keep up to two of them cached,
+    more or less by the order of its frees (rank 1 grew 22-26 MB beyond its shard here,
+    51 MB in one CI run). A fixed threshold turns that off (mallopt(3)), so that the RSS
+    measures what the load holds."""
+    import ctypes
+
+    m_mmap_threshold = -3
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 128 * 1024)
+
+
 def _load_twice(cfg: Any, pg: Any) -> dict[str, Any]:
     """One rank: the base through one reader (RSS measured around it), then read alone
     (today's way) for the comparison."""
@@ -171,6 +200,7 @@ def _load_twice(cfg: Any, pg: Any) -> dict[str, Any]:
 def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    _fixed_mmap_threshold()
     for name in WARM_IMPORTS:  # what the load imports, before measuring it
         importlib.import_module(name)
     from shoestring.config import load
@@ -179,9 +209,11 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     flags = ["--model.path", model_dir, "--model.dtype", "float32", "--lora.dropout", "0"]
     flags += ["--distributed.strategy", "fsdp", "--lora.cache_quantized", "false"]
+    tiny = ["--model.path", str(Path(model_dir).parent / "tiny")]
     results = {}
     with ProcessGroups(DistEnv(rank=rank, world_size=2, source="torchrun"), "gloo", 120) as pg:
         for quantize in QUANTIZE:
+            _warm_up(load(FinetuneConfig, None, [*flags, *tiny, "--lora.quantize", quantize]), pg)
             cfg = load(FinetuneConfig, None, [*flags, "--lora.quantize", quantize])
             results[quantize] = _load_twice(cfg, pg)
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -190,6 +222,14 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def random_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     path = tmp_path_factory.mktemp("llama") / "model"
+    write_random_llama(
+        path.parent / "tiny",
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+    )
     return path, write_random_llama(path)
 
 
