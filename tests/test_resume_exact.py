@@ -49,6 +49,20 @@ def test_sigkill_without_notice_then_resume_is_bit_exact(
     (resume,) = [e for e in read_events(out) if e["event"] == "resume"]
     assert resume["from_step"] == committed and resume["steps_lost"] == last - committed
     assert state_digest(out, 12) == reference
+    _rerun_loses_nothing(cli, out, args, reference)
+
+
+def _rerun_loses_nothing(cli: CLI, out: Path, args: list[str], reference: dict[str, str]) -> None:
+    """The same command again, on a finished run: it trains no step and changes nothing;
+    ``--resume never`` refuses to write over its checkpoints."""
+    r = cli.run(out, *args)
+    assert r.returncode == 0, r.stderr
+    starts = [e for e in read_events(out) if e["event"] == "run_start"]
+    assert len(starts) == 3 and starts[-1]["step"] == 12
+    assert not [e for e in read_events(out) if e["event"] == "step" and e["ts"] > starts[-1]["ts"]]
+    assert state_digest(out, 12) == reference
+    r = cli.run(out, *args, "--resume", "never")
+    assert r.returncode == exitcodes.USAGE and "already has checkpoints" in r.stderr
 
 
 def _kill_after_a_commit(out: Path, p: subprocess.Popen[str]) -> tuple[int, int]:
@@ -93,19 +107,6 @@ def test_sigterm_preempts_with_emergency_checkpoint(
     assert d == reference
 
 
-def test_rerun_after_completion_loses_nothing(
-    cli: CLI, tmp_path: Path, reference: dict[str, str]
-) -> None:
-    out = tmp_path / "run"
-    assert cli.run(out, *FAST).returncode == 0
-    r = cli.run(out, *FAST)
-    assert r.returncode == 0, r.stderr
-    starts = [e for e in read_events(out) if e["event"] == "run_start"]
-    assert starts[-1]["step"] == 12
-    assert not [e for e in read_events(out) if e["event"] == "step" and e["ts"] > starts[-1]["ts"]]
-    assert state_digest(out, 12) == reference
-
-
 @pytest.mark.slow  # refusal: tests/test_early_errors.py; the new schedule: test_training_options
 def test_changed_config_refuses_resume_but_max_steps_may_change(cli: CLI, tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -121,13 +122,6 @@ def test_changed_config_refuses_resume_but_max_steps_may_change(cli: CLI, tmp_pa
     assert r.returncode == 0, r.stderr
     assert [e for e in read_events(out) if e["event"] == "resume"][-1]["from_step"] == 4
     assert (out / "checkpoints" / "step-00000014").is_dir()
-
-
-def test_resume_never_refuses_to_clobber(cli: CLI, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    assert cli.run(out, *FAST, "--train.max_steps", "4").returncode == 0
-    r = cli.run(out, *FAST, "--train.max_steps", "4", "--resume", "never")
-    assert r.returncode == exitcodes.USAGE and "already has checkpoints" in r.stderr
 
 
 @pytest.mark.slow  # bf16 autocast is the GPU path (gpu_check sigkill_resume); CPU runs fp32
