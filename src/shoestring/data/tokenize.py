@@ -267,8 +267,10 @@ def _sequential(records: Sequence[Record], tok: Any, spec: TokenizeSpec) -> Chun
 
 
 def _caught_signals() -> tuple[int, ...]:
-    """The signals this process handles in Python: its preemption notices, Ctrl-C."""
-    return tuple(s for s in signal.valid_signals() if callable(signal.getsignal(s)))
+    """The signals this process handles in Python: its preemption notices, Ctrl-C (not
+    SIGCHLD, which ignored would change how a process's children are reaped)."""
+    caught = (s for s in signal.valid_signals() if callable(signal.getsignal(s)))
+    return tuple(s for s in caught if s != signal.SIGCHLD)
 
 
 @contextmanager
