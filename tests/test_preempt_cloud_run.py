@@ -1,12 +1,13 @@
 """Cloud notices during a real run, one per provider, back to back.
 
-One training job (the FAST run, 12 steps) is preempted three times: by an AWS,
-then a GCP, then an Azure fake metadata server, each flipping at a random
-(seeded) moment one or two steps into the attempt. Every attempt must commit
-its checkpoint within the provider's deadline and exit 75; every resume must
-start at exactly the committed step (no optimizer step lost); the fourth
-attempt finishes, and its final state must be byte-identical to an undisturbed
-run. One chain instead of three separate runs saves two process starts of CI.
+One training job (the FAST run, 12 steps) is preempted by an AWS, then a GCP, then an
+Azure fake metadata server, each flipping at a random (seeded) moment one or two steps
+into the attempt. Every attempt must commit its checkpoint within the provider's deadline
+and exit 75; every resume must start at exactly the committed step (no optimizer step
+lost); the last attempt finishes, and its final state must be byte-identical to an
+undisturbed run. CI runs the chain with GCP alone (the shortest deadline, 30 s): each
+provider's watcher (its headers, tokens, long polls and notice shapes) is tested against
+its fake server in tests/test_preempt_cloud.py, and the rest of the path is the same.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from shoestring.preempt.fakes import GRACE_S, FakeMetadataServer
 PROVIDERS = ("aws", "gcp", "azure")
 
 
+@pytest.mark.parametrize(
+    "providers", [("gcp",), pytest.param(PROVIDERS, marks=pytest.mark.slow)], ids=["gcp", "all"]
+)
 def test_each_provider_notice_commits_in_time_and_resume_is_exact(
-    cli: CLI, tmp_path: Path, reference: dict[str, str]
+    cli: CLI, tmp_path: Path, reference: dict[str, str], providers: tuple[str, ...]
 ) -> None:
     rng = random.Random(20261203)  # seeded: a failure replays the same moments
     out = tmp_path / "run"
     resumed_from = 0
-    for provider in PROVIDERS:
+    for provider in providers:
         args = [*FAST, "--preempt.cloud", provider, "--preempt.poll_s", "0.05"]
         notice_after_step = resumed_from + rng.randint(1, 2 if provider == "aws" else 1)
         jitter_s = rng.uniform(0.0, 0.06)  # somewhere inside the next step
@@ -85,7 +89,7 @@ def test_each_provider_notice_commits_in_time_and_resume_is_exact(
     ev = read_events(out)
     resume = [e for e in ev if e["event"] == "resume"][-1]
     assert resume["from_step"] == resumed_from and resume["steps_lost"] == 0
-    assert len([e for e in ev if e["event"] == "notice"]) == len(PROVIDERS)
+    assert len([e for e in ev if e["event"] == "notice"]) == len(providers)
     assert state_digest(out, 12) == reference
 
 
