@@ -41,8 +41,8 @@ from shoestring.proc import die_with_parent
 #: Records per unit of work: ``should_stop`` is polled and progress shown per chunk.
 CHUNK = 1024
 #: Fewer records than this are tokenized in this process: a worker is a fresh interpreter
-#: that imports the tokenizer's library first. On 2 cores (2026-12-07), pairs of ~1,300
-#: tokens: 4,000 records took 2.9 s here, 5.2 s on 2 workers; 16,000 took 13.5 s and 12.5 s.
+#: that imports the tokenizer's library first. Where a pool starts to pay on 2 cores:
+#: benchmarks/tokenize_pool.py (benchmarks/README.md).
 MIN_PARALLEL_RECORDS = 16 * CHUNK
 #: A text piece (a text, a prompt, a completion, a rendered conversation) of at most this
 #: many characters per token of ``data.max_length`` (+ :data:`SLACK`) is tokenized whole.
