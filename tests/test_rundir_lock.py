@@ -90,8 +90,8 @@ def test_a_second_finetune_on_a_busy_output_dir_exits_2_at_once(cli: CLI, tmp_pa
     finally:
         first.kill()
         first.wait()
-    r = cli.run(out, *FAST)  # the killed job left no stale lock: this one resumes
-    assert r.returncode == 0, r.stderr[-2000:]
+    with hold(out, "x"):  # the killed job left no stale lock
+        pass
 
 
 @pytest.mark.parametrize("where", ["is_a_file", "under_a_file"])
