@@ -212,6 +212,19 @@ def test_many_workers_give_the_same_examples_as_one(monkeypatch: pytest.MonkeyPa
     assert two == one
 
 
+def test_a_chunk_with_every_record_dropped_comes_back_empty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _small_chunks(monkeypatch, 4)
+    tok = chatml_tokenizer()
+    records = [Record(f"t.jsonl:{i}", text="long " * 200) for i in range(4)]
+    records += [Record(f"t.jsonl:{i}", text=f"short {i}") for i in range(4, 12)]
+    spec = TokenizeSpec(64, truncate="drop")
+    one = tokenize_records(records, tok, spec, workers=1)
+    assert one[1].dropped == 4 and one[1].samples == 8
+    assert tokenize_records(records, tok, spec, workers=2) == one
+
+
 def test_a_bad_record_in_a_worker_fails_with_its_source(monkeypatch: pytest.MonkeyPatch) -> None:
     _small_chunks(monkeypatch, 4)
     tok = chatml_tokenizer()
