@@ -339,6 +339,21 @@ def test_refused_requeue_is_recorded() -> None:
     assert events[1][1]["scontrol_rc"] == 1 and "requeue refused" in events[1][1]["reason"]
 
 
+def test_a_requeue_whose_scontrol_slurm_kills_is_done_not_refused() -> None:
+    """A successful requeue ends the job at once: Slurm's SIGTERM can reach scontrol
+    before it exits (seen in CI on the real cluster). That is no refusal."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    assert requeue_after_signal(
+        "auto",
+        SLURM,
+        signal.SIGUSR1,
+        75,
+        run=FakeScontrol(rc=-signal.SIGTERM),
+        emit=lambda e, **f: events.append((e, f)),
+    )
+    assert [e for e, _ in events] == ["requeue"]
+
+
 CHILD = """\
 import signal, sys, time, pathlib
 signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))

@@ -309,8 +309,9 @@ def requeue_after_signal(
 
     The ``requeue`` event is written *before* ``scontrol requeue``: a successful requeue
     kills this job step at once (srun forwards the SIGTERM and then kills its tasks), so
-    afterwards there may be no time to write anything. A refusal leaves us running, and
-    is recorded as ``no_requeue``, like every reason not to try. Returns whether Slurm
+    afterwards there may be no time to write anything (scontrol itself may be killed on
+    its way out: that is the requeue working). A refusal leaves us running, and is
+    recorded as ``no_requeue``, like every reason not to try. Returns whether Slurm
     accepted the requeue.
     """
     job_id = env.get("SLURM_JOB_ID", "")
@@ -359,6 +360,11 @@ def _scontrol_requeue(
     log.warning("requeueing Slurm job %s (scontrol requeue)", job_id)
     announce()
     r = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+    if r.returncode < 0:
+        # The requeue taking effect: Slurm ends this job at once and signals every process
+        # of it, scontrol too, which it may reach before scontrol has exited.
+        log.warning("scontrol requeue ended by signal %d: Slurm is requeueing", -r.returncode)
+        return True
     if r.returncode != 0:
         return no(
             f"scontrol requeue: {(r.stdout + r.stderr).strip()[:300]}", scontrol_rc=r.returncode
