@@ -186,9 +186,11 @@ def test_drop_skips_samples_over_max_length_and_counts_them() -> None:
     assert right.samples == 4 and right.truncated == 2 and right.dropped == 0
 
 
-def _pool_workers() -> int:
-    """This process's spawned pool workers (not its resource tracker, not servers)."""
-    return sum("spawn_main" in " ".join(child.cmdline()) for child in psutil.Process().children())
+def _pool_workers(parent: psutil.Process | None = None) -> int:
+    """The spawned pool workers of ``parent`` (this process by default), not its resource
+    tracker, not servers."""
+    children = (parent or psutil.Process()).children()
+    return sum("spawn_main" in " ".join(child.cmdline()) for child in children)
 
 
 def _small_chunks(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
@@ -357,7 +359,7 @@ def test_a_notice_to_the_whole_job_stops_tokenizing_cleanly(tmp_path: Path) -> N
         assert p.stdout is not None and p.stdout.readline().strip() == b"start"
         parent = psutil.Process(p.pid)
         deadline = time.monotonic() + 60
-        while sum("spawn_main" in " ".join(c.cmdline()) for c in parent.children()) < 2:
+        while _pool_workers(parent) < 2:
             assert time.monotonic() < deadline, "no workers started"
             time.sleep(0.02)
         os.killpg(p.pid, signal.SIGTERM)  # the workers are still importing
