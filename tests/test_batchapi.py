@@ -178,6 +178,21 @@ def test_response_formats_are_read_on_both_endpoints() -> None:
     assert isinstance(text, Request) and text.sampling == Sampling(max_tokens=16)
 
 
+def test_tools_let_the_model_choose_unless_tool_choice_says() -> None:
+    """OpenAI's default with tools is "auto": a free answer (no format held), read back
+    in the model's own syntax later; "required" holds the answer to the calls' schema."""
+    for req in (parse(chat("a", tools=[TOOL])), parse(chat("b", tools=[TOOL], tool_choice="auto"))):
+        assert isinstance(req, Request) and req.tool_use is not None
+        assert req.tool_use.mode == "auto" and req.sampling.response_format is None
+        assert [f.name for f in req.tool_use.functions] == ["lookup"]
+    held = parse(chat("c", tools=[TOOL], tool_choice="required", parallel_tool_calls=False))
+    assert isinstance(held, Request) and held.tool_use is not None
+    assert held.tool_use.mode == "required" and not held.tool_use.parallel
+    assert held.sampling.response_format is not None
+    text = parse(chat("d", tools=[TOOL], tool_choice="none"))
+    assert isinstance(text, Request) and text.tool_use is None and text.tools is not None
+
+
 def test_a_completion_prompt_may_be_its_token_ids() -> None:
     req = parse(completion("ids", prompt=[17, 0, 42]))
     assert isinstance(req, Request)
@@ -281,8 +296,12 @@ BAD: list[tuple[Any, str | None, str, str]] = [
     (chat("n2", n=2), "body.n", "unsupported", "only n=1 is supported"),
     (chat("nb2", n=True), "body.n", "invalid_request", "integer"),
     (chat("st", stream=True), "body.stream", "unsupported", "stream=false"),
-    (chat("tools", tools=[TOOL]), "body.tool_choice", "unsupported", "'auto' (the default"),
-    (chat("ta", tools=[TOOL], tool_choice="auto"), "body.tool_choice", "unsupported", "parser"),
+    (
+        chat("tarf", tools=[TOOL], response_format={"type": "json_object"}),
+        "body.response_format",
+        "unsupported",
+        "tool_choice 'auto' (the default",
+    ),
     (
         chat("tt", tools=[{"type": "retrieval"}]),
         "body.tools[0].type",
@@ -317,7 +336,7 @@ BAD: list[tuple[Any, str | None, str, str]] = [
         chat("tcx", tools=[TOOL], tool_choice="always"),
         "body.tool_choice",
         "invalid_request",
-        '"none", "required"',
+        '"none", "auto", "required"',
     ),
     (
         chat("trf", tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),

@@ -40,7 +40,18 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_chat_model(tmp_path_factory.mktemp("chat") / "tiny-chat")
+    """The tiny ChatML model, its tokenizer carrying Qwen's response template (for
+    tool_choice "auto"), as transformers serve has it for the Qwen 2 family."""
+    from shoestring.hf import load_tokenizer
+    from shoestring.infer.toolsyntax import find_syntax
+
+    model = tiny_chat_model(tmp_path_factory.mktemp("chat") / "tiny-chat")
+    tok = load_tokenizer(model)
+    syntax = find_syntax(tok, "qwen2")
+    assert syntax is not None
+    tok.response_template = syntax.template
+    tok.save_pretrained(model)
+    return model
 
 
 def chat(cid: str, text: str, fmt: Any = None, **body: Any) -> dict[str, Any]:
@@ -337,8 +348,10 @@ def test_tools_are_called_as_the_tool_choice_says(chat_model: Path, tmp_path: Pa
         chat("any", ask, tool_choice="required", temperature=0, **both),
         chat("none", ask, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=8),
         chat("plain", ask, temperature=0, max_tokens=8),
+        chat("auto", ask, temperature=0, **both),  # tool_choice absent: "auto"
+        chat("free", ask, tool_choice="none", temperature=0, **both),
     ]
-    lines = {x["custom_id"]: x for x in _run(chat_model, tmp_path, reqs, "--batch-size", "5")}
+    lines = {x["custom_id"]: x for x in _run(chat_model, tmp_path, reqs, "--batch-size", "7")}
     for x in lines.values():
         ChatCompletion.model_validate(x["response"]["body"])  # the openai package's own type
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
@@ -366,3 +379,12 @@ def test_tools_are_called_as_the_tool_choice_says(chat_model: Path, tmp_path: Pa
         and "tool_calls" not in none["choices"][0]["message"]
     )
     assert none["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+    # "auto": the answer is free (no grammar holds it): greedy, it is the "none" answer's
+    # tokens, read back as text, unless the model happened to call a tool in Qwen's syntax.
+    auto, free = _choice(lines["auto"]), _choice(lines["free"])
+    if auto["finish_reason"] == "tool_calls":
+        assert calls("auto") and "<tool_call>" in free["message"]["content"]
+    else:
+        assert auto["message"] == free["message"] and auto["finish_reason"] == free["finish_reason"]
+    usage = [lines[c]["response"]["body"]["usage"] for c in ("auto", "free")]
+    assert usage[0] == usage[1]

@@ -23,7 +23,7 @@ Design choices:
   Integers reject booleans and floats (``1.5``, ``true``, ``"10"``). ``null`` reads as
   absent for every optional field, as in the OpenAI API.
 * **Supported, or refused.** OpenAI fields this engine cannot honour (``n`` > 1,
-  ``stream``, penalties other than 0, ``tool_choice`` ``"auto"``, ``functions``,
+  ``stream``, penalties other than 0, ``functions``,
   ``echo``, ``suffix``, ``best_of`` > 1, several prompts in one line) give code
   ``unsupported``
   rather than being ignored; ``user``, ``metadata`` and ``store`` are accepted and
@@ -31,7 +31,8 @@ Design choices:
   (``json_object``, ``json_schema``) is honoured on both endpoints, as vLLM does; the
   answer is held to it token by token (:mod:`shoestring.infer.structured`); so are
   tool calls (``tools`` with ``tool_choice`` ``"required"`` or a named function,
-  :mod:`shoestring.infer.tools`).
+  :mod:`shoestring.infer.tools`). ``"auto"``, the default with tools, answers freely
+  and reads calls back in the model's own syntax (:mod:`shoestring.infer.toolsyntax`).
 * **Deterministic output.** Ids are sha256 digests of the job id, the line number and
   the ``custom_id``; ``created`` comes from the caller, so a resumed or re-run job writes
   byte-identical lines. Logprobs of ``-inf`` are written as ``-9999.0`` (what OpenAI
@@ -143,6 +144,7 @@ class Answer:
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[tuple[str, str], ...] = ()  # (name, arguments JSON) per call
+    reasoning: str | None = None  # what a response template read as reasoning, beside calls
 
 
 class _Bad(Exception):
@@ -368,8 +370,9 @@ def _json_schema(spec: Any, where: str) -> ResponseFormat:
 
 def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, ToolUse | None]:
     """``tools`` (rendered into the prompt) and how the answer must call them:
-    ``tool_choice`` ``"none"`` (a text answer), ``"required"`` or a named function (tool
-    calls, :mod:`shoestring.infer.tools`); ``"auto"``, the default, is refused."""
+    ``tool_choice`` ``"none"`` (a text answer), ``"auto"`` (the default: text or calls,
+    the model's choice), ``"required"`` or a named function (tool calls,
+    :mod:`shoestring.infer.tools`)."""
     tools = body.get("tools")
     if tools is None:
         if body.get("tool_choice") is not None:
@@ -391,7 +394,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, Too
         return tuple(tools), None
     if isinstance(choice, Function):
         return tuple(tools), ToolUse("named", (choice,), parallel)
-    return tuple(tools), ToolUse("required", tuple(functions), parallel)
+    return tuple(tools), ToolUse(choice, tuple(functions), parallel)
 
 
 def _function(tool: Any, where: str) -> Function:
@@ -417,24 +420,17 @@ def _function(tool: Any, where: str) -> Function:
     return Function(name, NO_PARAMETERS if params is None else json.dumps(params))
 
 
-def _tool_choice(choice: Any, functions: list[Function]) -> Literal["none", "required"] | Function:
-    """``"none"``, ``"required"`` or the named :class:`Function`."""
+def _tool_choice(
+    choice: Any, functions: list[Function]
+) -> Literal["none", "auto", "required"] | Function:
+    """``"none"``, ``"auto"``, ``"required"`` or the named :class:`Function`."""
     where = "body.tool_choice"
-    if choice == "auto":
-        raise _Bad(
-            where,
-            "'auto' (the default with tools) is not supported: telling a call from text "
-            'needs the model family\'s tool-call parser; use "required" or name the '
-            "function, and the answer is held to the tools' JSON Schemas",
-            "unsupported",
-        )
-    if choice == "none":
-        return "none"
-    if choice == "required":
-        return "required"
+    if choice in ("none", "auto", "required"):
+        return choice  # type: ignore[no-any-return]
     if not isinstance(choice, dict) or choice.get("type") != "function":
         raise _Bad(
-            where, 'must be "none", "required" or {"type": "function", "function": {"name": ...}}'
+            where,
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
         )
     _check_keys(choice, ("type", "function"), f"{where}.")
     spec = choice.get("function")
@@ -560,12 +556,23 @@ def _request(obj: Any, line: int, default_max_tokens: int) -> Request:
     ids = prompt if isinstance(prompt, tuple) else None
     sampling = _sampling(body, endpoint, default_max_tokens)
     tools, use = _tools(body) if chat else (None, None)
-    if use is not None:
-        if sampling.response_format is not None:
-            raise _Bad("body.response_format", "cannot go with a tool_choice that calls a tool")
+    if use is not None and sampling.response_format is not None:
+        raise _Bad("body.response_format", *_format_with_tools(use))
+    if use is not None and use.mode != "auto":
         sampling = replace(sampling, response_format=use.response_format())
     text = prompt if isinstance(prompt, str) else ""
     return Request(line, custom_id, endpoint, model, sampling, text, messages, tools, use, ids)
+
+
+def _format_with_tools(use: ToolUse) -> tuple[str, str]:
+    """Why a ``response_format`` cannot go with these tools, and the error's code."""
+    if use.mode != "auto":
+        return "cannot go with a tool_choice that calls a tool", "invalid_request"
+    why = (
+        "cannot go with tool_choice 'auto' (the default with tools): an answer held to "
+        'the format could not call a tool; use tool_choice "none" for a held text answer'
+    )
+    return why, "unsupported"
 
 
 def _decode(raw: bytes, line: int) -> Any:
@@ -664,7 +671,9 @@ def _completion_logprobs(tokens: tuple[TokenLogprob, ...]) -> dict[str, Any]:
 
 
 def _message(req: Request, ans: Answer, job_id: str) -> dict[str, Any]:
-    """The assistant's message: its text, or its tool calls (ids derived like the rest)."""
+    """The assistant's message: its text, or its tool calls (ids derived like the rest)
+    with the text beside them (``"auto"``) and the reasoning a response template reads
+    apart (``reasoning_content``, as vLLM and DeepSeek name it)."""
     if not ans.tool_calls:
         return {"role": "assistant", "content": ans.text}
     calls = [
@@ -675,7 +684,10 @@ def _message(req: Request, ans: Answer, job_id: str) -> dict[str, Any]:
         }
         for k, (name, arguments) in enumerate(ans.tool_calls)
     ]
-    return {"role": "assistant", "content": None, "tool_calls": calls}
+    message = {"role": "assistant", "content": ans.text or None, "tool_calls": calls}
+    if ans.reasoning is not None:
+        message["reasoning_content"] = ans.reasoning
+    return message
 
 
 def _choice(req: Request, ans: Answer, job_id: str) -> dict[str, Any]:

@@ -168,13 +168,18 @@ def _chat_template(cfg: InferConfig) -> str | None:
         raise ConfigError(f"generate.chat_template: {e}") from None
 
 
-def _config_counts(model_dir: Path, *keys: str) -> list[int | None]:
-    """Positive integers of the model's config.json, read once (None where it names
-    none): the context (``max_position_embeddings``), the logits' width (``vocab_size``)."""
+def _config_doc(model_dir: Path) -> dict[str, Any]:
+    """The model's config.json, read once ({} when there is none to read)."""
     try:
         doc = read_config_json(model_dir)
     except (OSError, ValueError):
-        doc = {}
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _counts(doc: dict[str, Any], *keys: str) -> list[int | None]:
+    """Positive integers of the model's config (None where it names none): the context
+    (``max_position_embeddings``), the logits' width (``vocab_size``)."""
     return [n if isinstance(n := doc.get(k), int) and n > 0 else None for k in keys]
 
 
@@ -182,9 +187,15 @@ def _work(cfg: InferConfig, given: Input, tok: Any, template: str | None, model_
     """The input tokenized: an OpenAI batch file's requests, or the job's own lines
     (continued as ``generate.*`` says)."""
     g = cfg.generate
-    context, vocab = _config_counts(model_dir, "max_position_embeddings", "vocab_size")
+    doc = _config_doc(model_dir)
+    context, vocab = _counts(doc, "max_position_embeddings", "vocab_size")
     if given.items is not None:
-        return tokenize_requests(given.items, tok, template, context, g.seed, cfg.io.input, vocab)
+        kind = doc.get("model_type")
+        model_type = kind if isinstance(kind, str) else None
+        path = cfg.io.input
+        return tokenize_requests(
+            given.items, tok, template, context, g.seed, path, vocab, model_type
+        )
     assert given.records is not None
     fmt = read_schema_file(g.json_schema) if g.json_schema else None
     sampling = Sampling(g.max_new_tokens, g.temperature, g.top_p, g.top_k, response_format=fmt)

@@ -23,6 +23,7 @@ from shoestring.infer.batchapi import error_line as error_json
 from shoestring.infer.decode import Generated
 from shoestring.infer.sampling import StopStrings
 from shoestring.infer.structured import Grammars
+from shoestring.infer.toolsyntax import Reply, ToolSyntax, read_reply
 
 Item = Request | LineError
 
@@ -92,43 +93,75 @@ def format_grammar(item: Item, grammars: Grammars | None, path: str) -> tuple[It
         return _refused(item, path, param, f"the schema cannot be used: {e}"), None
 
 
-def _refused(req: Request, path: str, param: str, why: str) -> LineError:
+def syntax_known(item: Item, syntax: ToolSyntax | None, missing: str, path: str) -> Item:
+    """The request, or the error line it becomes when its ``tool_choice`` is ``"auto"``
+    and the model's tool-call syntax is unknown (``missing`` says why)."""
+    if isinstance(item, LineError) or syntax is not None:
+        return item
+    if item.tool_use is None or item.tool_use.mode != "auto":
+        return item
+    return _refused(item, path, "body.tool_choice", missing, "unsupported")
+
+
+def _refused(
+    req: Request, path: str, param: str, why: str, code: str = "invalid_request"
+) -> LineError:
     where = f"{path}:{req.line}: {param}"
-    return LineError(req.line, req.custom_id, "invalid_request", param, f"{where}: {why}")
+    return LineError(req.line, req.custom_id, code, param, f"{where}: {why}")
 
 
 def answer_lines(
-    items: list[Item], prompt_lens: list[int], results: list[list[Generated]], tok: Any,
-    meta: Answering,
+    items: list[Item], prompts: list[list[int]], results: list[list[Generated]], tok: Any,
+    meta: Answering, syntax: ToolSyntax | None = None,
 ) -> list[str]:  # fmt: skip
-    """One output line per item (``results``: per item, its one generation or none)."""
+    """One output line per item (``prompts``: per item, its prompt tokens; ``results``:
+    per item, its one generation or none; ``syntax``: how ``"auto"`` answers call tools)."""
     lines = []
-    for item, n, res in zip(items, prompt_lens, results):
+    for item, prompt, res in zip(items, prompts, results):
         if isinstance(item, LineError):
             doc = error_json(item, job_id=meta.job_id)
         else:
-            ans = _answer(item, n, res[0], tok)
+            ans = _answer(item, prompt, res[0], tok, syntax)
             doc = answer_json(item, ans, job_id=meta.job_id, model=meta.model, created=meta.created)
         lines.append(json.dumps(doc, ensure_ascii=False))
     return lines
 
 
-def _answer(req: Request, prompt_len: int, g: Generated, tok: Any) -> Answer:
+def _answer(
+    req: Request, prompt: list[int], g: Generated, tok: Any, syntax: ToolSyntax | None
+) -> Answer:
     stops = req.sampling.stop
     text = (
         StopStrings(tok, stops).text(g.tokens)
         if stops
         else tok.decode(g.tokens, skip_special_tokens=True)
     )
-    calls = req.tool_use.calls(text) if req.tool_use and g.finish != "length" else None
+    reply = _reply(req, prompt, g, text, tok, syntax) if g.finish != "length" else None
     return Answer(
-        text="" if calls else text,
-        finish_reason="length" if g.finish == "length" else "tool_calls" if calls else "stop",
-        prompt_tokens=prompt_len,
+        text=text if reply is None else reply.content or "",
+        finish_reason="length" if g.finish == "length" else "tool_calls" if reply else "stop",
+        prompt_tokens=len(prompt),
         completion_tokens=len(g.tokens),
         logprobs=_logprobs(g, tok) if req.sampling.logprobs else None,
-        tool_calls=calls or (),
+        tool_calls=reply.calls if reply else (),
+        reasoning=reply.reasoning if reply else None,
     )
+
+
+def _reply(
+    req: Request, prompt: list[int], g: Generated, text: str, tok: Any, syntax: ToolSyntax | None
+) -> Reply | None:
+    """The tool calls a finished answer makes (None: it answers in text)."""
+    use = req.tool_use
+    if use is None:
+        return None
+    if use.mode != "auto":
+        calls = use.calls(text)
+        return Reply(None, None, calls) if calls else None
+    assert syntax is not None and req.tools is not None, "auto lines without a syntax are refused"
+    if req.sampling.stop:  # the stop strings cut the text: read the text, after the prompt's
+        return read_reply(syntax, tok, text, tok.decode(prompt), req.tools, use.parallel)
+    return read_reply(syntax, tok, g.tokens, prompt, req.tools, use.parallel)
 
 
 def _logprobs(g: Generated, tok: Any) -> tuple[TokenLogprob, ...]:

@@ -1,8 +1,9 @@
-"""Function calling in OpenAI batch files: ``tools`` with a ``tool_choice`` that makes
-the model call one (``"required"``, or a function named), answered as ``tool_calls``.
+"""Function calling in OpenAI batch files: ``tools`` with a ``tool_choice``, answered
+as ``tool_calls``.
 
-The tools are rendered into the prompt by the chat template, as for training. The
-answer is then held to JSON (:mod:`shoestring.infer.structured`), as vLLM does for
+The tools are rendered into the prompt by the chat template, as for training. When
+the ``tool_choice`` makes the model call one (``"required"``, or a function named),
+the answer is held to JSON (:mod:`shoestring.infer.structured`), as vLLM does for
 these two choices:
 
 * a named function: the function's ``parameters`` schema; the answer is that call's
@@ -12,10 +13,9 @@ these two choices:
   ``parallel_tool_calls`` is false).
 
 ``"none"`` renders the tools and answers in text. ``"auto"`` (the default when tools
-are given) is refused: telling a call from text means parsing the model family's own
-tool-call syntax (Hermes' ``<tool_call>``, Llama 3's JSON, Mistral's
-``[TOOL_CALLS]``), which is not done here. Imports no torch: the batch-file parser
-uses it.
+are given) lets the model choose: its answer is generated freely and read back in
+the model family's own tool-call syntax (:mod:`shoestring.infer.toolsyntax`).
+Imports no torch: the batch-file parser uses it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any, Literal
 
 from shoestring.infer.sampleparams import ResponseFormat
 
-#: A tool_choice this module answers: one named function, or any of the tools.
-ToolMode = Literal["named", "required"]
+#: A tool_choice that calls tools: one named function, any of the tools (held to
+#: JSON), or the model's choice (read back in its own syntax).
+ToolMode = Literal["named", "required", "auto"]
 #: A function's ``parameters`` when it gives none: an object with no fields.
 NO_PARAMETERS = '{"type": "object", "properties": {}}'
 
@@ -46,8 +47,10 @@ class ToolUse:
     functions: tuple[Function, ...]  # named: the one named
     parallel: bool = True
 
-    def response_format(self) -> ResponseFormat:
-        """What the answer is held to (the module docstring)."""
+    def response_format(self) -> ResponseFormat | None:
+        """What the answer is held to (the module docstring); None: nothing ("auto")."""
+        if self.mode == "auto":
+            return None
         if self.mode == "named":
             f = self.functions[0]
             return ResponseFormat("json_schema", f.parameters, f"tool:{f.name}")
@@ -67,8 +70,9 @@ class ToolUse:
         return ResponseFormat("json_schema", json.dumps(schema), "tool_calls")
 
     def calls(self, text: str) -> tuple[tuple[str, str], ...] | None:
-        """(name, arguments as JSON text) of each call the answer makes; None when the
-        answer is not complete JSON (cut by its length limit)."""
+        """(name, arguments as JSON text) of each call a held answer makes; None when
+        the answer is not complete JSON (cut by its length limit)."""
+        assert self.mode != "auto", "an auto answer is read in the model's syntax"
         try:
             doc = json.loads(text)
         except ValueError:

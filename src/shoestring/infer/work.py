@@ -21,10 +21,18 @@ from shoestring.infer.batchapi import Request
 from shoestring.infer.config import Mode
 from shoestring.infer.decode import Generated, Rules, Scored
 from shoestring.infer.inputs import InputRecord
-from shoestring.infer.requests import Answering, Item, answer_lines, format_grammar, request_ids
+from shoestring.infer.requests import (
+    Answering,
+    Item,
+    answer_lines,
+    format_grammar,
+    request_ids,
+    syntax_known,
+)
 from shoestring.infer.sampleparams import Choice, Sampling
 from shoestring.infer.sampling import StopStrings
 from shoestring.infer.structured import Grammars
+from shoestring.infer.toolsyntax import ToolSyntax, find_syntax, no_syntax
 
 #: The input's kind: shoestring's own lines, or an OpenAI batch file.
 InputKind = Literal["lines", "openai"]
@@ -58,6 +66,7 @@ class Work:
     kind: InputKind = "lines"
     continuations: list[Continuation] = field(default_factory=list)  # per record
     grammars: Grammars | None = None  # when any record has a response format
+    tool_syntax: ToolSyntax | None = None  # when any record lets the model choose its tools
 
     def sequences(self, records: Sequence[int]) -> list[tuple[int, int]]:
         """(record, sequence) of every sequence of ``records``, in order."""
@@ -215,15 +224,23 @@ def tokenize_requests(
     seed: int,
     path: str,
     vocab_size: int | None = None,
+    model_type: str | None = None,
 ) -> Work:
     """An OpenAI batch file's work: each request's prompt, limit, sampling, stop
-    strings and response format (compiled for a model of ``vocab_size`` logits);
-    lines that cannot be answered become error lines with no sequence."""
+    strings and response format (compiled for a model of ``vocab_size`` logits), and
+    the model's tool-call syntax (found by ``model_type``) when a request lets the
+    model choose; lines that cannot be answered become error lines with no sequence."""
     checked = [request_ids(item, tok, template, context, path, vocab_size) for item in items]
     reqs = [item if isinstance(item, Request) else None for item, _ in checked]
     eos, pad = _stops(any(r is not None and r.messages is not None for r in reqs), tok, template)
     wants = any(r is not None and r.sampling.response_format is not None for r in reqs)
     grammars = Grammars(tok, vocab_size or len(tok), eos) if wants else None
+    chooses = any(
+        r is not None and r.tool_use is not None and r.tool_use.mode == "auto" for r in reqs
+    )
+    syntax = find_syntax(tok, model_type) if chooses else None
+    missing = no_syntax(tok, model_type) if chooses and syntax is None else ""
+    checked = [(syntax_known(item, syntax, missing, path), ids) for item, ids in checked]
     held = [format_grammar(item, grammars, path) for item, _ in checked]
     return Work(
         [item for item, _ in held],
@@ -237,6 +254,7 @@ def tokenize_requests(
         "openai",
         [_continuation(item, grammar, seed) for item, grammar in held],
         grammars,
+        syntax,
     )
 
 
@@ -270,9 +288,9 @@ def output_lines(
     if work.kind == "openai":
         assert answering is not None, "an OpenAI batch job names its model and ids"
         items = [work.records[i] for i in records]
-        prompt_lens = [work.starts[i][0] if work.starts[i] else 0 for i in records]
+        prompts = [work.seqs[i][0] if work.seqs[i] else [] for i in records]
         gens: list[list[Generated]] = results  # type: ignore[assignment]
-        lines = answer_lines(items, prompt_lens, gens, tok, answering)  # type: ignore[arg-type]
+        lines = answer_lines(items, prompts, gens, tok, answering, work.tool_syntax)  # type: ignore[arg-type]
         return ("\n".join(lines) + "\n").encode()
     lines = []
     for r, res in zip((work.records[i] for i in records), results):

@@ -1,0 +1,124 @@
+"""``tool_choice`` ``"auto"``: reading a free answer as text or as tool calls.
+
+With ``"auto"`` the model decides: it may answer in text, or call tools in its
+family's own syntax (Qwen's ``<tool_call>{...}</tool_call>``, Gemma 4's
+``<|tool_call>call:name{...}<tool_call|>``). The answer is generated freely, then
+read back with transformers' response parser (``tokenizer.parse_response``, from
+transformers 5.13), driven by the model's *response template*:
+
+* the tokenizer's own ``response_template`` (``tokenizer_config.json``; models on
+  the Hub have started to ship one), else
+* the template ``transformers serve`` falls back on for the model's ``model_type``
+  (the Qwen 2/2.5/3, Qwen 3.5 and Gemma 4 families).
+
+A model with neither has no known syntax, and its ``"auto"`` lines are refused
+(``"required"`` and a named function need none: their answers are held to JSON).
+
+The parser reads the generated token ids with the prompt's as prefix, so special
+tokens only delimit a call when the model generated them as tokens, and a template
+that pre-writes part of the answer (an opened ``<think>``) is read right. An answer
+whose call does not parse (broken JSON, a call with no name) stays text, as vLLM's
+tool parsers leave it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+#: transformers' response parser (``tokenizer.parse_response``) arrived in 5.13.
+NEEDS = "transformers>=5.13"
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """A model family's tool-call syntax: a transformers ``response_template``."""
+
+    template: dict[str, Any]
+    source: str  # where it came from, for the run's record
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An ``"auto"`` answer read back: its text (None when it only calls tools), its
+    reasoning when the template separates it, and its calls (name, arguments JSON)."""
+
+    content: str | None
+    reasoning: str | None
+    calls: tuple[tuple[str, str], ...]
+
+
+def find_syntax(tok: Any, model_type: str | None) -> ToolSyntax | None:
+    """The tokenizer's response template, else transformers serve's for the model type."""
+    own = getattr(tok, "response_template", None)
+    if isinstance(own, dict):
+        return ToolSyntax(own, "the tokenizer's response_template")
+    if not hasattr(tok, "parse_response") or model_type is None:
+        return None
+    try:
+        from transformers.cli.serving.utils import get_response_template
+    except ImportError:  # moved in a later transformers: the tokenizer's own only
+        return None
+    config: Any = SimpleNamespace(model_type=model_type)  # all it reads of the config
+    known = get_response_template(tok, config)
+    if not isinstance(known, dict):
+        return None
+    return ToolSyntax(known, f"transformers serve's template for model type {model_type!r}")
+
+
+def no_syntax(tok: Any, model_type: str | None) -> str:
+    """Why ``"auto"`` cannot be read for this model, and what to do instead."""
+    if not hasattr(tok, "parse_response"):
+        import transformers
+
+        have = f"transformers {transformers.__version__} has no response parser (needs {NEEDS})"
+    else:
+        kind = f"model type {model_type!r}" if model_type else "a model with no model_type"
+        have = f"the tokenizer has no response_template and transformers knows none for {kind}"
+    return (
+        f"'auto' needs the model's tool-call syntax to tell a call from text: {have}; "
+        'add a response_template to tokenizer_config.json, or use tool_choice "required" '
+        "or name the function (answers held to the tools' JSON Schemas)"
+    )
+
+
+def read_reply(
+    syntax: ToolSyntax,
+    tok: Any,
+    answer: list[int] | str,
+    prompt: list[int] | str,
+    tools: tuple[dict[str, Any], ...],
+    parallel: bool,
+) -> Reply | None:
+    """The answer as text and tool calls; None when it makes no call that parses
+    (then it is plain text). ``answer`` and ``prompt`` are both token ids or both text
+    (text when stop strings cut the answer). One call at most unless ``parallel``."""
+    try:
+        msg = tok.parse_response(answer, syntax.template, prefix=prompt, tools=list(tools))
+        calls = tuple(_call(c) for c in msg.get("tool_calls") or ())
+    except (ValueError, KeyError, TypeError):  # a call whose JSON is broken or shapeless
+        return None
+    if not calls:
+        return None
+    content = msg.get("content")
+    reasoning = msg.get("reasoning_content", msg.get("thinking"))
+    return Reply(
+        content if isinstance(content, str) and content.strip() else None,
+        reasoning if isinstance(reasoning, str) and reasoning.strip() else None,
+        calls if parallel else calls[:1],
+    )
+
+
+def _call(parsed: Any) -> tuple[str, str]:
+    """(name, arguments as compact JSON) of one parsed call."""
+    fn = parsed["function"]
+    name, args = fn["name"], fn.get("arguments", {})
+    if not isinstance(name, str) or not name:
+        raise TypeError("a tool call with no name")
+    if isinstance(args, str):
+        args = json.loads(args)
+    if not isinstance(args, dict):
+        raise TypeError("tool call arguments must be a JSON object")
+    return name, json.dumps(args, ensure_ascii=False, separators=(",", ":"))
