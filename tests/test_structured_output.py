@@ -388,3 +388,6 @@ def test_tools_are_called_as_the_tool_choice_says(chat_model: Path, tmp_path: Pa
         assert auto["message"] == free["message"] and auto["finish_reason"] == free["finish_reason"]
     usage = [lines[c]["response"]["body"]["usage"] for c in ("auto", "free")]
     assert usage[0] == usage[1]
+    events = (tmp_path / "out.jsonl.run" / "events.jsonl").read_text().splitlines()
+    start = next(e for e in map(json.loads, events) if e["event"] == "infer_start")
+    assert start["tool_syntax"] == "the tokenizer's response_template"

@@ -119,6 +119,7 @@ def open_ledger(job: InferJob) -> ChunkLedger:
         model_bytes=sum(engine.unit_bytes),
         streamed_bytes_per_pass=job.streamed_bytes,
         pid=os.getpid(),
+        **({"tool_syntax": job.work.tool_syntax.source} if job.work.tool_syntax else {}),
     )
     return ledger
 
