@@ -1,8 +1,10 @@
 """The streaming engine computes what the in-memory transformers model computes.
 
-Tiny random-init Llama, Mistral (sliding window) and Qwen2 models saved in many
-safetensors shards; every test compares against ``AutoModelForCausalLM`` on the
-same prompts, or measures bytes read and compression drift.
+Tiny random-init Llama, Mistral (sliding window), Qwen2 and two mixture-of-experts
+models (Qwen3-MoE, and Mixtral with its ``block_sparse_moe`` names: experts stored
+one tensor per expert, as on the Hub, and fused as transformers 5 runs them) saved
+in many safetensors shards; every test compares against ``AutoModelForCausalLM`` on
+the same prompts, or measures bytes read and compression drift.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from shoestring.infer.engine import MicroBatch, StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model
 
 CPU = torch.device("cpu")
-EXTRA = {"llama": {}, "mistral": {"sliding_window": 8}, "qwen2": {}}
+EXTRA: dict[str, dict[str, object]] = {
+    "llama": {},
+    "mistral": {"sliding_window": 8},
+    "qwen2": {},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +34,7 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=list(EXTRA))
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp(request.param)
     return build_random_model(d, request.param, **EXTRA[request.param])
@@ -66,6 +74,12 @@ def test_greedy_tokens_and_logits_match_transformers(model_dir: Path) -> None:
     finally:
         eng.close()
     assert eng.passes <= 12 + 1 and n_units == ref.config.num_hidden_layers + 2
+    # An MoE layer's experts: gate_up_proj and down_proj, each built from every expert's.
+    moe = ref.config.model_type in ("qwen3_moe", "mixtral")
+    fused = sorted(k.rsplit(".", 1)[1] for u in eng.units for k in u.fused)
+    assert fused == (
+        sorted(["gate_up_proj", "down_proj"] * ref.config.num_hidden_layers) if moe else []
+    )
     for p, o, lg in zip(prompts, out, logits):
         want = ref.generate(
             torch.tensor([p]),

@@ -383,6 +383,39 @@ def test_peak_rss_stays_within_a_budget_smaller_than_the_model(
         assert 0 < end["resident_units"] < 16 and end["passes"] == 12
 
 
+def test_an_moe_model_streams_within_its_budget_and_answers_as_transformers(
+    tmp_path: Path, jobs: multiprocessing.context.BaseContext
+) -> None:
+    """Qwen3-MoE stored as on the Hub (a tensor per expert), larger than the budget: its
+    experts are fused as transformers runs them, in the budget's scratch; the answers
+    are transformers' greedy ones."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    moe = build_random_model(tmp_path / "moe", "qwen3_moe", hidden=1024, ffn=1024, layers=12,
+                             heads=8, kv_heads=4, shard="300MB", init_std=0.02, num_experts=10,
+                             num_experts_per_tok=2, moe_intermediate_size=512)  # fmt: skip
+    model_bytes = sum(p.stat().st_size for p in moe.glob("*.safetensors"))
+    budget = 760_000_000
+    assert model_bytes > 1.1 * budget
+    inp = _write_prompts(tmp_path / "in.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    args = ["--max-new-tokens", "3", "--memory-budget", str(budget),
+            "--memory.runtime_reserve", "400MB", "--memory.prefetch_depth", "1"]  # fmt: skip
+    assert _Job(jobs, _args(moe, inp, out, *args)).wait(timeout=300) == 0
+    end = _events(out)[-1]
+    assert end["event"] == "infer_end" and end["peak_rss_bytes"] <= budget, end
+    assert end["bytes_read"] >= 2 * end["bytes_per_pass"]  # really streamed
+    ref = AutoModelForCausalLM.from_pretrained(str(moe)).eval()
+    tok = AutoTokenizer.from_pretrained(str(moe))
+    for line, got in zip(inp.read_text().splitlines(), out.read_text().splitlines()):
+        ids = tok(json.loads(line)["prompt"], return_tensors="pt")["input_ids"]
+        g = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                         do_sample=False)  # fmt: skip
+        assert json.loads(got)["completion"] == tok.decode(
+            g[0, ids.shape[1] :], skip_special_tokens=True
+        )
+
+
 def test_finetune_adapter_is_applied(tiny: Path, tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer

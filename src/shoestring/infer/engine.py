@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
+from shoestring.infer.fused import Fused, KeyMap, key_map
 from shoestring.infer.kvcache import fill_from_prefix, int8_cache, takes_prefix
 from shoestring.infer.shards import (
     ReadPlan,
@@ -56,6 +57,8 @@ class Unit:
     plan: ReadPlan = field(init=False)
     # Params whose tensor is another unit's (a tied lm_head): key -> key in unit 0.
     shared: dict[str, str] = field(default_factory=dict)
+    # Params built from several of the unit's tensors (an MoE layer's experts).
+    fused: dict[str, Fused] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.plan = plan_reads(self.refs)
@@ -163,17 +166,31 @@ def _param_groups(model: Any, n_layers: int) -> dict[str, dict[str, tuple[nn.Mod
 def make_units(model: Any, config: Any, refs: dict[str, TensorRef]) -> list[Unit]:
     """Split the model's parameters into embed, one unit per decoder layer, and head.
 
-    A tied lm_head is read with the embed unit only (see :func:`tied_keys`)."""
+    A tied lm_head is read with the embed unit only (see :func:`tied_keys`); a
+    parameter stored under another name, or as several tensors (an MoE layer's
+    experts), is read as the model's conversion mapping says (:mod:`.fused`)."""
     tied = tied_keys(model, config, refs)
+    groups = _param_groups(model, config.num_hidden_layers)
+    absent = {k for params in groups.values() for k in params if k not in refs and k not in tied}
+    mapped = key_map(model, refs, absent) if absent else KeyMap({}, {})
     units = []
-    for name, params in _param_groups(model, config.num_hidden_layers).items():
-        missing = [k for k in params if k not in refs and k not in tied]
+    for name, params in groups.items():
+        missing = [k for k in params if k in absent and k not in mapped.renamed]
+        missing = [k for k in missing if k not in mapped.fused]
         if missing:
             raise ShardError(
                 f"checkpoint has no tensor {missing[0]!r} that {type(model).__name__} needs"
             )
         shared = {k: v for k, v in tied.items() if k in params}
-        units.append(Unit(name, params, [refs[k] for k in params if k not in shared], shared))
+        fused = {k: f for k, f in mapped.fused.items() if k in params}
+        own = [k for k in params if k not in shared]
+        unit_refs = [
+            refs[k] if k in refs else _renamed(refs[mapped.renamed[k]], k)
+            for k in own
+            if k not in fused
+        ]
+        unit_refs += [refs[s] for f in fused.values() for s in f.sources]
+        units.append(Unit(name, params, unit_refs, shared, fused))
     return units
 
 
@@ -243,7 +260,7 @@ class StreamingCausalLM:
             chosen,
             depth=depth,
             device=self.device,
-            prepare=lambda i, t, s: self._cast(user(i, t, s), s),
+            prepare=lambda i, t, s: self._fuse(i, self._cast(user(i, t, s), s), s),
             direct_io=direct_io,
             drop_raw={i for i in chosen if not self.raw_kept(i)},
             prepare_at=prepare_at,
@@ -256,8 +273,11 @@ class StreamingCausalLM:
         Not when every tensor is rebuilt in scratch (compressed parts dequantized,
         other floats cast to the compute dtype): a resident unit then frees its raw
         buffer and costs only its prepared tensors. On CUDA the raw copy is kept."""
+        fused = {s for f in self.units[i].fused.values() for s in f.sources}
         return self.device.type == "cuda" or any(
-            "::" not in r.key and not (r.dtype.is_floating_point and r.dtype != self.dtype)
+            "::" not in r.key
+            and r.key not in fused
+            and not (r.dtype.is_floating_point and r.dtype != self.dtype)
             for r in self.units[i].refs
         )
 
@@ -275,6 +295,35 @@ class StreamingCausalLM:
                 buf = slot.scratch[name] = torch.empty(t.shape, dtype=self.dtype, device=t.device)
             out[key] = buf.copy_(t)
         return out
+
+    def _fuse(
+        self, i: int, tensors: dict[str, torch.Tensor], slot: Slot
+    ) -> dict[str, torch.Tensor]:
+        """Unit ``i``'s fused parameters built from its prepared tensors (:mod:`.fused`),
+        into the slot's scratch buffers: the model's modules keep pointing at a unit's
+        tensors after it ran, so a fresh tensor per pass would stay alive per layer."""
+        fused = self.units[i].fused
+        if not fused:
+            return tensors
+        out = dict(tensors)
+        for key, f in fused.items():
+            built = f.build(out, self.model, self.config)
+            name = "fuse:" + generic_key(key)
+            buf = slot.scratch.get(name)
+            if buf is None or buf.shape != built.shape:
+                buf = slot.scratch[name] = torch.empty_like(built)
+            out[key] = buf.copy_(built)
+            del built
+            for source in f.sources:
+                del out[source]
+        return out
+
+    def fuse_bytes(self, i: int) -> tuple[int, int]:
+        """(held, transient) bytes of unit ``i``'s fused parameters in the compute dtype:
+        all of them in scratch, and while the largest is built, its stacked experts and
+        the converter's result (twice its size)."""
+        sizes = [f.nbytes(self.refs, self.dtype) for f in self.units[i].fused.values()]
+        return sum(sizes), 2 * max(sizes, default=0)
 
     def cast_bytes(self, i: int) -> int:
         """Scratch bytes unit ``i`` needs for casts to the compute dtype (plain float

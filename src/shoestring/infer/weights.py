@@ -37,10 +37,17 @@ def weight_needs(
     )
     compressed = scheme is not None
     layers = [compressed and u.name.startswith("layers.") for u in engine.units]
+    fused = [engine.fuse_bytes(i) for i in range(n)]
     return Needs(
         layout.read,
-        [x + (0 if layers[i] else engine.cast_bytes(i)) for i, x in enumerate(layout.scratch)],
-        [t + _merge_scratch(engine, i, adapter, compressed) for i, t in enumerate(layout.temps)],
+        [
+            x + (0 if layers[i] else engine.cast_bytes(i)) + fused[i][0]
+            for i, x in enumerate(layout.scratch)
+        ],
+        [
+            t + _merge_scratch(engine, i, adapter, compressed) + fused[i][1]
+            for i, t in enumerate(layout.temps)
+        ],
         layout.build + _merge_in_copy(engine, adapter) if compressed else 0,
         _raw_kept(engine),
     )
@@ -53,10 +60,14 @@ def _stored_needs(
     dequantized into scratch in the compute dtype (other floats cast beside them), and
     for a moment a row block of that plus an adapter's ``B @ A`` row block."""
     dtype, n = engine.dtype, len(engine.units)
+    fused = [engine.fuse_bytes(i) for i in range(n)]
     return Needs(
         engine.unit_bytes,
-        [stored.scratch(i, dtype) + engine.cast_bytes(i) for i in range(n)],
-        [stored.temps(i, dtype) + _stored_merge(engine, stored, i, adapter) for i in range(n)],
+        [stored.scratch(i, dtype) + engine.cast_bytes(i) + fused[i][0] for i in range(n)],
+        [
+            stored.temps(i, dtype) + _stored_merge(engine, stored, i, adapter) + fused[i][1]
+            for i in range(n)
+        ],
         0,
         _raw_kept(engine),
     )
@@ -140,7 +151,7 @@ def weight_hook(
             hook = _merged_outside_layers(hook, adapter, engine)
     elif adapter is not None:
         hook = _merged(adapter)
-    cast = [x + engine.cast_bytes(i) for i, x in enumerate(extra)]
+    cast = [x + engine.cast_bytes(i) + engine.fuse_bytes(i)[0] for i, x in enumerate(extra)]
     return hook, Needs(engine.unit_bytes, cast, needs.prepare, needs.build, _raw_kept(engine))
 
 

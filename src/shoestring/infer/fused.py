@@ -1,0 +1,99 @@
+"""Model parameters that are not stored as they are used: an MoE layer's experts.
+
+transformers 5 runs the experts of a mixture-of-experts layer (Mixtral, Qwen2/3-MoE,
+DeepSeek, OLMoE, ...) as fused 3-D parameters (``mlp.experts.gate_up_proj``: every
+expert's gate and up projections, stacked), while checkpoints on the Hub store one
+tensor per expert and projection (``mlp.experts.7.up_proj.weight``; Mixtral's
+``block_sparse_moe.experts.7.w3.weight``). Its loader converts them with a per-model
+*conversion mapping* of renamings and converters (``MergeModulelist``,
+``Concatenate``, ...). The streaming engine uses that same mapping, unit by unit:
+
+* :func:`key_map` asks it, once, which checkpoint tensors each missing parameter is
+  made of (or which one it is, renamed);
+* a :class:`Fused` parameter is built each time its unit is prepared, in the
+  reader thread, by its own copy of transformers' converter, from the unit's tensors
+  as read (already dequantized and cast to the compute dtype).
+
+A unit with fused parameters reads every expert (one pass serves every token of the
+batch, and a batch of prompts routes to most of them); the fused copy costs as many
+bytes again, which the plan counts as scratch (:meth:`Fused.nbytes`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoestring.infer.shards import TensorRef
+
+
+@dataclass
+class Fused:
+    """One model parameter built from several checkpoint tensors."""
+
+    key: str  # the model's parameter key
+    sources: list[str]  # checkpoint keys, in the order transformers loads them
+    patterns: list[str]  # the converter's source pattern each one matched
+    converter: Any  # this parameter's own transformers WeightConverter
+
+    def build(self, tensors: dict[str, torch.Tensor], model: Any, config: Any) -> torch.Tensor:
+        """The parameter, from its sources among ``tensors`` (a new tensor)."""
+        for source, pattern in zip(self.sources, self.patterns):
+            self.converter.add_tensor(self.key, source, pattern, _given(tensors[source]))
+        out = self.converter.convert(self.key, model=model, config=config)
+        return out[self.key]  # type: ignore[no-any-return]
+
+    def nbytes(self, refs: dict[str, TensorRef], dtype: torch.dtype) -> int:
+        """The parameter's bytes in ``dtype`` (its sources' elements, rearranged)."""
+        return sum(r.nbytes // r.dtype.itemsize for r in (refs[s] for s in self.sources)) * (
+            dtype.itemsize
+        )
+
+
+def _given(t: torch.Tensor) -> Any:
+    return lambda: t
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Parameters whose checkpoint tensor has another name, and fused ones."""
+
+    renamed: dict[str, str]  # model key -> checkpoint key
+    fused: dict[str, Fused]  # model key -> how it is built
+
+
+def key_map(model: Any, refs: dict[str, TensorRef], wanted: set[str]) -> KeyMap:
+    """How each of the ``wanted`` parameters (absent from the checkpoint under its own
+    name) comes from the checkpoint, by the model's transformers conversion mapping."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    meta = model.state_dict()
+    renamed: dict[str, str] = {}
+    fused: dict[str, Fused] = {}
+    for source in sorted(refs, key=dot_natural_key):
+        target, pattern = rename_source_key(
+            source, renamings, converters, model.base_model_prefix, meta
+        )
+        if target not in wanted:
+            continue
+        if pattern is None:
+            renamed[target] = source
+            continue
+        if target not in fused:
+            proto = next(c for c in converters if pattern in c.source_patterns)
+            fused[target] = Fused(target, [], [], copy.deepcopy(proto))
+        fused[target].sources.append(source)
+        fused[target].patterns.append(pattern)
+    return KeyMap(renamed, fused)
