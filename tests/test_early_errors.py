@@ -587,3 +587,25 @@ def test_a_restart_on_a_full_disk_is_one_clear_line_and_the_rerun_after_freeing_
         assert (out / "checkpoints" / "step-00000006" / "manifest.json").is_file() or (
             out / "final" / "adapter_model.safetensors"
         ).is_file()
+
+
+# --------------------------------------------------------------------------- MoE base
+
+
+def test_an_moe_base_refuses_dropout_and_a_merged_export_before_loading(
+    finetune: Any, tmp_path: Path
+) -> None:
+    """A mixture-of-experts base (Qwen3-MoE, stored a tensor per expert as on the Hub):
+    peft adapts its fused experts as parameters, which take no dropout, and the merged
+    export cannot write them back yet; both are one line naming the key, before the
+    weights load and before the run directory is made."""
+    from shoestring.infer.fixtures import build_random_model
+
+    moe = build_random_model(tmp_path / "moe", "qwen3_moe", num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
+    base = [*SHORT, "--model.path", str(moe)]
+    line = _refused(finetune(tmp_path / "a", *base), "lora.dropout: 0.05", "fused")
+    assert "set lora.dropout 0" in line and "lora.target_modules [q_proj" in line
+    merged = finetune(tmp_path / "b", *base, "--lora.dropout", "0", "--export.merged")
+    _refused(merged, "export.merged:", "PeftModel.from_pretrained")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -43,6 +43,14 @@ class LoraDelta:
                 f"model.adapter: {cfg_path}: peft_type {cfg.get('peft_type')!r} "
                 "is not supported (only LORA)"
             )
+        if cfg.get("target_parameters"):
+            raise ConfigError(
+                f"model.adapter: {cfg_path}: the adapter adapts parameters "
+                f"({', '.join(sorted(cfg['target_parameters']))}: a mixture-of-experts model's "
+                "fused experts), which infer cannot merge as it streams yet (it merges "
+                "adapters into linear weights); load it with peft in memory, or train one "
+                "on the attention only: lora.target_modules [q_proj, k_proj, v_proj, o_proj]"
+            )
         r = int(cfg["r"])
         alpha = float(cfg.get("lora_alpha", r))
         self.scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r

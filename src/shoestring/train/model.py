@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -284,13 +285,60 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
         try:
             peft_model = get_peft_model(model, lcfg)
         except ValueError as e:
-            raise ConfigError(f"lora.target_modules: {e}") from e
+            raise ConfigError(_refused_lora(e, cfg)) from e
     if gradient_checkpointing:
         peft_model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
         )
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+def _refused_lora(e: ValueError, cfg: LoraSection) -> str:
+    """peft's refusal, said in the knob that fixes it."""
+    if "lora_dropout" in str(e):  # peft's ParamWrapper: a fused parameter, no dropout
+        return (
+            f"lora.dropout: {cfg.dropout} cannot be used with this model: its experts are "
+            "fused parameters (a mixture-of-experts layer, as transformers 5 runs it), which "
+            f"peft adapts without dropout ({e}); set lora.dropout 0, or adapt the attention "
+            "only: lora.target_modules [q_proj, k_proj, v_proj, o_proj]"
+        )
+    return f"lora.target_modules: {e}"
+
+
+def fuses_parameters(model_dir: Path) -> bool:
+    """Whether transformers fuses this model's stored tensors into other parameters as
+    it loads them (an MoE layer's experts): peft then adapts parameters, not only
+    linear layers, with rules of its own."""
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    model_type = getattr(AutoConfig.from_pretrained(str(model_dir)), "model_type", None)
+    mapping = get_checkpoint_conversion_mapping(model_type) if model_type else None
+    return any(isinstance(t, WeightConverter) for t in mapping or ())
+
+
+def check_fused_base(
+    model_dir: Path, model_cfg: ModelConfig, lora: LoraSection, merged: bool
+) -> None:
+    """For a model whose stored tensors are fused as it loads (:func:`fuses_parameters`):
+    refuse the merged export (it writes weights under their stored names one at a time,
+    and cannot undo the fusion), and put the adapters on its skeleton (the meta device:
+    no weight read), so a configuration peft refuses is refused in seconds, before the
+    base loads and before any step."""
+    if not fuses_parameters(model_dir):
+        return
+    if merged:
+        raise ConfigError(
+            "export.merged: this model's experts are fused as transformers loads it (a "
+            "mixture-of-experts model), and the merged export cannot write them back one "
+            "expert at a time yet; leave export.merged off: OUTPUT/final is a peft adapter "
+            "(PeftModel.from_pretrained on the base loads it)"
+        )
+    dtype = model_cfg.dtype if model_cfg.dtype in _DTYPES else "float32"  # shapes only
+    skeleton = empty_base_model(model_dir, replace(model_cfg, dtype=dtype))
+    apply_lora(skeleton, lora, seed=0, gradient_checkpointing=False)
 
 
 def trainable_parameters(model: Any) -> dict[str, torch.nn.Parameter]:

@@ -32,7 +32,12 @@ from shoestring.rundir import RunDir
 from shoestring.train.config import FinetuneConfig, ResolvedConfig
 from shoestring.train.dataset import DataInputs
 from shoestring.train.device import Accelerator
-from shoestring.train.model import check_stored_quantization, require_bitsandbytes, resolve_base
+from shoestring.train.model import (
+    check_fused_base,
+    check_stored_quantization,
+    require_bitsandbytes,
+    resolve_base,
+)
 from shoestring.train.objective import check_objective
 from shoestring.train.parallel import BatchPlan
 from shoestring.train.strategy import Strategy, make_strategy
@@ -88,6 +93,7 @@ class Inputs:
         model = resolve_base(cfg.model, hub or HubAccess(cache_dir))
         if model is not None:
             check_stored_quantization(model.path, cfg.lora.quantize)
+            check_fused_base(model.path, cfg.model, cfg.lora, cfg.export.merged)
         if cfg.export.gguf != "none":
             from shoestring.train.ggufexport import check_exportable
 

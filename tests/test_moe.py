@@ -1,0 +1,93 @@
+"""A mixture-of-experts base through the trainer: LoRA trains on it as peft adapts it
+(the attention as linear layers; the router and the fused experts as parameters), and
+``shoestring infer`` refuses, naming them, the expert adapter it cannot merge as it
+streams. (The base itself streams exactly: ``test_infer_engine.py``, ``test_infer_job.py``;
+its refusals before loading: ``test_early_errors.py``.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FAST
+from shoestring.cli import main
+from shoestring.infer.fixtures import build_random_model
+
+
+def test_lora_trains_an_moe_base_and_infer_names_the_adapter_it_cannot_merge(
+    tmp_path: Path,
+    cache_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
+    moe = build_random_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=64, init_std=0.02)  # fmt: skip
+    out = tmp_path / "run"
+    args = [*FAST, "--train.max_steps", "3", "--model.path", str(moe), "--lora.dropout", "0"]
+    assert main(["finetune", "--output_dir", str(out), *args]) == 0
+    final = out / "final"
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert {"gate_up_proj", "down_proj"} <= set(config["target_parameters"])
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(config["target_modules"])
+    tensors = load_file(str(final / "adapter_model.safetensors"))
+    experts = [k for k in tensors if ".mlp.experts." in k and ".lora_B." in k]
+    assert experts and all(bool(tensors[k].ne(0).any()) for k in experts)  # trained, from 0
+    losses = [
+        e["loss"]
+        for e in map(json.loads, (out / "events.jsonl").read_text().splitlines())
+        if e["event"] == "step"
+    ]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    capsys.readouterr()
+    infer = ["infer", "--model", str(moe), "--adapter", str(final), "--input", str(inp),
+             "--output", str(tmp_path / "out.jsonl"), "--job.progress", "off"]  # fmt: skip
+    assert main(infer) == 2
+    err = capsys.readouterr().err
+    assert "model.adapter:" in err and "gate_up_proj" in err and "attention only" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_attention_adapter_streams_on_an_moe_base_as_peft_merges_it(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    moe = build_random_model(tmp_path / "moe", "mixtral", num_local_experts=4,
+                             num_experts_per_tok=2, seed=3)  # fmt: skip
+    torch.manual_seed(0)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(moe)),
+        LoraConfig(r=4, lora_alpha=8, target_modules=attention, init_lora_weights=False),
+    )
+    peft_model.save_pretrained(str(tmp_path / "final"))
+    merged = peft_model.merge_and_unload().eval()
+    tok = AutoTokenizer.from_pretrained(str(moe))
+    prompts = ["alpha beta", "gamma", "delta eps alpha"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    out = tmp_path / "out.jsonl"
+    args = ["infer", "--model", str(moe), "--adapter", str(tmp_path / "final"),
+            "--input", str(inp), "--output", str(out), "--max-new-tokens", "5",
+            "--threads", "1", "--job.progress", "off"]  # fmt: skip
+    assert main(args) == 0
+    got = [json.loads(x)["completion"] for x in out.read_text().splitlines()]
+    base = AutoModelForCausalLM.from_pretrained(str(moe)).eval()
+
+    def greedy(model: torch.nn.Module) -> list[str]:
+        texts = []
+        for p in prompts:
+            ids = tok(p, return_tensors="pt")["input_ids"]
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                               do_sample=False)  # fmt: skip
+            texts.append(tok.decode(g[0, ids.shape[1] :], skip_special_tokens=True))
+        return texts
+
+    assert got == greedy(merged) and got != greedy(base)  # the adapter, merged exactly
