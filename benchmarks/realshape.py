@@ -44,7 +44,8 @@ _FORMAT = 1  # bump when the init scheme or layout changes: old dirs are rebuilt
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder's published shape (Llama family; GQA when kv_heads < heads)."""
+    """A decoder's published shape (Llama family; GQA when kv_heads < heads; with
+    ``experts``, a mixture-of-experts ``model_type`` whose ``ffn`` is one expert's)."""
 
     hidden: int
     layers: int
@@ -56,10 +57,31 @@ class Shape:
     rope_theta: float
     inference_only: bool = False
     shard_bytes: int = 2 << 30  # as the Hub's checkpoints: several shards and an index
+    model_type: str = "llama"
+    experts: int = 0
+    experts_per_token: int = 0
 
     def config(self, tokenizer_ids: dict[str, int]) -> Any:
-        from transformers import LlamaConfig
+        from transformers import AutoConfig, LlamaConfig
 
+        if self.experts:
+            return AutoConfig.for_model(
+                self.model_type,
+                vocab_size=self.vocab,
+                hidden_size=self.hidden,
+                intermediate_size=self.ffn,
+                num_hidden_layers=self.layers,
+                num_attention_heads=self.heads,
+                num_key_value_heads=self.kv_heads,
+                max_position_embeddings=self.max_positions,
+                rope_theta=self.rope_theta,
+                num_experts=self.experts,
+                num_experts_per_tok=self.experts_per_token,
+                tie_word_embeddings=False,
+                initializer_range=INIT_STD,
+                dtype="bfloat16",
+                **tokenizer_ids,
+            )
         return LlamaConfig(
             vocab_size=self.vocab,
             hidden_size=self.hidden,
@@ -85,6 +107,21 @@ SHAPES: dict[str, Shape] = {
     "llama3-8b": Shape(4096, 32, 32, 8, 14336, 128256, 8192, 500000.0),
     # meta-llama/Llama-2-13b-hf: for streamed inference only (26 GB)
     "llama2-13b": Shape(5120, 40, 40, 40, 13824, 32000, 4096, 10000.0, inference_only=True),
+    # allenai/OLMoE-1B-7B-0924: 64 experts of 1024, 8 routed per token (6.9B, 13.8 GB)
+    "olmoe-1b-7b": Shape(
+        2048,
+        16,
+        16,
+        16,
+        1024,
+        50304,
+        4096,
+        10000.0,
+        inference_only=True,
+        model_type="olmoe",
+        experts=64,
+        experts_per_token=8,
+    ),  # fmt: skip
     # the same structures at small widths (CI smoke; widths multiples of 64)
     "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0, shard_bytes=1 << 20),
     "small-gqa": Shape(256, 2, 4, 1, 640, 1024, 512, 500000.0, shard_bytes=1 << 20),
@@ -128,12 +165,16 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
 
 
 def model_tensors(config: Any) -> list[tuple[str, tuple[int, ...]]]:
-    """The checkpoint's tensor names and shapes, as transformers saves them."""
+    """The checkpoint's tensor names and shapes, as transformers saves them: its load-time
+    conversions reverted (an MoE model's fused experts as one tensor per expert, the
+    Hub's layout), on the meta device."""
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
+        stored = revert_weight_conversion(model, model.state_dict())
+    return [(n, tuple(t.shape)) for n, t in stored.items()]
 
 
 def _tokenizer_ids() -> tuple[Any, dict[str, int]]:

@@ -314,7 +314,10 @@ def fuses_parameters(model_dir: Path) -> bool:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
-    model_type = getattr(AutoConfig.from_pretrained(str(model_dir)), "model_type", None)
+    try:
+        model_type = getattr(AutoConfig.from_pretrained(str(model_dir)), "model_type", None)
+    except (OSError, ValueError):  # not a model folder: the loader says so, in its turn
+        return False
     mapping = get_checkpoint_conversion_mapping(model_type) if model_type else None
     return any(isinstance(t, WeightConverter) for t in mapping or ())
 
