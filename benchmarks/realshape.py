@@ -125,6 +125,20 @@ SHAPES: dict[str, Shape] = {
     # the same structures at small widths (CI smoke; widths multiples of 64)
     "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0, shard_bytes=1 << 20),
     "small-gqa": Shape(256, 2, 4, 1, 640, 1024, 512, 500000.0, shard_bytes=1 << 20),
+    "small-moe": Shape(
+        256,
+        2,
+        4,
+        4,
+        128,
+        512,
+        512,
+        10000.0,
+        shard_bytes=1 << 20,
+        model_type="olmoe",
+        experts=4,
+        experts_per_token=2,
+    ),  # fmt: skip
 }
 
 

@@ -77,3 +77,31 @@ def _data_bytes(path: Path) -> int:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
     return path.stat().st_size - 8 - n
+
+
+def test_an_moe_shape_is_written_as_the_hub_stores_it_and_loads_fused(tmp_path: Path) -> None:
+    """The writer takes the checkpoint's names from transformers with its load-time
+    conversions reverted: an MoE (OLMoE) is written one tensor per expert, as on the Hub,
+    and transformers loads it into its fused experts, tensor for tensor."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import realshape
+
+    model_dir = realshape.write_model(tmp_path / "moe", realshape.SHAPES["small-moe"])
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    names = set(index["weight_map"])
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in names
+    assert not any("gate_up_proj" in n for n in names)
+    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    fused = model.model.layers[1].mlp.experts.gate_up_proj.detach()
+    for e in range(4):
+        gate, up = (
+            realshape.init_tensor(
+                f"model.layers.1.mlp.experts.{e}.{p}_proj.weight", (128, 256), 0, torch.bfloat16
+            )  # fmt: skip
+            for p in ("gate", "up")
+        )
+        assert torch.equal(fused[e].to(torch.bfloat16), torch.cat([gate, up]))
