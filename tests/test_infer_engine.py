@@ -399,3 +399,26 @@ def test_preparing_on_compute_gives_the_same_bits_as_preparing_ahead(
     (ahead, tokens, _), (now, now_tokens, prepare_s) = out["ahead"], out["on_compute"]
     assert all(torch.equal(a, b) for a, b in zip(ahead, now)) and tokens == now_tokens
     assert prepare_s > 0  # the consumer did prepare them
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_experts_written_in_place_equal_the_transformers_converter(
+    arch: str, tmp_path: Path
+) -> None:
+    """The fused experts the engine writes expert by expert into scratch are bit for bit
+    what transformers' own converter (stack, then concatenate) builds from them."""
+    from safetensors import safe_open
+
+    d = build_random_model(tmp_path / arch, arch, layers=1, **EXTRA[arch])  # type: ignore[arg-type]
+    tensors = {}
+    for shard in d.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    eng = StreamingCausalLM(d, device=CPU)
+    [unit] = [u for u in eng.units if u.fused]
+    assert sorted(k.rsplit(".", 1)[1] for k in unit.fused) == ["down_proj", "gate_up_proj"]
+    for f in unit.fused.values():
+        assert f.concat_dim is not None  # the in-place path, not the fallback
+        want = f.build(dict(tensors), eng.model, eng.config)
+        out = torch.full(f.shape(eng.refs), float("nan"), dtype=want.dtype)
+        assert torch.equal(f.build_into(tensors, out), want)

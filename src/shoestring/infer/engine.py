@@ -307,23 +307,34 @@ class StreamingCausalLM:
             return tensors
         out = dict(tensors)
         for key, f in fused.items():
-            built = f.build(out, self.model, self.config)
-            name = "fuse:" + generic_key(key)
-            buf = slot.scratch.get(name)
-            if buf is None or buf.shape != built.shape:
-                buf = slot.scratch[name] = torch.empty_like(built)
-            out[key] = buf.copy_(built)
-            del built
+            out[key] = self._fused_tensor(key, f, out, slot)
             for source in f.sources:
                 del out[source]
         return out
 
+    def _fused_tensor(
+        self, key: str, f: Fused, tensors: dict[str, torch.Tensor], slot: Slot
+    ) -> torch.Tensor:
+        """``f`` in the slot's scratch buffer for it: written there expert by expert, or
+        built by transformers' converter and copied."""
+        built = None if f.concat_dim is not None else f.build(tensors, self.model, self.config)
+        shape = f.shape(self.refs) if built is None else tuple(built.shape)
+        name = "fuse:" + generic_key(key)
+        buf = slot.scratch.get(name)
+        if buf is None or tuple(buf.shape) != shape:
+            device = tensors[f.sources[0]].device
+            buf = slot.scratch[name] = torch.empty(shape, dtype=self.dtype, device=device)
+        return f.build_into(tensors, buf) if built is None else buf.copy_(built)
+
     def fuse_bytes(self, i: int) -> tuple[int, int]:
         """(held, transient) bytes of unit ``i``'s fused parameters in the compute dtype:
-        all of them in scratch, and while the largest is built, its stacked experts and
-        the converter's result (twice its size)."""
-        sizes = [f.nbytes(self.refs, self.dtype) for f in self.units[i].fused.values()]
-        return sum(sizes), 2 * max(sizes, default=0)
+        all of them in scratch, and while one is built through transformers' converter
+        (a chain :meth:`Fused.build_into` does not write), its stacked experts and the
+        converter's result (twice its size)."""
+        fused = self.units[i].fused.values()
+        held = sum(f.nbytes(self.refs, self.dtype) for f in fused)
+        slow = [f.nbytes(self.refs, self.dtype) for f in fused if f.concat_dim is None]
+        return held, 2 * max(slow, default=0)
 
     def cast_bytes(self, i: int) -> int:
         """Scratch bytes unit ``i`` needs for casts to the compute dtype (plain float

@@ -11,8 +11,15 @@ tensor per expert and projection (``mlp.experts.7.up_proj.weight``; Mixtral's
 * :func:`key_map` asks it, once, which checkpoint tensors each missing parameter is
   made of (or which one it is, renamed);
 * a :class:`Fused` parameter is built each time its unit is prepared, in the
-  reader thread, by its own copy of transformers' converter, from the unit's tensors
-  as read (already dequantized and cast to the compute dtype).
+  reader thread, from the unit's tensors as read (already dequantized and cast to
+  the compute dtype), into a scratch buffer of the slot.
+
+The converters MoE models use are ``MergeModulelist(dim=0)``, then for gate and up
+``Concatenate(dim=1)``: experts stacked, projections side by side. Those are copied
+expert by expert straight into the buffer (:meth:`Fused.build_into`; a test checks
+it equals the converter's result, bit for bit). Any other chain runs through the
+converter itself (:meth:`Fused.build`), whose stacked intermediates cost twice the
+parameter for a moment.
 
 A unit with fused parameters reads every expert (one pass serves every token of the
 batch, and a batch of prompts routes to most of them); the fused copy costs as many
@@ -38,6 +45,43 @@ class Fused:
     sources: list[str]  # checkpoint keys, in the order transformers loads them
     patterns: list[str]  # the converter's source pattern each one matched
     converter: Any  # this parameter's own transformers WeightConverter
+
+    @property
+    def concat_dim(self) -> int | None:
+        """The projections' dim in the fused parameter when the converter only stacks
+        experts (0: nothing to concatenate) or stacks then concatenates; None: other."""
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in self.converter.operations]
+        if ops == [("MergeModulelist", 0)]:
+            return 0
+        if len(ops) == 2 and ops[0] == ("MergeModulelist", 0) and ops[1][0] == "Concatenate":
+            dim = ops[1][1]
+            return dim if isinstance(dim, int) and dim >= 1 else None
+        return None
+
+    def shape(self, refs: dict[str, TensorRef]) -> tuple[int, ...]:
+        """The fused parameter's shape (for a chain :meth:`build_into` writes)."""
+        groups = self._groups()
+        first = refs[groups[0][0]].shape
+        dim = self.concat_dim or 1
+        side = sum(refs[g[0]].shape[dim - 1] for g in groups)
+        return (len(groups[0]), *first[: dim - 1], side, *first[dim:])
+
+    def build_into(self, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """The parameter written into ``out``, expert by expert (no intermediate copy)."""
+        dim = (self.concat_dim or 1) - 1  # in one expert's tensor
+        offset = 0
+        for group in self._groups():
+            size = tensors[group[0]].shape[dim]
+            for e, source in enumerate(group):
+                out[e].narrow(dim, offset, size).copy_(tensors[source])
+            offset += size
+        return out
+
+    def _groups(self) -> list[list[str]]:
+        """The sources per converter pattern, in the converter's order (gate, then up),
+        experts in load order."""
+        order = [p for p in self.converter.source_patterns if p in self.patterns]
+        return [[s for s, p in zip(self.sources, self.patterns) if p == q] for q in order]
 
     def build(self, tensors: dict[str, torch.Tensor], model: Any, config: Any) -> torch.Tensor:
         """The parameter, from its sources among ``tensors`` (a new tensor)."""
