@@ -1,7 +1,7 @@
 """Model parameters that are not stored as they are used: an MoE layer's experts.
 
 transformers 5 runs the experts of a mixture-of-experts layer (Mixtral, Qwen2/3-MoE,
-DeepSeek, OLMoE, ...) as fused 3-D parameters (``mlp.experts.gate_up_proj``: every
+OLMoE, ...) as fused 3-D parameters (``mlp.experts.gate_up_proj``: every
 expert's gate and up projections, stacked), while checkpoints on the Hub store one
 tensor per expert and projection (``mlp.experts.7.up_proj.weight``; Mixtral's
 ``block_sparse_moe.experts.7.w3.weight``). Its loader converts them with a per-model
