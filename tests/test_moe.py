@@ -1,8 +1,9 @@
-"""A mixture-of-experts base through the trainer: LoRA trains on it as peft adapts it
-(the attention as linear layers; the router and the fused experts as parameters), and
-``shoestring infer`` refuses, naming them, the expert adapter it cannot merge as it
-streams. (The base itself streams exactly: ``test_infer_engine.py``, ``test_infer_job.py``;
-its refusals before loading: ``test_early_errors.py``.)"""
+"""A mixture-of-experts base through the trainer and back: LoRA trains on it as peft
+adapts it (the attention as linear layers; the router and the fused experts as
+parameters), and ``shoestring infer`` streams the base with that adapter merged, expert
+by expert, to the answers of peft's own merged model. (The base itself streams exactly:
+``test_infer_engine.py``, ``test_infer_job.py``; its refusals before loading:
+``test_early_errors.py``.)"""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from shoestring.cli import main
 from shoestring.infer.fixtures import build_random_model
 
 
-def test_lora_trains_an_moe_base_and_infer_names_the_adapter_it_cannot_merge(
-    tmp_path: Path,
-    cache_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+def test_lora_trains_an_moe_base_and_infer_merges_its_expert_adapter_as_peft(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
     moe = build_random_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=64, init_std=0.02)  # fmt: skip
@@ -43,21 +44,44 @@ def test_lora_trains_an_moe_base_and_infer_names_the_adapter_it_cannot_merge(
         if e["event"] == "step"
     ]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    # Its answers, streamed with the adapter merged per stored expert tensor, are those of
+    # peft's merged model (and not the base's).
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(moe)), str(final))
+    _streams_as(moe, final, merged.merge_and_unload().eval(), tmp_path)
 
+
+def _streams_as(model: Path, adapter: Path, merged: torch.nn.Module, tmp_path: Path) -> None:
+    """``infer --adapter`` gives ``merged``'s greedy answers, which are not the base's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    prompts = ["alpha beta", "gamma", "delta eps alpha"]
     inp = tmp_path / "in.jsonl"
-    inp.write_text(json.dumps({"prompt": "hello"}) + "\n")
-    capsys.readouterr()
-    infer = ["infer", "--model", str(moe), "--adapter", str(final), "--input", str(inp),
-             "--output", str(tmp_path / "out.jsonl"), "--job.progress", "off"]  # fmt: skip
-    assert main(infer) == 2
-    err = capsys.readouterr().err
-    assert "model.adapter:" in err and "gate_up_proj" in err and "attention only" in err
-    assert not (tmp_path / "out.jsonl").exists()
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    out = tmp_path / "out.jsonl"
+    args = ["infer", "--model", str(model), "--adapter", str(adapter), "--input", str(inp),
+            "--output", str(out), "--max-new-tokens", "5", "--threads", "1",
+            "--job.progress", "off"]  # fmt: skip
+    assert main(args) == 0
+    got = [json.loads(x)["completion"] for x in out.read_text().splitlines()]
+
+    def greedy(m: torch.nn.Module) -> list[str]:
+        texts = []
+        for p in prompts:
+            ids = tok(p, return_tensors="pt")["input_ids"]
+            g = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                           do_sample=False)  # fmt: skip
+            texts.append(tok.decode(g[0, ids.shape[1] :], skip_special_tokens=True))
+        return texts
+
+    base = AutoModelForCausalLM.from_pretrained(str(model)).eval()
+    assert got == greedy(merged) and got != greedy(base)
 
 
 def test_an_attention_adapter_streams_on_an_moe_base_as_peft_merges_it(tmp_path: Path) -> None:
+    """Mixtral (``block_sparse_moe`` names) with an adapter on the attention only."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     moe = build_random_model(tmp_path / "moe", "mixtral", num_local_experts=4,
                              num_experts_per_tok=2, seed=3)  # fmt: skip
@@ -68,26 +92,30 @@ def test_an_attention_adapter_streams_on_an_moe_base_as_peft_merges_it(tmp_path:
         LoraConfig(r=4, lora_alpha=8, target_modules=attention, init_lora_weights=False),
     )
     peft_model.save_pretrained(str(tmp_path / "final"))
-    merged = peft_model.merge_and_unload().eval()
-    tok = AutoTokenizer.from_pretrained(str(moe))
-    prompts = ["alpha beta", "gamma", "delta eps alpha"]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    out = tmp_path / "out.jsonl"
-    args = ["infer", "--model", str(moe), "--adapter", str(tmp_path / "final"),
-            "--input", str(inp), "--output", str(out), "--max-new-tokens", "5",
-            "--threads", "1", "--job.progress", "off"]  # fmt: skip
-    assert main(args) == 0
-    got = [json.loads(x)["completion"] for x in out.read_text().splitlines()]
-    base = AutoModelForCausalLM.from_pretrained(str(moe)).eval()
+    _streams_as(moe, tmp_path / "final", peft_model.merge_and_unload().eval(), tmp_path)
 
-    def greedy(model: torch.nn.Module) -> list[str]:
-        texts = []
-        for p in prompts:
-            ids = tok(p, return_tensors="pt")["input_ids"]
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
-                               do_sample=False)  # fmt: skip
-            texts.append(tok.decode(g[0, ids.shape[1] :], skip_special_tokens=True))
-        return texts
 
-    assert got == greedy(merged) and got != greedy(base)  # the adapter, merged exactly
+def test_an_expert_adapter_streams_as_peft_merges_it(tmp_path: Path) -> None:
+    """Qwen3-MoE with random (not zero) adapters on everything peft adapts: the attention,
+    the router and both fused expert parameters (gate/up, down), split per stored
+    expert tensor as they stream; with ``rank_pattern`` (peft doubles gate_up's rank)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    moe = build_random_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=64, init_std=0.02)  # fmt: skip
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(moe)),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            init_lora_weights=False,
+        ),  # fmt: skip
+    )
+    peft_model.save_pretrained(str(tmp_path / "final"))
+    config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
+    assert "gate_up_proj" in config["target_parameters"] and config["rank_pattern"]
+    _streams_as(moe, tmp_path / "final", peft_model.merge_and_unload().eval(), tmp_path)

@@ -5,7 +5,8 @@ Each streamed weight is merged on the fly (W + scale * B @ A) in the reader
 thread, into the buffer that was just read, so compute sees a plain merged
 layer and the original files are never touched. The product is formed a row
 block at a time (:data:`MERGE_SCRATCH`), so its temporaries stay a few MB
-whatever the weight's size.
+whatever the weight's size. Adapters peft reads with per-module ranks, or on an MoE's
+fused experts, are read through peft's own modules (:mod:`.adapterlayout`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,19 +45,17 @@ class LoraDelta:
                 f"model.adapter: {cfg_path}: peft_type {cfg.get('peft_type')!r} "
                 "is not supported (only LORA)"
             )
-        if cfg.get("target_parameters"):
-            raise ConfigError(
-                f"model.adapter: {cfg_path}: the adapter adapts parameters "
-                f"({', '.join(sorted(cfg['target_parameters']))}: a mixture-of-experts model's "
-                "fused experts), which infer cannot merge as it streams yet (it merges "
-                "adapters into linear weights); load it with peft in memory, or train one "
-                "on the attention only: lora.target_modules [q_proj, k_proj, v_proj, o_proj]"
-            )
         r = int(cfg["r"])
         alpha = float(cfg.get("lora_alpha", r))
         self.scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         tensors = load_file(str(weights))
         self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scales: dict[str, float] = {}  # where peft's differs from ``scale``
+        # Per-module ranks, or adapters on parameters: read with peft (:meth:`resolve`).
+        self._peft_only = bool(
+            cfg.get("target_parameters") or cfg.get("rank_pattern") or cfg.get("alpha_pattern")
+        )
+        self._dir, self._tensors = adapter_dir, tensors if self._peft_only else {}
         for key, a in tensors.items():
             if ".lora_A." not in key:
                 continue
@@ -63,6 +63,20 @@ class LoraDelta:
             b = tensors[key.replace(".lora_A.", ".lora_B.")]
             self.pairs[f"{module}.weight"] = (a.float(), b.float())
         self.fingerprint = f"{weights.stat().st_size}-{int(weights.stat().st_mtime_ns)}"
+
+    def resolve(self, model_dir: Path, fused: dict[str, Any], rows: dict[str, int]) -> None:
+        """Read what only peft knows of this adapter (:mod:`.adapterlayout`): per-module
+        scales, and pairs per stored expert tensor in place of a fused parameter's."""
+        if not self._peft_only:
+            return
+        from shoestring.infer.adapterlayout import peft_layout
+
+        scales, experts, replaced = peft_layout(self._dir, model_dir, self._tensors, fused, rows)
+        for key in replaced:
+            self.pairs.pop(key, None)
+        self.pairs.update(experts)
+        self.scales = {k: v for k, v in scales.items() if k in self.pairs and v != self.scale}
+        self._tensors = {}
 
     def check(self, keys: set[str]) -> None:
         missing = sorted(set(self.pairs) - keys)
@@ -84,9 +98,10 @@ class LoraDelta:
             return w
         a, b = pair
         a, b = a.to(w.device), b.to(w.device)
+        scale = self.scales.get(key, self.scale)
         rows = _block_rows(w.shape[-1])
         for i in range(0, w.shape[0], rows):
-            w[i : i + rows].add_((b[i : i + rows] @ a).mul_(self.scale).to(w.dtype))
+            w[i : i + rows].add_((b[i : i + rows] @ a).mul_(scale).to(w.dtype))
         return w
 
     def scratch(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -60,7 +60,7 @@ class Fused:
 
     def shape(self, refs: dict[str, TensorRef]) -> tuple[int, ...]:
         """The fused parameter's shape (for a chain :meth:`build_into` writes)."""
-        groups = self._groups()
+        groups = self.groups()
         first = refs[groups[0][0]].shape
         dim = self.concat_dim or 1
         side = sum(refs[g[0]].shape[dim - 1] for g in groups)
@@ -70,14 +70,14 @@ class Fused:
         """The parameter written into ``out``, expert by expert (no intermediate copy)."""
         dim = (self.concat_dim or 1) - 1  # in one expert's tensor
         offset = 0
-        for group in self._groups():
+        for group in self.groups():
             size = tensors[group[0]].shape[dim]
             for e, source in enumerate(group):
                 out[e].narrow(dim, offset, size).copy_(tensors[source])
             offset += size
         return out
 
-    def _groups(self) -> list[list[str]]:
+    def groups(self) -> list[list[str]]:
         """The sources per converter pattern, in the converter's order (gate, then up),
         experts in load order."""
         order = [p for p in self.converter.source_patterns if p in self.patterns]

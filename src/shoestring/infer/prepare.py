@@ -103,6 +103,9 @@ def prepare(
     prior = RunRecord.read(run_dir)
     engine = _build_engine(cfg, model_dir, device, prior)
     if adapter is not None:
+        fused = {k: f for u in engine.units for k, f in u.fused.items()}
+        rows = {k: r.shape[0] for k, r in engine.refs.items() if r.shape}
+        adapter.resolve(model_dir, fused, rows)
         adapter.check(set(engine.refs))
     identity = _identity(cfg, given.sha256, model_dir, adapter)
     if ref.kind != "local":  # unset for local dirs keeps older run dirs valid

@@ -336,8 +336,9 @@ def check_fused_base(
         raise ConfigError(
             "export.merged: this model's experts are fused as transformers loads it (a "
             "mixture-of-experts model), and the merged export cannot write them back one "
-            "expert at a time yet; leave export.merged off: OUTPUT/final is a peft adapter "
-            "(PeftModel.from_pretrained on the base loads it)"
+            "expert at a time yet; leave export.merged off: OUTPUT/final is a peft adapter, "
+            "which shoestring infer --adapter streams merged and PeftModel.from_pretrained "
+            "loads"
         )
     dtype = model_cfg.dtype if model_cfg.dtype in _DTYPES else "float32"  # shapes only
     skeleton = empty_base_model(model_dir, replace(model_cfg, dtype=dtype))
