@@ -67,7 +67,7 @@ def _lora_modules(adapter_dir: Path, model_dir: Path) -> list[tuple[str, Any]]:
 
     from shoestring.infer.engine import build_skeleton
 
-    _, skeleton = build_skeleton(model_dir)
+    _, skeleton = build_skeleton(model_dir, torch.float32)  # factors keep the adapter's fp32
     model = PeftModel.from_pretrained(skeleton, str(adapter_dir), low_cpu_mem_usage=True)
     return [
         (n.removeprefix(_PREFIX), m)
