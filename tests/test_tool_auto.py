@@ -149,10 +149,40 @@ def test_the_tokenizers_own_response_template_is_used(tmp_path: Any) -> None:
     assert finish == "tool_calls" and msg["tool_calls"][0]["function"]["name"] == "get_time"
 
 
-def test_auto_without_a_known_syntax_is_that_lines_error() -> None:
-    """Llama 3 ships no response template and transformers knows none for it: its
-    ``"auto"`` lines (tool_choice absent, or "auto") are refused, the rest run."""
+def test_llama3_json_calls_are_read_with_our_template() -> None:
+    """Llama 3.1's calls (transformers ships no template for them): the whole answer is a
+    ``{"name", "parameters"}`` object, after ``<|python_tag|>`` for a built-in tool."""
     tok = llama3_tokenizer()
+    syntax = find_syntax(tok, "llama")
+    assert syntax is not None and "Llama 3.1" in syntax.source
+    call = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    lines = _answers(
+        tok,
+        "llama",
+        {
+            "call": (call, {}),
+            "tagged": ("<|python_tag|>" + call, {}),
+            "text": ('It is sunny, as {"name": "x"} says.', {}),
+            "broken": ('{"name": "get_weather", "para', {}),
+        },
+    )
+    for cid in ("call", "tagged"):
+        finish, msg = _message(lines[cid])
+        assert finish == "tool_calls" and msg["content"] is None, cid
+        assert msg["tool_calls"][0]["function"] == {
+            "name": "get_weather",
+            "arguments": '{"city":"Oslo"}',
+        }
+    for cid in ("text", "broken"):
+        finish, msg = _message(lines[cid])
+        assert finish == "stop" and "tool_calls" not in msg and msg["content"], cid
+
+
+def test_auto_without_a_known_syntax_is_that_lines_error() -> None:
+    """A Llama with a ChatML template has no response template, transformers knows none
+    for its type, and it is not Llama 3's format: its ``"auto"`` lines (tool_choice
+    absent, or "auto") are refused, the rest run."""
+    tok = chatml_tokenizer()
     assert find_syntax(tok, "llama") is None
     items = [
         parse_line(_line("absent"), 1, "in.jsonl", 8),

@@ -9,7 +9,9 @@ transformers 5.13), driven by the model's *response template*:
 * the tokenizer's own ``response_template`` (``tokenizer_config.json``; models on
   the Hub have started to ship one), else
 * the template ``transformers serve`` falls back on for the model's ``model_type``
-  (the Qwen 2/2.5/3, Qwen 3.5 and Gemma 4 families).
+  (the Qwen 2/2.5/3, Qwen 3.5 and Gemma 4 families), else
+* for a Llama whose chat template is Llama 3's (headers ``<|start_header_id|>``), our
+  template of Llama 3.1's JSON calls (:data:`LLAMA3_JSON`: transformers ships none).
 
 A model with neither has no known syntax, and its ``"auto"`` lines are refused
 (``"required"`` and a named function need none: their answers are held to JSON).
@@ -30,6 +32,26 @@ from typing import Any
 
 #: transformers' response parser (``tokenizer.parse_response``) arrived in 5.13.
 NEEDS = "transformers>=5.13"
+#: Llama 3.1/3.2/3.3's tool calls, as their chat template asks for them: the whole answer
+#: is ``{"name": ..., "parameters": {...}}`` (after ``<|python_tag|>`` for a built-in tool),
+#: ended by ``<|eom_id|>`` or ``<|eot_id|>``. Anything else is text.
+LLAMA3_JSON: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\A\s*(?:<\|python_tag\|>)?\s*(?=\{\s*\"name\"\s*:)",
+            "close_pattern": r"\s*(?:<\|eom_id\|>|<\|eot_id\|>)",
+            "repeats": True,
+            "content": "json",
+            "transform": {
+                "type": "function",
+                "function": {"name": "{content.name}", "arguments": "{content.parameters}"},
+            },
+        },
+        "content": {"close_pattern": r"\s*(?:<\|eot_id\|>|<\|eom_id\|>)", "content": "text"},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -51,21 +73,30 @@ class Reply:
 
 
 def find_syntax(tok: Any, model_type: str | None) -> ToolSyntax | None:
-    """The tokenizer's response template, else transformers serve's for the model type."""
+    """The tokenizer's response template, else transformers serve's for the model type,
+    else ours for a Llama 3 chat template."""
     own = getattr(tok, "response_template", None)
     if isinstance(own, dict):
         return ToolSyntax(own, "the tokenizer's response_template")
     if not hasattr(tok, "parse_response") or model_type is None:
         return None
+    served = _served(tok, model_type)
+    if served is not None:
+        return ToolSyntax(served, f"transformers serve's template for model type {model_type!r}")
+    template = getattr(tok, "chat_template", None)
+    if model_type == "llama" and isinstance(template, str) and "<|start_header_id|>" in template:
+        return ToolSyntax(LLAMA3_JSON, "shoestring's template of Llama 3.1's JSON tool calls")
+    return None
+
+
+def _served(tok: Any, model_type: str) -> dict[str, Any] | None:
     try:
         from transformers.cli.serving.utils import get_response_template
-    except ImportError:  # moved in a later transformers: the tokenizer's own only
+    except ImportError:  # moved in a later transformers
         return None
     config: Any = SimpleNamespace(model_type=model_type)  # all it reads of the config
     known = get_response_template(tok, config)
-    if not isinstance(known, dict):
-        return None
-    return ToolSyntax(known, f"transformers serve's template for model type {model_type!r}")
+    return known if isinstance(known, dict) else None
 
 
 def no_syntax(tok: Any, model_type: str | None) -> str:
