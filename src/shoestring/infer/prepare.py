@@ -103,10 +103,7 @@ def prepare(
     prior = RunRecord.read(run_dir)
     engine = _build_engine(cfg, model_dir, device, prior)
     if adapter is not None:
-        fused = {k: f for u in engine.units for k, f in u.fused.items()}
-        rows = {k: r.shape[0] for k, r in engine.refs.items() if r.shape}
-        adapter.resolve(model_dir, fused, rows)
-        adapter.check(set(engine.refs))
+        _fit_adapter(adapter, engine, model_dir)
     identity = _identity(cfg, given.sha256, model_dir, adapter)
     if ref.kind != "local":  # unset for local dirs keeps older run dirs valid
         identity["model_source"] = ref.record()
@@ -148,6 +145,15 @@ def _adapter(cfg: InferConfig, hub: HubAccess) -> LoraDelta | None:
         return None
     ref = resolve(cfg.model.adapter, hub, key="--adapter (model.adapter)", want="adapter")
     return LoraDelta(ref.path)
+
+
+def _fit_adapter(adapter: LoraDelta, engine: StreamingCausalLM, model_dir: Path) -> None:
+    """The adapter read as this model's (peft's scales; an MoE's expert pairs per stored
+    tensor), and refused if it targets a weight the model does not have."""
+    fused = {k: f for u in engine.units for k, f in u.fused.items()}
+    rows = {k: r.shape[0] for k, r in engine.refs.items() if r.shape}
+    adapter.resolve(model_dir, fused, rows)
+    adapter.check(set(engine.refs))
 
 
 def _device(cfg: InferConfig) -> torch.device:
