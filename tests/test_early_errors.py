@@ -609,3 +609,18 @@ def test_an_moe_base_refuses_dropout_and_a_merged_export_before_loading(
     merged = finetune(tmp_path / "b", *base, "--lora.dropout", "0", "--export.merged")
     _refused(merged, "export.merged:", "PeftModel.from_pretrained")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_base_stored_quantized_another_way_than_bitsandbytes_is_refused_before_loading(
+    finetune: Any, tmp_path: Path
+) -> None:
+    """FP8 (the Hub's ``*-FP8`` repos, DeepSeek-V3) or GPTQ: finetune trains LoRA on
+    16/32-bit bases and bitsandbytes-stored ones; any other stored quantization is one
+    line naming the method, before the weights load and the run directory is made."""
+    from shoestring.infer.fixtures import build_random_model, save_fp8
+
+    base = build_random_model(tmp_path / "base", "llama")
+    fp8 = save_fp8(base, tmp_path / "fp8", (64, 64))
+    line = _refused(finetune(tmp_path / "a", *SHORT, "--model.path", str(fp8)), "model.path:")
+    assert "stored quantized by fp8" in line and "16-bit original" in line
+    assert not (tmp_path / "a").exists()

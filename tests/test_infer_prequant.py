@@ -23,7 +23,8 @@ from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.decode import Rules, generate, generate_from, prompt_logits, start
 from shoestring.infer.engine import StreamingCausalLM, read_config_json
 from shoestring.infer.fixtures import build_random_model
-from shoestring.infer.prequant import Stored4bit, stored_compute_dtype
+from shoestring.infer.prequant import Stored4bit
+from shoestring.infer.stored import stored_compute_dtype
 from shoestring.infer.stream import Prepare
 from shoestring.infer.weights import weight_hook
 

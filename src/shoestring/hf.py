@@ -43,6 +43,13 @@ def fingerprint(model_dir: Path, sample: int = 1 << 20) -> str:
 StoredQuantization = Literal["none", "nf4", "int8"]
 
 
+def quant_method(config: Mapping[str, Any]) -> str:
+    """The ``quantization_config.quant_method`` of a model's config.json ("" for none):
+    ``bitsandbytes``, ``fp8``, ``gptq``, ``awq``, ``compressed-tensors``, ..."""
+    q = config.get("quantization_config")
+    return str(q.get("quant_method", "")) if isinstance(q, Mapping) else ""
+
+
 def bnb_stored(config: Mapping[str, Any]) -> StoredQuantization:
     """How a model's linears are stored, from its config.json: ``nf4``/``int8`` when a
     bitsandbytes ``quantization_config`` is there (the ``*-bnb-4bit`` repos, or a

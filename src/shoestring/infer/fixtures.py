@@ -68,3 +68,48 @@ def build_random_model(
     model.save_pretrained(target, max_shard_size=shard)
     tok.save_pretrained(target)
     return target
+
+
+def save_fp8(
+    base: Path,
+    dest: Path,
+    block: tuple[int, int] = (128, 128),
+    scale_dtype: torch.dtype = torch.float32,
+) -> Path:
+    """``base`` saved as the Hub's FP8 checkpoints are (DeepSeek-V3, ``*-FP8``): each
+    decoder-layer weight that divides into ``block``-sized blocks quantized by
+    transformers' own ``Fp8Quantize`` (float8_e4m3fn codes and ``weight_scale_inv``, in
+    ``scale_dtype``), the rest as stored; shards, index and tokenizer kept."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.auto import AutoHfQuantizer
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    config = FineGrainedFP8Config(weight_block_size=block)
+    op: Any = Fp8Quantize(AutoHfQuantizer.from_config(config, pre_quantized=True))
+    dest.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for shard in sorted(base.glob("*.safetensors")):
+        out: dict[str, torch.Tensor] = {}
+        for key, t in load_file(shard).items():
+            parts = op.convert({key: t}) if ".layers." in key and t.ndim >= 2 else {key: t}
+            scale = f"{key}_scale_inv"
+            if scale in parts:
+                parts[scale] = parts[scale].to(scale_dtype)
+            out.update(parts)
+        save_file(out, dest / shard.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, shard.name))
+    if (base / "model.safetensors.index.json").exists():
+        index = {"metadata": {}, "weight_map": weight_map}
+        (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    doc = json.loads((base / "config.json").read_text())
+    doc["quantization_config"] = {**config.to_dict(), "quant_method": "fp8"}
+    (dest / "config.json").write_text(json.dumps(doc, indent=2))
+    written = ("config.json", "model.safetensors.index.json")
+    for f in base.iterdir():
+        if f.suffix != ".safetensors" and f.name not in written:
+            shutil.copy(f, dest / f.name)
+    return dest

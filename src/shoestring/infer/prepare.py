@@ -30,10 +30,10 @@ from shoestring.infer.engine import StreamingCausalLM, read_config_json, steady_
 from shoestring.infer.inputs import Input, read_input
 from shoestring.infer.ledger import Pinned, RunRecord
 from shoestring.infer.plan import StreamPlan
-from shoestring.infer.prequant import Stored4bit, check_stored, stored_compute_dtype
 from shoestring.infer.requests import Answering
 from shoestring.infer.sampleparams import Sampling
 from shoestring.infer.shards import ShardError, index_model
+from shoestring.infer.stored import check_stored, stored_compute_dtype, stored_weights
 from shoestring.infer.stream import Prepare
 from shoestring.infer.structured import read_schema_file
 from shoestring.infer.weights import weight_hook, weight_needs
@@ -131,9 +131,9 @@ def _required_keys(cfg: InferConfig) -> None:
 
 
 def _model_dir(ref: ModelRef, compress: str) -> Path:
-    """The resolved model's folder. A base pre-quantized 4-bit by bitsandbytes streams
-    as stored (:mod:`.prequant`); 8-bit ones, and ``--compress`` on top of 4 bits, are
-    refused here, before anything loads."""
+    """The resolved model's folder. A base stored quantized (bitsandbytes 4-bit, FP8)
+    streams as stored (:mod:`.stored`); other quantizations, and ``--compress`` on top
+    of a stored one, are refused here, before anything loads."""
     doc = json.loads((ref.path / "config.json").read_text())
     if isinstance(doc, dict):
         check_stored(doc, ref.spec, compress)
@@ -281,11 +281,11 @@ def _weights_and_plan(
 ) -> tuple[Prepare | None, StreamPlan]:
     """The reader's weight hook and the memory plan: planned on the predicted sizes
     first (a budget too small is refused before the compressed copy is written), then
-    on the real ones (:mod:`shoestring.infer.budget`). A checkpoint stored 4-bit by
-    bitsandbytes streams its packed parts (:mod:`shoestring.infer.prequant`)."""
+    on the real ones (:mod:`shoestring.infer.budget`). A checkpoint stored quantized
+    streams its stored parts (:mod:`shoestring.infer.stored`)."""
     name = cfg.compress.scheme
     scheme: Scheme | None = None if name == "none" else name
-    stored = Stored4bit.of(engine)
+    stored = stored_weights(engine)
     planner = Planner.of(cfg.memory, engine, work, cfg.generate.mode == "generate", pinned)
     predicted_plan(planner, weight_needs(engine, scheme, adapter, stored))
     hook, needs = weight_hook(

@@ -40,7 +40,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _HINT = "needs bitsandbytes >= 0.50 (x86/aarch64 CPU and CUDA): pip install 'shoestring[qlora]'"
 
 
-def check_stored(doc: Mapping[str, Any], spec: str, compress: str) -> None:
+def check_bnb(doc: Mapping[str, Any], spec: str, compress: str) -> None:
     """Refuse, before anything loads, a bitsandbytes checkpoint infer cannot stream: 8-bit
     (LLM.int8 quantizes activations too, so its dequantized weights would not compute
     what the model computes), packed in another dtype than uint8, a ``--compress`` on top
@@ -75,7 +75,7 @@ def check_stored(doc: Mapping[str, Any], spec: str, compress: str) -> None:
         raise ConfigError(f"{key}: {spec} is stored 4-bit by bitsandbytes; {_HINT}") from None
 
 
-def stored_compute_dtype(doc: Mapping[str, Any]) -> torch.dtype | None:
+def bnb_compute_dtype(doc: Mapping[str, Any]) -> torch.dtype | None:
     """The dtype a 4-bit checkpoint computes in (``bnb_4bit_compute_dtype``, else its
     ``dtype``/``torch_dtype``, else float32); None for any other checkpoint."""
     if bnb_stored(doc) != "nf4":
@@ -139,7 +139,7 @@ class Stored4bit:
         4-bit bitsandbytes checkpoint). Checks every weight's parts against the model
         before anything is read but the JSON of each quant state."""
         doc = json.loads((engine.model_dir / "config.json").read_text())
-        if stored_compute_dtype(doc) is None:
+        if bnb_compute_dtype(doc) is None:
             return None
         weights: dict[int, dict[str, Packed]] = {}
         for i, unit in enumerate(engine.units):
@@ -159,6 +159,9 @@ class Stored4bit:
                 "weights are not the 4-bit save this config describes"
             )
         return cls(weights)
+
+    def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        return {k: p.shape for k, p in self.weights.get(i, {}).items()}
 
     def scratch(self, i: int, dtype: torch.dtype) -> int:
         """Unit ``i``'s dequantized weights, in ``dtype``."""

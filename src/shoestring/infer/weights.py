@@ -1,5 +1,5 @@
 """What the reader thread does to a unit's tensors before compute: dequantize the
-compressed copy of the decoder layers (or a checkpoint stored 4-bit by bitsandbytes),
+compressed copy of the decoder layers (or a checkpoint stored quantized: :mod:`.stored`),
 merge a LoRA adapter, or both; and what that takes in memory, per unit, for the plan
 (:class:`shoestring.infer.plan.Needs`)."""
 
@@ -13,8 +13,8 @@ from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.codecs import Scheme
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.plan import Needs
-from shoestring.infer.prequant import Stored4bit
 from shoestring.infer.quant import Layout, build_compressed, compressed_layout, use_compressed
+from shoestring.infer.stored import StoredWeights
 from shoestring.infer.stream import Prepare, Slot
 
 
@@ -22,7 +22,7 @@ def weight_needs(
     engine: StreamingCausalLM,
     scheme: Scheme | None,
     adapter: LoraDelta | None,
-    stored: Stored4bit | None = None,
+    stored: StoredWeights | None = None,
 ) -> Needs:
     """What :func:`weight_hook` will give, known before anything is read or written."""
     if adapter is not None:  # an adapted lm_head is no longer the embedding's tensor
@@ -54,9 +54,9 @@ def weight_needs(
 
 
 def _stored_needs(
-    engine: StreamingCausalLM, stored: Stored4bit, adapter: LoraDelta | None
+    engine: StreamingCausalLM, stored: StoredWeights, adapter: LoraDelta | None
 ) -> Needs:
-    """A 4-bit checkpoint streamed as stored: its packed parts read, its weights
+    """A quantized checkpoint streamed as stored: its stored parts read, its weights
     dequantized into scratch in the compute dtype (other floats cast beside them), and
     for a moment a row block of that plus an adapter's ``B @ A`` row block."""
     dtype, n = engine.dtype, len(engine.units)
@@ -74,13 +74,13 @@ def _stored_needs(
 
 
 def _stored_merge(
-    engine: StreamingCausalLM, stored: Stored4bit, i: int, adapter: LoraDelta | None
+    engine: StreamingCausalLM, stored: StoredWeights, i: int, adapter: LoraDelta | None
 ) -> int:
-    """The adapter's row-block temporaries while unit ``i`` of a 4-bit checkpoint is
+    """The adapter's row-block temporaries while unit ``i`` of a quantized checkpoint is
     prepared: merged into the dequantized weights (compute dtype) and the plain tensors."""
     if adapter is None:
         return 0
-    weights = [(k, p.shape, engine.dtype) for k, p in stored.weights.get(i, {}).items()]
+    weights = [(k, shape, engine.dtype) for k, shape in stored.shapes(i).items()]
     plain = [(r.key, r.shape, r.dtype) for r in engine.units[i].refs if "::" not in r.key]
     return max((adapter.scratch(*w) for w in weights + plain), default=0)
 
@@ -125,7 +125,7 @@ def weight_hook(
     adapter: LoraDelta | None,
     compressed_dir: Path,
     source_id: str,
-    stored: Stored4bit | None = None,
+    stored: StoredWeights | None = None,
 ) -> tuple[Prepare | None, Needs]:
     """The ``prepare`` hook for ``engine`` (None: use the tensors as read), and what the
     weights take per unit (:class:`Needs`).
@@ -133,7 +133,7 @@ def weight_hook(
     With ``scheme`` the decoder layers are compressed once into ``compressed_dir``
     (kept while ``source_id`` names the same model, adapter and scheme; the adapter is
     merged into the copy) and streamed from there. With ``stored`` (a checkpoint stored
-    4-bit by bitsandbytes; ``scheme`` is then None) its weights are dequantized as they
+    quantized; ``scheme`` is then None) its weights are dequantized as they
     are streamed, and an adapter merged into them."""
     needs = weight_needs(engine, scheme, adapter, stored)
     if stored is not None:

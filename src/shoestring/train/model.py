@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from shoestring.config import ConfigError
-from shoestring.hf import StoredQuantization, bnb_stored, quiet_hf
+from shoestring.hf import StoredQuantization, bnb_stored, quant_method, quiet_hf
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.train.config import LoraSection, ModelConfig
 
@@ -30,16 +30,30 @@ def resolve_base(cfg: ModelConfig, hub: HubAccess) -> ModelRef | None:
 
 def stored_quantization(model_dir: Path) -> StoredQuantization:
     """How the base's linears are stored (a ``*-bnb-4bit`` checkpoint: ``nf4``)."""
+    return bnb_stored(_config_doc(model_dir))
+
+
+def _config_doc(model_dir: Path) -> dict[str, Any]:
+    """The base's config.json ({}: model.path's own checks report a missing or broken one)."""
     try:
         doc = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return "none"  # model.path's own checks report a missing or broken config.json
-    return bnb_stored(doc) if isinstance(doc, dict) else "none"
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def check_stored_quantization(model_dir: Path, quantize: str) -> None:
     """A base stored quantized by bitsandbytes trains as stored, never re-quantized:
-    ``lora.quantize`` must name that format (checked before any work)."""
+    ``lora.quantize`` must name that format; a base stored quantized any other way
+    (FP8, GPTQ, AWQ, ...) is refused (both checked before any work)."""
+    method = quant_method(_config_doc(model_dir))
+    if method and method != "bitsandbytes":
+        raise ConfigError(
+            f"model.path: {model_dir} is stored quantized by {method} "
+            "(quantization_config.quant_method of its config.json); finetune trains LoRA "
+            "on 16/32-bit bases (--lora.quantize nf4 quantizes one as it loads: QLoRA) "
+            "and on bitsandbytes-stored ones: use the model's 16-bit original"
+        )
     stored = stored_quantization(model_dir)
     if stored != "none" and quantize != stored:
         raise ConfigError(

@@ -1,0 +1,71 @@
+"""Checkpoints stored quantized, streamed as stored: which formats infer reads, how the
+weights of each are rebuilt (:class:`StoredWeights`), and the refusal of the rest.
+
+* bitsandbytes 4-bit (the Hub's ``*-bnb-4bit``): :mod:`.prequant`;
+* FP8 with block scales (``quant_method: fp8``; DeepSeek-V3, ``*-FP8``): :mod:`.fp8`.
+
+Any other ``quantization_config`` (GPTQ, AWQ, compressed-tensors, MXFP4, ...) is refused
+before anything loads, naming the method and what to use instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from shoestring.config import ConfigError
+from shoestring.hf import quant_method
+from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.fp8 import StoredFp8, check_fp8, fp8_compute_dtype
+from shoestring.infer.prequant import Stored4bit, bnb_compute_dtype, check_bnb
+from shoestring.infer.stream import Prepare
+
+#: The ``quantization_config.quant_method`` values infer streams as stored.
+STREAMED = ("bitsandbytes", "fp8")
+
+
+class StoredWeights(Protocol):
+    """A quantized checkpoint's weights, per unit of the engine: what dequantizing them
+    takes, and the hook that does it as each unit is prepared."""
+
+    def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Unit ``i``'s stored-quantized weights: model key -> shape."""
+        ...
+
+    def scratch(self, i: int, dtype: torch.dtype) -> int:
+        """Bytes of unit ``i``'s weights dequantized into ``dtype``."""
+        ...
+
+    def temps(self, i: int, dtype: torch.dtype) -> int:
+        """Bytes beside them while one of its weights is dequantized."""
+        ...
+
+    def hook(self, dtype: torch.dtype) -> Prepare: ...
+
+
+def stored_weights(engine: StreamingCausalLM) -> StoredWeights | None:
+    """The engine's checkpoint as stored quantized (its units repointed at the stored
+    parts), or None for a 16/32-bit one."""
+    return Stored4bit.of(engine) or StoredFp8.of(engine)
+
+
+def check_stored(doc: Mapping[str, Any], spec: str, compress: str) -> None:
+    """Refuse, before anything loads, a quantized checkpoint infer cannot stream."""
+    method = quant_method(doc)
+    if method and method not in STREAMED:
+        raise ConfigError(
+            f"--model (model.path): {spec} is stored quantized by {method} "
+            "(quantization_config.quant_method); infer streams 16/32-bit safetensors and "
+            "checkpoints stored in bitsandbytes 4-bit or in FP8 with block scales: use "
+            "the model's 16-bit original (add --compress int8 or nf4 to stream it smaller)"
+        )
+    check_bnb(doc, spec, compress)
+    check_fp8(doc, spec, compress)
+
+
+def stored_compute_dtype(doc: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype a quantized checkpoint computes in; None for a 16/32-bit one (its
+    tensors' own dtype decides)."""
+    return bnb_compute_dtype(doc) or fp8_compute_dtype(doc)

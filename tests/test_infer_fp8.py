@@ -1,0 +1,294 @@
+"""A checkpoint stored in FP8 with block scales (DeepSeek-V3, the Hub's ``*-FP8``
+repos) streams as stored: the engine computes what transformers computes on the same
+checkpoint (its FP8 loader dequantizes without an FP8 GPU), dense and MoE; a decoder
+layer reads about half the bytes of its 16-bit original; an adapter merges into the
+dequantized weights; a stopped generation resumes bit for bit; and what cannot be
+streamed is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shoestring.cli import main
+from shoestring.infer import partial
+from shoestring.infer.adapter import LoraDelta
+from shoestring.infer.decode import Rules, generate, generate_from, prompt_logits, start
+from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.fixtures import build_random_model, save_fp8
+from shoestring.infer.fp8 import StoredFp8
+from shoestring.infer.weights import weight_hook
+
+CPU = torch.device("cpu")
+BLOCK = (64, 64)  # the Hub's are 128 x 128; 64 divides every weight of these models
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bases")
+    bf16 = dict(seed=3, dtype=torch.bfloat16)
+    return {
+        "llama": build_random_model(root / "llama", "llama", **bf16),  # type: ignore[arg-type]
+        "qwen3_moe": build_random_model(root / "moe", "qwen3_moe", **bf16, **MOE),  # type: ignore[arg-type]
+        "fp32": build_random_model(root / "fp32", "llama", seed=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def stored(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fp8")
+    return {name: save_fp8(base, root / name, BLOCK) for name, base in bases.items()}
+
+
+def reference(model_dir: Path) -> Any:
+    """transformers' model on the checkpoint (on CPU its FP8 loader dequantizes)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+
+
+def streaming(model_dir: Path, adapter: LoraDelta | None = None) -> StreamingCausalLM:
+    """Our engine on the checkpoint in its compute dtype, one unit resident."""
+    eng = StreamingCausalLM(model_dir, device=CPU, dtype=reference_dtype(model_dir))
+    found = StoredFp8.of(eng)
+    assert found is not None
+    hook, _ = weight_hook(eng, None, adapter, Path("/nonexistent"), "", found)
+    return eng.start(resident=1, depth=1, prepare=hook)
+
+
+def reference_dtype(model_dir: Path) -> torch.dtype:
+    from shoestring.infer.engine import read_config_json
+    from shoestring.infer.stored import stored_compute_dtype
+
+    dtype = stored_compute_dtype(read_config_json(model_dir))
+    assert dtype is not None
+    return dtype
+
+
+def prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, 14, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
+
+
+def _greedy(ref: Any, p: list[int], new: int) -> list[int]:
+    want = ref.generate(
+        torch.tensor([p]),
+        attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return list(want[0, len(p) :].tolist())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_greedy_tokens_and_logits_equal_transformers_fp8_load(
+    stored: dict[str, Path], bases: dict[str, Path], arch: str
+) -> None:
+    ref, ps = reference(stored[arch]), prompts()
+    assert reference_dtype(stored[arch]) == torch.bfloat16  # the config's dtype
+    eng = streaming(stored[arch])
+    try:
+        out = generate(eng, ps, max_new_tokens=8, eos_ids=set(), pad_id=0, micro_tokens=20)
+        logits = prompt_logits(eng, ps)
+        layer_bytes = eng.units[1].plan.nbytes
+    finally:
+        eng.close()
+    for p, o, lg in zip(ps, out, logits, strict=True):
+        assert o.tokens == _greedy(ref, p, 8)
+        with torch.no_grad():
+            # The same dequantizer on the same bytes: bitwise equal logits.
+            assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
+    # A decoder layer streams its FP8 codes and scales: about half of its bf16 bytes.
+    plain = StreamingCausalLM(bases[arch], device=CPU).units[1].plan.nbytes
+    assert layer_bytes < 0.6 * plain
+
+
+def test_the_plan_counts_codes_read_and_dequantized_scratch(stored: dict[str, Path]) -> None:
+    eng = StreamingCausalLM(stored["llama"], device=CPU, dtype=torch.bfloat16)
+    found = StoredFp8.of(eng)
+    assert found is not None
+    _, needs = weight_hook(eng, None, None, Path("/nonexistent"), "", found)
+    layer = eng.units[1]
+    assert needs.read[1] == layer.plan.nbytes
+    parts = {r.key.rsplit("::", 1)[-1]: r.dtype for r in layer.refs if "::" in r.key}
+    assert parts == {"f8": torch.float8_e4m3fn, "scale_inv": torch.float32}
+    linears = sum(
+        getattr(m, n).numel() for k, (m, n) in layer.params.items() if k.endswith("proj.weight")
+    )
+    assert needs.extra[1] == 2 * linears  # every FP8 weight dequantized to bf16
+    assert needs.prepare[1] > 0
+    assert needs.extra[0] == 0 and needs.read[0] == eng.units[0].plan.nbytes  # embed as is
+
+
+def test_shoestring_infer_on_an_fp8_base_writes_transformers_greedy_answers(
+    stored: dict[str, Path], tmp_path: Path
+) -> None:
+    model = stored["qwen3_moe"]
+    texts = ["alpha beta", "gamma", "delta eps alpha", "beta beta gamma delta"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "out.jsonl"
+    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(out)]
+    args += ["--max-new-tokens", "6", "--threads", "1", "--job.progress", "off"]
+    args += ["--memory.resident", "0", "--memory.prefetch_depth", "1"]
+    assert main(args) == 0
+    from transformers import AutoTokenizer
+
+    tok, ref = AutoTokenizer.from_pretrained(str(model)), reference(model)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    for t, line in zip(texts, got, strict=True):
+        new = _greedy(ref, tok(t)["input_ids"], 6)
+        assert line["completion"] == tok.decode(new, skip_special_tokens=True)
+    start_ev = json.loads((Path(f"{out}.run") / "events.jsonl").read_text().splitlines()[0])
+    assert start_ev["dtype"] == "bfloat16"
+
+
+def test_an_adapter_is_merged_into_the_dequantized_weights(
+    stored: dict[str, Path], tmp_path: Path
+) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = stored["fp32"]
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    ref = get_peft_model(reference(model), lora).eval()
+    ref.save_pretrained(str(tmp_path / "adapter"))
+    ps = prompts(4, seed=1)
+    eng = streaming(model, LoraDelta(tmp_path / "adapter"))
+    try:
+        out = generate(eng, ps, max_new_tokens=8, eos_ids=set(), pad_id=0, micro_tokens=20)
+        logits = prompt_logits(eng, ps)
+    finally:
+        eng.close()
+    for p, o, lg in zip(ps, out, logits, strict=True):
+        assert o.tokens == _greedy(ref, p, 8)
+        with torch.no_grad():
+            want = ref(torch.tensor([p])).logits[0].float()
+            with ref.disable_adapter():
+                base_logits = ref(torch.tensor([p])).logits[0].float()
+        # Merged (W + s·B·A) against peft's separate product: fp32 rounding apart, and
+        # far from the base without the adapter.
+        assert (lg - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+        assert (lg - base_logits).abs().max().item() > 100 * (lg - want).abs().max().item()
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_stopped_generation_on_an_fp8_base_resumes_bit_for_bit(
+    stored: dict[str, Path], tmp_path: Path
+) -> None:
+    model, ps = stored["qwen3_moe"], prompts(5, seed=2)
+    kw: dict[str, Any] = dict(rules=Rules.uniform(len(ps), 6, set()), pad_id=0)
+    eng = streaming(model)
+    try:
+        want = [
+            g.tokens for g in generate_from(eng, start(eng, ps, pad_id=0, micro_tokens=24), **kw)
+        ]
+        state = start(eng, ps, pad_id=0, micro_tokens=24)
+
+        def on_pass() -> None:
+            if state.step == 3:
+                raise _Stop
+
+        with pytest.raises(_Stop):
+            generate_from(eng, state, on_pass=on_pass, **kw)
+        path, _ = partial.save(tmp_path / "partial", 3, state, {"chunk": 0})
+    finally:
+        eng.close()
+    eng = streaming(model)
+    try:
+        got = [g.tokens for g in generate_from(eng, partial.load(path, eng, len(ps)), **kw)]
+    finally:
+        eng.close()
+    assert got == want
+
+
+def _infer(model: Path, tmp_path: Path, *extra: str) -> int:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hello"}\n')
+    out = tmp_path / "out.jsonl"
+    return main(["infer", "--model", str(model), "--input", str(inp), "--output", str(out), *extra])
+
+
+def _copy(src: Path, dest: Path, quant: dict[str, Any] | None = None) -> Path:
+    shutil.copytree(src, dest)
+    if quant is not None:
+        cfg = json.loads((dest / "config.json").read_text())
+        cfg["quantization_config"] = quant
+        (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def _edit_tensors(model: Path, edit: Any) -> None:
+    for shard in model.glob("*.safetensors"):
+        tensors = load_file(shard)
+        edit(tensors)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    index = model / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    names = {k for s in model.glob("*.safetensors") for k in load_file(s)}
+    doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if k in names}
+    index.write_text(json.dumps(doc))
+
+
+SCALE = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+
+
+def _drop_scale(t: dict[str, torch.Tensor]) -> None:
+    t.pop(SCALE, None)
+
+
+def _odd_grid(t: dict[str, torch.Tensor]) -> None:
+    if SCALE in t:
+        t[SCALE] = torch.ones(3, 2)
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("compress", "--compress (compress.scheme): "),
+        ("gptq", "is stored quantized by gptq (quantization_config.quant_method)"),
+        ("plain-weights", "says FP8 (quantization_config.quant_method) but no weight"),
+        ("no-scale", "model.layers.1.self_attn.o_proj.weight is stored in torch.float8_e4m3fn"),
+        ("odd-grid", "the (3, 2) block scales of model.layers.1.self_attn.o_proj.weight"),
+    ],
+)
+def test_what_cannot_stream_is_refused_before_any_work(
+    stored: dict[str, Path],
+    bases: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    needle: str,
+) -> None:
+    extra: list[str] = []
+    model = stored["llama"]
+    if case == "compress":
+        extra = ["--compress", "int8"]
+    elif case == "gptq":
+        model = _copy(bases["llama"], tmp_path / "m", {"quant_method": "gptq", "bits": 4})
+    elif case == "plain-weights":  # config.json says FP8, the weights are the 16-bit ones
+        model = _copy(bases["llama"], tmp_path / "m", {"quant_method": "fp8"})
+    else:
+        model = _copy(stored["llama"], tmp_path / "m")
+        _edit_tensors(model, _drop_scale if case == "no-scale" else _odd_grid)
+    assert _infer(model, tmp_path, *extra) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert not (tmp_path / "out.jsonl.run").exists()
