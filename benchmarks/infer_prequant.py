@@ -1,14 +1,15 @@
-"""Streaming a model's bnb-4bit save against its 16-bit safetensors, and transformers'
-in-memory generate on the bnb model as the peer.
+"""Streaming a model's stored-quantized saves (bnb-4bit, FP8) against its 16-bit
+safetensors, and transformers' in-memory generate on each save as the peer.
 
 Builds a random-init Llama (hidden 1024, 8 layers, ffn 2816, GQA 16/4, bf16: the
-16-bit checkpoint as the Hub has it) and its bitsandbytes 4-bit save (nf4, double
-quantization, what ``*-bnb-4bit`` repos hold), then runs, each as its own process, on
-the same prompts:
+16-bit checkpoint as the Hub has it), its bitsandbytes 4-bit save (nf4, double
+quantization, what ``*-bnb-4bit`` repos hold) and its FP8 save (128 x 128 block scales,
+what ``*-FP8`` repos hold), then runs, each as its own process, on the same prompts:
 
 - ours on the bf16 safetensors, nothing resident (every pass reads every unit);
-- ours on the bnb-4bit save, nothing resident;
-- transformers ``generate`` on the bnb-4bit model loaded in memory (the peer).
+- ours on each save, nothing resident;
+- transformers ``generate`` on each save loaded in memory (the peer; its FP8 loader
+  dequantizes on a machine without an FP8 GPU).
 
 Everything computes in float32 (ours: ``--dtype float32``): this CPU has no bf16 GEMM
 (see benchmarks/README.md); the bnb save's compute dtype is float32 for the same reason,
@@ -18,6 +19,7 @@ Prints one JSON object (bytes read per pass, tokens/s, peak RSS, the ratios, whe
 the completions agree); ``--out`` writes it too.
 
     .venv/bin/python benchmarks/infer_prequant.py --out benchmarks/results/infer-prequant-2026-12-06.json
+    .venv/bin/python benchmarks/infer_prequant.py --formats fp8 --out benchmarks/results/infer-prequant-fp8-2026-12-07.json
 """
 
 from __future__ import annotations
@@ -37,33 +39,43 @@ SHAPE = dict(hidden=1024, layers=8, ffn=2816, heads=16, kv_heads=4)
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
 
 
-def build(root: Path) -> tuple[Path, Path]:
-    """The bf16 model and its bnb-4bit save (built once under ``root``)."""
+def build(root: Path, formats: list[str]) -> dict[str, Path]:
+    """The bf16 model and its saves in ``formats`` (each built once under ``root``)."""
+    import torch
+
+    from shoestring.infer.fixtures import build_random_model, save_fp8
+
+    bf16 = root / "bf16"
+    if not (bf16 / "config.json").is_file():
+        build_random_model(bf16, dtype=torch.bfloat16, shard="100MB", init_std=0.05, **SHAPE)
+    models = {"bf16": bf16, "bnb4": root / "bnb-4bit", "fp8": root / "fp8"}
+    if "bnb4" in formats and not (models["bnb4"] / "config.json").is_file():
+        save_bnb4(bf16, models["bnb4"])
+    if "fp8" in formats and not (models["fp8"] / "config.json").is_file():
+        save_fp8(bf16, models["fp8"], (128, 128))
+    return {k: m for k, m in models.items() if k == "bf16" or k in formats}
+
+
+def save_bnb4(bf16: Path, bnb: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from shoestring.infer.fixtures import build_random_model
-
-    bf16, bnb = root / "bf16", root / "bnb-4bit"
-    if not (bnb / "config.json").is_file():
-        build_random_model(bf16, dtype=torch.bfloat16, shard="100MB", init_std=0.05, **SHAPE)
-        q = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-        # float32 beside the 4-bit linears (embeddings, norms, head): transformers keeps
-        # those in the dtype they are stored in whatever ``dtype`` it is given, and the
-        # peer should compute in float32 as ours does.
-        model = AutoModelForCausalLM.from_pretrained(
-            str(bf16), quantization_config=q, dtype=torch.float32
-        )
-        model.save_pretrained(str(bnb))
-        for f in bf16.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")):
-                (bnb / f.name).write_bytes(f.read_bytes())
-    return bf16, bnb
+    q = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    # float32 beside the 4-bit linears (embeddings, norms, head): transformers keeps
+    # those in the dtype they are stored in whatever ``dtype`` it is given, and the
+    # peer should compute in float32 as ours does.
+    model = AutoModelForCausalLM.from_pretrained(
+        str(bf16), quantization_config=q, dtype=torch.float32
+    )
+    model.save_pretrained(str(bnb))
+    for f in bf16.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (bnb / f.name).write_bytes(f.read_bytes())
 
 
 def prompts(path: Path, n: int) -> Path:
@@ -143,44 +155,57 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     ap.add_argument("--out")
     args = ap.parse_args()
     cache = Path(os.environ.get("SHOESTRING_BENCH_CACHE", Path.home() / ".cache" / "shoestring"))
-    bf16, bnb = build(cache / "bench-infer-prequant")
+    models = build(cache / "bench-infer-prequant", args.formats)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         work = Path(tmp)
         inp = prompts(work / "in.jsonl", args.prompts)
-        runs = {
-            "ours_bf16": ours(bf16, inp, work / "bf16.jsonl", args.new_tokens, args.threads),
-            "ours_bnb4": ours(bnb, inp, work / "bnb.jsonl", args.new_tokens, args.threads),
-            "transformers_bnb4": peer(bnb, inp, args.new_tokens, args.threads),
-        }
-    a, b, p = runs["ours_bf16"], runs["ours_bnb4"], runs["transformers_bnb4"]
-    size = {m.name: sum(f.stat().st_size for f in m.glob("*.safetensors")) for m in (bf16, bnb)}
+        run = (args.new_tokens, args.threads)
+        runs = {"ours_bf16": ours(models["bf16"], inp, work / "bf16.jsonl", *run)}
+        for f in args.formats:
+            runs[f"ours_{f}"] = ours(models[f], inp, work / f"{f}.jsonl", *run)
+            runs[f"transformers_{f}"] = peer(models[f], inp, *run)
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "command": "benchmarks/infer_prequant.py " + " ".join(sys.argv[1:]),
-        "model": {**SHAPE, "safetensors_bytes": size},
+        "model": {**SHAPE, "safetensors_bytes": {k: _bytes(m) for k, m in models.items()}},
         "prompts": args.prompts,
         "new_tokens": args.new_tokens,
         "threads": args.threads,
         "runs": runs,
-        "ratios": {
-            "bytes_per_pass_bf16_over_bnb4": a["bytes_per_pass"] / b["bytes_per_pass"],
-            "tokens_per_s_bnb4_over_bf16": b["tokens_per_s"] / a["tokens_per_s"],
-            "peak_rss_bnb4_over_bf16": b["peak_rss_bytes"] / a["peak_rss_bytes"],
-            "tokens_per_s_ours_bnb4_over_transformers": b["tokens_per_s"] / p["tokens_per_s"],
-            "peak_rss_ours_bnb4_over_transformers": b["peak_rss_bytes"] / p["peak_rss_bytes"],
-        },
+        "ratios": {f: _ratios(runs, f) for f in args.formats},
         "load_avg_1min_at_end": os.getloadavg()[0],
-        "completions_equal_ours_bnb4_vs_transformers": sum(
-            x == y for x, y in zip(b["completions"], p["completions"])
-        ),
+        "completions_equal_ours_vs_transformers": {
+            f: sum(x == y for x, y in zip(*(runs[f"{who}_{f}"]["completions"] for who in WHO)))
+            for f in args.formats
+        },
     }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+
+
+FORMATS = ("bnb4", "fp8")
+WHO = ("ours", "transformers")
+
+
+def _bytes(model: Path) -> int:
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
+def _ratios(runs: dict[str, Any], f: str) -> dict[str, float]:
+    a, b, p = runs["ours_bf16"], runs[f"ours_{f}"], runs[f"transformers_{f}"]
+    return {
+        f"bytes_per_pass_bf16_over_{f}": a["bytes_per_pass"] / b["bytes_per_pass"],
+        f"tokens_per_s_{f}_over_bf16": b["tokens_per_s"] / a["tokens_per_s"],
+        f"peak_rss_{f}_over_bf16": b["peak_rss_bytes"] / a["peak_rss_bytes"],
+        f"tokens_per_s_ours_{f}_over_transformers": b["tokens_per_s"] / p["tokens_per_s"],
+        f"peak_rss_ours_{f}_over_transformers": b["peak_rss_bytes"] / p["peak_rss_bytes"],
+    }
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Hub's checkpoints are laid out. Peak memory is one row block (64 MiB of fp32).
 identical model in memory and compare.
 
     .venv/bin/python benchmarks/realshape.py llama2-7b   # prints the model dir
+    .venv/bin/python benchmarks/realshape.py --fp8 llama2-7b   # and its FP8 save
 """
 
 from __future__ import annotations
@@ -241,6 +242,27 @@ def materialize(name: str, cache: Path = DEFAULT_CACHE, seed: int = 0) -> Path:
     return target
 
 
+def materialize_fp8(name: str, cache: Path = DEFAULT_CACHE, seed: int = 0) -> Path:
+    """The model's FP8 save (128 x 128 block scales, as the Hub's ``*-FP8`` repos and
+    DeepSeek-V3 store it; transformers' own quantizer, a shard at a time), written once
+    beside it the same way."""
+    from shoestring.infer.fixtures import save_fp8
+
+    base = materialize(name, cache, seed)
+    target = base.with_name(base.name + "-fp8")
+    if (target / ".complete").is_file():
+        return target
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_fp8(base, tmp, (128, 128))
+    (tmp / ".complete").unlink(missing_ok=True)  # copied from the base: not yet
+    (tmp / ".complete").write_text("ok\n")
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(tmp, target)
+    return target
+
+
 if __name__ == "__main__":
-    for arg in sys.argv[1:] or ["small-mha"]:
-        print(materialize(arg))
+    fp8 = "--fp8" in sys.argv
+    for arg in [a for a in sys.argv[1:] if a != "--fp8"] or ["small-mha"]:
+        print(materialize_fp8(arg) if fp8 else materialize(arg))
