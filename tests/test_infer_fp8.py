@@ -102,7 +102,8 @@ def test_greedy_tokens_and_logits_equal_transformers_fp8_load(
     assert reference_dtype(stored[arch]) == torch.bfloat16  # the config's dtype
     eng = streaming(stored[arch])
     try:
-        out = generate(eng, ps, max_new_tokens=8, eos_ids=set(), pad_id=0, micro_tokens=20)
+        eos = {ref.generation_config.eos_token_id}  # transformers stops there too
+        out = generate(eng, ps, max_new_tokens=8, eos_ids=eos, pad_id=0, micro_tokens=20)
         logits = prompt_logits(eng, ps)
         layer_bytes = eng.units[1].plan.nbytes
     finally:
@@ -170,7 +171,8 @@ def test_an_adapter_is_merged_into_the_dequantized_weights(
     ps = prompts(4, seed=1)
     eng = streaming(model, LoraDelta(tmp_path / "adapter"))
     try:
-        out = generate(eng, ps, max_new_tokens=8, eos_ids=set(), pad_id=0, micro_tokens=20)
+        eos = {ref.generation_config.eos_token_id}  # transformers stops there too
+        out = generate(eng, ps, max_new_tokens=8, eos_ids=eos, pad_id=0, micro_tokens=20)
         logits = prompt_logits(eng, ps)
     finally:
         eng.close()

@@ -317,7 +317,7 @@ class StreamingCausalLM:
     ) -> torch.Tensor:
         """``f`` in the slot's scratch buffer for it: written there expert by expert, or
         built by transformers' converter and copied."""
-        built = None if f.concat_dim is not None else f.build(tensors, self.model, self.config)
+        built = None if f.in_place else f.build(tensors, self.model, self.config)
         shape = f.shape(self.refs) if built is None else tuple(built.shape)
         name = "fuse:" + generic_key(key)
         buf = slot.scratch.get(name)
@@ -328,13 +328,11 @@ class StreamingCausalLM:
 
     def fuse_bytes(self, i: int) -> tuple[int, int]:
         """(held, transient) bytes of unit ``i``'s fused parameters in the compute dtype:
-        all of them in scratch, and while one is built through transformers' converter
-        (a chain :meth:`Fused.build_into` does not write), its stacked experts and the
-        converter's result (twice its size)."""
+        all of them in scratch, and the most that building one of them takes beside
+        (:meth:`Fused.temps`)."""
         fused = self.units[i].fused.values()
         held = sum(f.nbytes(self.refs, self.dtype) for f in fused)
-        slow = [f.nbytes(self.refs, self.dtype) for f in fused if f.concat_dim is None]
-        return held, 2 * max(slow, default=0)
+        return held, max((f.temps(self.refs, self.dtype) for f in fused), default=0)
 
     def cast_bytes(self, i: int) -> int:
         """Scratch bytes unit ``i`` needs for casts to the compute dtype (plain float

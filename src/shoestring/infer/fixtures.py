@@ -113,3 +113,52 @@ def save_fp8(
         if f.suffix != ".safetensors" and f.name not in written:
             shutil.copy(f, dest / f.name)
     return dest
+
+
+def save_mxfp4(base: Path, dest: Path) -> Path:
+    """``base`` (a gpt-oss) saved as openai/gpt-oss-* are: each layer's experts
+    (``mlp.experts.gate_up_proj`` and ``down_proj``) as MXFP4 ``_blocks`` (two e2m1
+    values a byte, 32 a block) and ``_scales`` (a power-of-two exponent per block, +127),
+    laid out as transformers' loader reads them; everything else as stored."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for shard in sorted(base.glob("*.safetensors")):
+        out: dict[str, torch.Tensor] = {}
+        for key, t in load_file(shard).items():
+            if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                out[f"{key}_blocks"], out[f"{key}_scales"] = _mxfp4(t.transpose(-1, -2))
+            else:
+                out[key] = t
+        save_file(out, dest / shard.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, shard.name))
+    if (base / "model.safetensors.index.json").exists():
+        index = {"metadata": {}, "weight_map": weight_map}
+        (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    doc = json.loads((base / "config.json").read_text())
+    keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"]
+    doc["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": keep}
+    (dest / "config.json").write_text(json.dumps(doc, indent=2))
+    written = ("config.json", "model.safetensors.index.json")
+    for f in base.iterdir():
+        if f.suffix != ".safetensors" and f.name not in written:
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` (..., rows, cols) as MXFP4 blocks (..., rows, cols/32, 16) and scales (...,
+    rows, cols/32): each block of 32 scaled by a power of two so its largest value is
+    at most the format's largest (6), each value the nearest e2m1 code."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    lut = torch.tensor(FP4_VALUES)
+    g = w.float().reshape(*w.shape[:-1], -1, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0**-100) / 6))
+    idx = ((g / torch.exp2(exp)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)

@@ -21,6 +21,13 @@ it equals the converter's result, bit for bit). Any other chain runs through the
 converter itself (:meth:`Fused.build`), whose stacked intermediates cost twice the
 parameter for a moment.
 
+Experts stored MXFP4 (openai/gpt-oss-*: ``experts.gate_up_proj_blocks`` and
+``_scales``, 4.25 bits a weight) are mapped by the conversions of transformers' own
+MXFP4 quantizer, set to dequantize (:func:`dequantizer`); its ``Mxfp4Dequantize`` would
+dequantize a whole layer's experts at once (about three times the parameter, in
+temporaries), so :meth:`Fused.build_into` calls the same function,
+``convert_moe_packed_tensors``, one expert at a time, into the buffer.
+
 A unit with fused parameters reads every expert (one pass serves every token of the
 batch, and a batch of prompts routes to most of them); the fused copy costs as many
 bytes again, which the plan counts as scratch (:meth:`Fused.nbytes`).
@@ -29,6 +36,7 @@ bytes again, which the plan counts as scratch (:meth:`Fused.nbytes`).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +66,21 @@ class Fused:
             return dim if isinstance(dim, int) and dim >= 1 else None
         return None
 
+    @property
+    def mxfp4(self) -> bool:
+        """Whether the parameter is stored MXFP4 (its blocks and scales)."""
+        return [type(op).__name__ for op in self.converter.operations] == ["Mxfp4Dequantize"]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether :meth:`build_into` writes it (else transformers' converter builds it)."""
+        return self.concat_dim is not None or self.mxfp4
+
     def shape(self, refs: dict[str, TensorRef]) -> tuple[int, ...]:
         """The fused parameter's shape (for a chain :meth:`build_into` writes)."""
+        if self.mxfp4:  # blocks (experts, out, blocks, 16), used as (experts, in, out)
+            experts, rows, blocks, _ = refs[self._packed()[0]].shape
+            return (experts, blocks * 32, rows)
         groups = self.groups()
         first = refs[groups[0][0]].shape
         dim = self.concat_dim or 1
@@ -68,6 +89,8 @@ class Fused:
 
     def build_into(self, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """The parameter written into ``out``, expert by expert (no intermediate copy)."""
+        if self.mxfp4:
+            return self._dequantize_into(tensors, out)
         dim = (self.concat_dim or 1) - 1  # in one expert's tensor
         offset = 0
         for group in self.groups():
@@ -92,9 +115,40 @@ class Fused:
 
     def nbytes(self, refs: dict[str, TensorRef], dtype: torch.dtype) -> int:
         """The parameter's bytes in ``dtype`` (its sources' elements, rearranged)."""
+        if self.mxfp4:
+            return math.prod(self.shape(refs)) * dtype.itemsize
         return sum(r.nbytes // r.dtype.itemsize for r in (refs[s] for s in self.sources)) * (
             dtype.itemsize
         )
+
+    def temps(self, refs: dict[str, TensorRef], dtype: torch.dtype) -> int:
+        """What building it takes beside its buffer: transformers' converter, its stacked
+        sources and its result (twice the parameter); an MXFP4 expert's dequantizing,
+        its values before and after the transpose, the lookup's result and its int32
+        indices (about 3 values and 2 bytes an element)."""
+        if not self.in_place:
+            return 2 * self.nbytes(refs, dtype)
+        if self.mxfp4:
+            shape = self.shape(refs)
+            return math.prod(shape[1:]) * (3 * dtype.itemsize + 2)
+        return 0
+
+    def _packed(self) -> tuple[str, str]:
+        """The MXFP4 blocks' and scales' checkpoint keys."""
+        blocks = next(s for s, p in zip(self.sources, self.patterns) if p.endswith("_blocks"))
+        scales = next(s for s, p in zip(self.sources, self.patterns) if p.endswith("_scales"))
+        return blocks, scales
+
+    def _dequantize_into(self, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """transformers' MXFP4 dequantizer, an expert at a time (each value is decoded
+        on its own: the values of one call over the whole layer)."""
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        blocks, scales = (tensors[k] for k in self._packed())
+        for e in range(out.shape[0]):
+            one = convert_moe_packed_tensors(blocks[e : e + 1], scales[e : e + 1], dtype=out.dtype)
+            out[e].copy_(one[0])
+        return out
 
 
 def _given(t: torch.Tensor) -> Any:
@@ -109,9 +163,26 @@ class KeyMap:
     fused: dict[str, Fused]  # model key -> how it is built
 
 
+def dequantizer(config: Any) -> Any | None:
+    """transformers' quantizer of a checkpoint whose experts are stored MXFP4, set to
+    dequantize (its conversions name the stored blocks and scales); None otherwise."""
+    q = getattr(config, "quantization_config", None)
+    doc = q if isinstance(q, dict) else q.to_dict() if q is not None else {}
+    if doc.get("quant_method") != "mxfp4":
+        return None
+    from transformers.quantizers.auto import AutoHfQuantizer
+    from transformers.utils.quantization_config import Mxfp4Config
+
+    keep = doc.get("modules_to_not_convert")
+    return AutoHfQuantizer.from_config(
+        Mxfp4Config(modules_to_not_convert=keep, dequantize=True), pre_quantized=True
+    )
+
+
 def key_map(model: Any, refs: dict[str, TensorRef], wanted: set[str]) -> KeyMap:
     """How each of the ``wanted`` parameters (absent from the checkpoint under its own
-    name) comes from the checkpoint, by the model's transformers conversion mapping."""
+    name) comes from the checkpoint, by the model's transformers conversion mapping
+    (and, for MXFP4 experts, its quantizer's)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -120,7 +191,7 @@ def key_map(model: Any, refs: dict[str, TensorRef], wanted: set[str]) -> KeyMap:
         rename_source_key,
     )
 
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model, hf_quantizer=dequantizer(model.config))
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     meta = model.state_dict()

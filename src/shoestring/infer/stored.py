@@ -2,7 +2,9 @@
 weights of each are rebuilt (:class:`StoredWeights`), and the refusal of the rest.
 
 * bitsandbytes 4-bit (the Hub's ``*-bnb-4bit``): :mod:`.prequant`;
-* FP8 with block scales (``quant_method: fp8``; DeepSeek-V3, ``*-FP8``): :mod:`.fp8`.
+* FP8 with block scales (``quant_method: fp8``; DeepSeek-V3, ``*-FP8``): :mod:`.fp8`;
+* MXFP4 experts (``quant_method: mxfp4``; openai/gpt-oss-*): built with the fused
+  parameters, an expert at a time (:mod:`.fused`).
 
 Any other ``quantization_config`` (GPTQ, AWQ, compressed-tensors, MXFP4, ...) is refused
 before anything loads, naming the method and what to use instead.
@@ -23,7 +25,7 @@ from shoestring.infer.prequant import Stored4bit, bnb_compute_dtype, check_bnb
 from shoestring.infer.stream import Prepare
 
 #: The ``quantization_config.quant_method`` values infer streams as stored.
-STREAMED = ("bitsandbytes", "fp8")
+STREAMED = ("bitsandbytes", "fp8", "mxfp4")
 
 
 class StoredWeights(Protocol):
@@ -58,11 +60,17 @@ def check_stored(doc: Mapping[str, Any], spec: str, compress: str) -> None:
         raise ConfigError(
             f"--model (model.path): {spec} is stored quantized by {method} "
             "(quantization_config.quant_method); infer streams 16/32-bit safetensors and "
-            "checkpoints stored in bitsandbytes 4-bit or in FP8 with block scales: use "
-            "the model's 16-bit original (add --compress int8 or nf4 to stream it smaller)"
+            "checkpoints stored in bitsandbytes 4-bit, in FP8 with block scales or with "
+            "MXFP4 experts: use the model's 16-bit original (add --compress int8 or nf4 "
+            "to stream it smaller)"
         )
     check_bnb(doc, spec, compress)
     check_fp8(doc, spec, compress)
+    if method == "mxfp4" and compress != "none":
+        raise ConfigError(
+            f"--compress (compress.scheme): {spec} stores its experts in MXFP4 and "
+            f"streams as stored; drop --compress {compress}"
+        )
 
 
 def stored_compute_dtype(doc: Mapping[str, Any]) -> torch.dtype | None:

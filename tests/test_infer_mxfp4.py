@@ -1,0 +1,139 @@
+"""A gpt-oss checkpoint whose experts are stored MXFP4 (as openai/gpt-oss-* are) streams
+as stored: the engine computes what transformers computes on the same checkpoint (its
+MXFP4 loader dequantizes without Triton kernels), a decoder layer reads about a quarter
+of its experts' 16-bit bytes, the experts are dequantized one at a time (the plan's
+transient is one expert's, not the layer's), and ``--compress`` on top is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shoestring.cli import main
+from shoestring.infer.decode import generate, prompt_logits
+from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.fixtures import build_random_model, save_mxfp4
+from shoestring.infer.weights import weight_needs
+
+CPU = torch.device("cpu")
+GPT_OSS = dict(
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    head_dim=32,
+    sliding_window=8,  # prompts longer than the window: sliding and full layers differ
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpt-oss")
+    base = build_random_model(root / "bf16", "gpt_oss", seed=3, dtype=torch.bfloat16, **GPT_OSS)  # type: ignore[arg-type]
+    return {"bf16": base, "mxfp4": save_mxfp4(base, root / "mxfp4")}
+
+
+def reference(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+
+
+def prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, 20, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
+
+
+def _greedy(ref: Any, p: list[int], new: int) -> list[int]:
+    want = ref.generate(
+        torch.tensor([p]),
+        attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return list(want[0, len(p) :].tolist())
+
+
+def test_greedy_tokens_and_logits_equal_transformers_mxfp4_load(models: dict[str, Path]) -> None:
+    ref, ps = reference(models["mxfp4"]), prompts()
+    eng = StreamingCausalLM(models["mxfp4"], device=CPU).start(resident=1, depth=1)
+    try:
+        assert eng.dtype == torch.bfloat16
+        eos = {ref.generation_config.eos_token_id}  # transformers stops there too
+        out = generate(eng, ps, max_new_tokens=8, eos_ids=eos, pad_id=0, micro_tokens=40)
+        logits = prompt_logits(eng, ps)
+        experts = {k for k, f in eng.units[1].fused.items() if f.mxfp4}
+    finally:
+        eng.close()
+    assert {k.rsplit(".", 1)[-1] for k in experts} == {"gate_up_proj", "down_proj"}
+    for p, o, lg in zip(ps, out, logits, strict=True):
+        assert o.tokens == _greedy(ref, p, 8)
+        with torch.no_grad():
+            # The same dequantizer on the same bytes, an expert at a time: bitwise.
+            assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
+
+
+def test_the_plan_reads_the_packed_experts_and_holds_one_expert_in_temporaries(
+    models: dict[str, Path],
+) -> None:
+    eng = StreamingCausalLM(models["mxfp4"], device=CPU)
+    plain = StreamingCausalLM(models["bf16"], device=CPU)
+    needs = weight_needs(eng, None, None)
+    layer, bf16_layer = eng.units[1], plain.units[1]
+    expert_bytes = {r.key: r.nbytes for r in bf16_layer.refs if ".mlp.experts." in r.key}
+    packed = sum(r.nbytes for r in layer.refs if r.key.endswith(("_blocks", "_scales")))
+    # 4.25 bits a weight (a uint8 scale per 32) instead of 16.
+    assert packed == pytest.approx(
+        sum(v for k, v in expert_bytes.items() if "bias" not in k) * 17 / 64
+    )
+    fused = eng.fuse_bytes(1)
+    params = {k: getattr(m, n) for k, (m, n) in layer.params.items() if k in layer.fused}
+    assert fused[0] == sum(2 * p.numel() for p in params.values())  # dequantized to bf16
+    largest = max(params.values(), key=lambda p: p.numel())
+    one_expert = largest.numel() // largest.shape[0]
+    assert fused[1] == one_expert * (3 * 2 + 2)  # one expert's dequantizing, not the layer's
+    assert needs.read[1] == layer.plan.nbytes and needs.extra[1] >= fused[0]
+
+
+def test_shoestring_infer_on_a_gpt_oss_mxfp4_checkpoint_writes_transformers_answers(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    model = models["mxfp4"]
+    texts = ["alpha beta gamma delta eps", "gamma", "delta eps alpha beta beta gamma"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "out.jsonl"
+    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(out)]
+    args += ["--max-new-tokens", "6", "--threads", "1", "--job.progress", "off"]
+    args += ["--memory.resident", "0", "--memory.prefetch_depth", "1"]
+    assert main(args) == 0
+    from transformers import AutoTokenizer
+
+    tok, ref = AutoTokenizer.from_pretrained(str(model)), reference(model)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    for t, line in zip(texts, got, strict=True):
+        new = _greedy(ref, tok(t)["input_ids"], 6)
+        assert line["completion"] == tok.decode(new, skip_special_tokens=True)
+
+
+def test_compress_on_an_mxfp4_checkpoint_is_refused_before_any_work(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hello"}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["infer", "--model", str(models["mxfp4"]), "--input", str(inp), "--output", str(out)]
+    assert main([*args, "--compress", "nf4"]) == 2
+    err = capsys.readouterr().err
+    assert "--compress (compress.scheme): " in err and "MXFP4" in err, err
+    assert not (tmp_path / "out.jsonl.run").exists()
