@@ -61,10 +61,30 @@ class Shape:
     model_type: str = "llama"
     experts: int = 0
     experts_per_token: int = 0
+    head_dim: int = 0  # 0: hidden // heads
+    mxfp4: bool = False  # experts stored MXFP4, as openai/gpt-oss-* are
 
     def config(self, tokenizer_ids: dict[str, int]) -> Any:
         from transformers import AutoConfig, LlamaConfig
 
+        if self.model_type == "gpt_oss":
+            return AutoConfig.for_model(
+                "gpt_oss",
+                vocab_size=self.vocab,
+                hidden_size=self.hidden,
+                intermediate_size=self.ffn,
+                num_hidden_layers=self.layers,
+                num_attention_heads=self.heads,
+                num_key_value_heads=self.kv_heads,
+                head_dim=self.head_dim or self.hidden // self.heads,
+                max_position_embeddings=self.max_positions,
+                num_local_experts=self.experts,
+                num_experts_per_tok=self.experts_per_token,
+                tie_word_embeddings=False,
+                initializer_range=INIT_STD,
+                dtype="bfloat16",
+                **tokenizer_ids,
+            )
         if self.experts:
             return AutoConfig.for_model(
                 self.model_type,
@@ -123,6 +143,24 @@ SHAPES: dict[str, Shape] = {
         experts=64,
         experts_per_token=8,
     ),  # fmt: skip
+    # openai/gpt-oss-20b: 32 experts of 2880, 4 routed per token, experts stored MXFP4
+    # (21B parameters, 13.8 GB), attention sinks, sliding and full layers, 201k vocabulary
+    "gpt-oss-20b": Shape(
+        2880,
+        24,
+        64,
+        8,
+        2880,
+        201088,
+        131072,
+        150000.0,
+        inference_only=True,
+        model_type="gpt_oss",
+        experts=32,
+        experts_per_token=4,
+        head_dim=64,
+        mxfp4=True,
+    ),  # fmt: skip
     # the same structures at small widths (CI smoke; widths multiples of 64)
     "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0, shard_bytes=1 << 20),
     "small-gqa": Shape(256, 2, 4, 1, 640, 1024, 512, 500000.0, shard_bytes=1 << 20),
@@ -139,6 +177,22 @@ SHAPES: dict[str, Shape] = {
         model_type="olmoe",
         experts=4,
         experts_per_token=2,
+    ),  # fmt: skip
+    "small-gpt-oss": Shape(
+        256,
+        2,
+        4,
+        2,
+        256,
+        512,
+        512,
+        150000.0,
+        shard_bytes=1 << 20,
+        model_type="gpt_oss",
+        experts=4,
+        experts_per_token=2,
+        head_dim=64,
+        mxfp4=True,
     ),  # fmt: skip
 }
 
@@ -172,6 +226,48 @@ def row_blocks(
             yield torch.ones(block_shape, dtype=dtype)
         else:
             yield torch.empty(block_shape).normal_(0.0, std, generator=gen).to(dtype)
+
+
+#: What gpt-oss keeps 16-bit (its published quantization_config).
+MXFP4_KEEP = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+]
+_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+_PACKED = {"_blocks": "blocks", "_scales": "scales"}
+MXFP4_ROWS = 512  # rows of one expert quantized at once
+
+
+def mxfp4_specs(spec: TensorSpec) -> list[TensorSpec]:
+    """An expert parameter (experts, in, out) as its MXFP4 blocks (experts, out, in/32,
+    16) and scales (experts, out, in/32), uint8, as openai/gpt-oss-* store it."""
+    if not spec.name.endswith(_EXPERTS):
+        return [spec]
+    experts, cols, rows = spec.shape
+    return [
+        TensorSpec(f"{spec.name}_blocks", (experts, rows, cols // 32, 16), torch.uint8),
+        TensorSpec(f"{spec.name}_scales", (experts, rows, cols // 32), torch.uint8),
+    ]
+
+
+def tensor_blocks(spec: TensorSpec, seed: int) -> Iterator[torch.Tensor]:
+    """A tensor's stored values, a block of leading rows at a time: MXFP4 parts an
+    expert at a time (from the expert's own seeded values), others as :func:`row_blocks`."""
+    part = next((p for p in _PACKED if spec.name.endswith(p)), None)
+    if part is None:
+        yield from row_blocks(spec.name, spec.shape, seed, spec.dtype)
+        return
+    from shoestring.infer.fixtures import mxfp4_pack
+
+    name = spec.name.removesuffix(part)
+    experts, rows, groups = spec.shape[:3]
+    for e in range(experts):
+        gen = torch.Generator().manual_seed(tensor_seed(seed, f"{name}:{e}"))
+        w = torch.empty(groups * 32, rows).normal_(0.0, INIT_STD, generator=gen).T
+        chunks = [mxfp4_pack(w[r : r + MXFP4_ROWS]) for r in range(0, rows, MXFP4_ROWS)]
+        yield torch.cat([c[0 if part == "_blocks" else 1] for c in chunks])[None]
 
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -215,10 +311,13 @@ def write_model(
     tok, ids = _tokenizer_ids()
     config = shape.config(ids)
     specs = [TensorSpec(name, shp, dtype) for name, shp in model_tensors(config)]
+    if shape.mxfp4:
+        specs = [p for s in specs for p in mxfp4_specs(s)]
+        config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_KEEP}
     write_sharded(
         target,
         specs,
-        lambda s: row_blocks(s.name, s.shape, seed, s.dtype),
+        lambda s: tensor_blocks(s, seed),
         max_shard_bytes or shape.shard_bytes,
     )
     config.save_pretrained(target)

@@ -105,3 +105,43 @@ def test_an_moe_shape_is_written_as_the_hub_stores_it_and_loads_fused(tmp_path: 
             for p in ("gate", "up")
         )
         assert torch.equal(fused[e].to(torch.bfloat16), torch.cat([gate, up]))
+
+
+def test_a_gpt_oss_shape_is_written_with_mxfp4_experts_as_the_hub_stores_them(
+    tmp_path: Path,
+) -> None:
+    """openai/gpt-oss-*'s layout: each layer's experts as MXFP4 blocks and scales, written
+    an expert at a time; transformers loads it with nothing missing, its experts are
+    the seeded values to MXFP4's precision, and the streaming engine computes what
+    transformers computes on it, bit for bit."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import realshape
+
+    from shoestring.infer.decode import prompt_logits
+    from shoestring.infer.engine import StreamingCausalLM
+
+    model_dir = realshape.write_model(tmp_path / "oss", realshape.SHAPES["small-gpt-oss"])
+    names = set(json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"])
+    assert {"model.layers.1.mlp.experts.gate_up_proj_blocks",
+            "model.layers.1.mlp.experts.down_proj_scales"} <= names  # fmt: skip
+    assert not any(n.endswith("experts.gate_up_proj") for n in names)
+    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    got = model.model.layers[1].mlp.experts.gate_up_proj[2].float()  # (in, out)
+    gen = torch.Generator().manual_seed(
+        realshape.tensor_seed(0, "model.layers.1.mlp.experts.gate_up_proj:2")
+    )
+    want = torch.empty(got.shape).normal_(0.0, realshape.INIT_STD, generator=gen)
+    assert (got - want).abs().max() <= 0.2 * want.abs().max()  # e2m1: 1 significant bit
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    eng = StreamingCausalLM(model_dir, device=torch.device("cpu")).start(resident=0, depth=1)
+    try:
+        logits = prompt_logits(eng, prompts)
+    finally:
+        eng.close()
+    for p, lg in zip(prompts, logits, strict=True):
+        with torch.no_grad():
+            assert torch.equal(lg, model.eval()(torch.tensor([p])).logits[0].float())

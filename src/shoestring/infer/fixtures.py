@@ -131,7 +131,7 @@ def save_mxfp4(base: Path, dest: Path) -> Path:
         out: dict[str, torch.Tensor] = {}
         for key, t in load_file(shard).items():
             if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-                out[f"{key}_blocks"], out[f"{key}_scales"] = _mxfp4(t.transpose(-1, -2))
+                out[f"{key}_blocks"], out[f"{key}_scales"] = mxfp4_pack(t.transpose(-1, -2))
             else:
                 out[key] = t
         save_file(out, dest / shard.name, metadata={"format": "pt"})
@@ -150,15 +150,19 @@ def save_mxfp4(base: Path, dest: Path) -> Path:
     return dest
 
 
-def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` (..., rows, cols) as MXFP4 blocks (..., rows, cols/32, 16) and scales (...,
     rows, cols/32): each block of 32 scaled by a power of two so its largest value is
-    at most the format's largest (6), each value the nearest e2m1 code."""
-    from transformers.integrations.mxfp4 import FP4_VALUES
-
-    lut = torch.tensor(FP4_VALUES)
+    at most the format's largest (6), each value the nearest e2m1 code (low nibble
+    first, as transformers' dequantizer reads them)."""
     g = w.float().reshape(*w.shape[:-1], -1, 32)
     exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0**-100) / 6))
-    idx = ((g / torch.exp2(exp)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)
-    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    scaled = g / torch.exp2(exp)[..., None]
+    # e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: codes 0-7 by the midpoints; sign: +8
+    code = torch.bucketize(scaled.abs(), _E2M1_MIDPOINTS) + 8 * (scaled < 0)
+    code = code.to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
     return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
