@@ -119,7 +119,6 @@ def test_a_gpt_oss_shape_is_written_with_mxfp4_experts_as_the_hub_stores_them(
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import realshape
-
     from shoestring.infer.decode import prompt_logits
     from shoestring.infer.engine import StreamingCausalLM
 
