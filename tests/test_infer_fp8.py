@@ -49,19 +49,23 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def stored(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8")
-    return {name: save_fp8(base, root / name, BLOCK) for name, base in bases.items()}
+    out = {name: save_fp8(base, root / name, BLOCK) for name, base in bases.items()}
+    bf16_scales = save_fp8(bases["llama"], root / "bf16-scales", BLOCK, torch.bfloat16)
+    return {**out, "llama-bf16-scales": bf16_scales}
 
 
-def reference(model_dir: Path) -> Any:
+def reference(model_dir: Path, dtype: torch.dtype | None = None) -> Any:
     """transformers' model on the checkpoint (on CPU its FP8 loader dequantizes)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or "auto").eval()
 
 
-def streaming(model_dir: Path, adapter: LoraDelta | None = None) -> StreamingCausalLM:
-    """Our engine on the checkpoint in its compute dtype, one unit resident."""
-    eng = StreamingCausalLM(model_dir, device=CPU, dtype=reference_dtype(model_dir))
+def streaming(
+    model_dir: Path, adapter: LoraDelta | None = None, dtype: torch.dtype | None = None
+) -> StreamingCausalLM:
+    """Our engine on the checkpoint (in its compute dtype by default), one unit resident."""
+    eng = StreamingCausalLM(model_dir, device=CPU, dtype=dtype or reference_dtype(model_dir))
     found = StoredFp8.of(eng)
     assert found is not None
     hook, _ = weight_hook(eng, None, adapter, Path("/nonexistent"), "", found)
@@ -94,13 +98,21 @@ def _greedy(ref: Any, p: list[int], new: int) -> list[int]:
     return list(want[0, len(p) :].tolist())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize(
+    ("arch", "dtype"),
+    [
+        ("llama", torch.bfloat16),  # the config's dtype, through transformers' dequantizer
+        ("qwen3_moe", torch.bfloat16),
+        ("llama", torch.float32),  # float32 compute: the codes scaled in place
+        ("llama-bf16-scales", torch.float32),
+    ],
+)
 def test_greedy_tokens_and_logits_equal_transformers_fp8_load(
-    stored: dict[str, Path], bases: dict[str, Path], arch: str
+    stored: dict[str, Path], bases: dict[str, Path], arch: str, dtype: torch.dtype
 ) -> None:
-    ref, ps = reference(stored[arch]), prompts()
+    ref, ps = reference(stored[arch], dtype), prompts()
     assert reference_dtype(stored[arch]) == torch.bfloat16  # the config's dtype
-    eng = streaming(stored[arch])
+    eng = streaming(stored[arch], dtype=dtype)
     try:
         eos = {ref.generation_config.eos_token_id}  # transformers stops there too
         out = generate(eng, ps, max_new_tokens=8, eos_ids=eos, pad_id=0, micro_tokens=20)
@@ -114,7 +126,7 @@ def test_greedy_tokens_and_logits_equal_transformers_fp8_load(
             # The same dequantizer on the same bytes: bitwise equal logits.
             assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
     # A decoder layer streams its FP8 codes and scales: about half of its bf16 bytes.
-    plain = StreamingCausalLM(bases[arch], device=CPU).units[1].plan.nbytes
+    plain = StreamingCausalLM(bases[arch.split("-")[0]], device=CPU).units[1].plan.nbytes
     assert layer_bytes < 0.6 * plain
 
 
