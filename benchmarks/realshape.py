@@ -237,7 +237,6 @@ MXFP4_KEEP = [
 ]
 _EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _PACKED = {"_blocks": "blocks", "_scales": "scales"}
-MXFP4_ROWS = 512  # rows of one expert quantized at once
 
 
 def mxfp4_specs(spec: TensorSpec) -> list[TensorSpec]:
@@ -253,21 +252,17 @@ def mxfp4_specs(spec: TensorSpec) -> list[TensorSpec]:
 
 
 def tensor_blocks(spec: TensorSpec, seed: int) -> Iterator[torch.Tensor]:
-    """A tensor's stored values, a block of leading rows at a time: MXFP4 parts an
-    expert at a time (from the expert's own seeded values), others as :func:`row_blocks`."""
+    """A tensor's stored values, a block of leading rows at a time; MXFP4 parts an expert
+    at a time: uniformly random e2m1 codes, and block exponents around INIT_STD's (a
+    block's values are then 0.5-6 times 2^-9 to 2^-6: the init's magnitudes)."""
     part = next((p for p in _PACKED if spec.name.endswith(p)), None)
     if part is None:
         yield from row_blocks(spec.name, spec.shape, seed, spec.dtype)
         return
-    from shoestring.infer.fixtures import mxfp4_pack
-
-    name = spec.name.removesuffix(part)
-    experts, rows, groups = spec.shape[:3]
-    for e in range(experts):
-        gen = torch.Generator().manual_seed(tensor_seed(seed, f"{name}:{e}"))
-        w = torch.empty(groups * 32, rows).normal_(0.0, INIT_STD, generator=gen).T
-        chunks = [mxfp4_pack(w[r : r + MXFP4_ROWS]) for r in range(0, rows, MXFP4_ROWS)]
-        yield torch.cat([c[0 if part == "_blocks" else 1] for c in chunks])[None]
+    gen = torch.Generator().manual_seed(tensor_seed(seed, spec.name))
+    low, high = (0, 256) if part == "_blocks" else (127 - 9, 127 - 5)
+    for _ in range(spec.shape[0]):
+        yield torch.randint(low, high, (1, *spec.shape[1:]), generator=gen, dtype=torch.uint8)
 
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
