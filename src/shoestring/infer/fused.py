@@ -25,8 +25,8 @@ Experts stored MXFP4 (openai/gpt-oss-*: ``experts.gate_up_proj_blocks`` and
 ``_scales``, 4.25 bits a weight) are mapped by the conversions of transformers' own
 MXFP4 quantizer, set to dequantize (:func:`dequantizer`); its ``Mxfp4Dequantize`` would
 dequantize a whole layer's experts at once (about three times the parameter, in
-temporaries), so :meth:`Fused.build_into` calls the same function,
-``convert_moe_packed_tensors``, one expert at a time, into the buffer.
+temporaries, and slowly on a CPU), so :meth:`Fused.build_into` decodes them an expert
+at a time into the buffer (:mod:`.mxfp4`, transformers' values bit for bit).
 
 A unit with fused parameters reads every expert (one pass serves every token of the
 batch, and a batch of prompts routes to most of them); the fused copy costs as many
@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from shoestring.infer.mxfp4 import ROWS, dequantize_expert, pair_table
 from shoestring.infer.shards import TensorRef
 
 
@@ -124,13 +125,13 @@ class Fused:
     def temps(self, refs: dict[str, TensorRef], dtype: torch.dtype) -> int:
         """What building it takes beside its buffer: transformers' converter, its stacked
         sources and its result (twice the parameter); an MXFP4 expert's dequantizing,
-        its values before and after the transpose, the lookup's result and its int32
-        indices (about 3 values and 2 bytes an element)."""
+        a block of rows' int64 codes, values and scales (:mod:`.mxfp4`)."""
         if not self.in_place:
             return 2 * self.nbytes(refs, dtype)
         if self.mxfp4:
-            shape = self.shape(refs)
-            return math.prod(shape[1:]) * (3 * dtype.itemsize + 2)
+            _, cols, rows = self.shape(refs)  # an expert's input and output features
+            n = min(ROWS, rows)
+            return n * cols * (4 + dtype.itemsize) + 2 * n * cols // 32 * dtype.itemsize
         return 0
 
     def _packed(self) -> tuple[str, str]:
@@ -140,14 +141,12 @@ class Fused:
         return blocks, scales
 
     def _dequantize_into(self, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """transformers' MXFP4 dequantizer, an expert at a time (each value is decoded
-        on its own: the values of one call over the whole layer)."""
-        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
+        """The MXFP4 experts decoded an expert at a time (:mod:`.mxfp4`: transformers'
+        values, bit for bit)."""
         blocks, scales = (tensors[k] for k in self._packed())
+        table = pair_table(out.dtype)
         for e in range(out.shape[0]):
-            one = convert_moe_packed_tensors(blocks[e : e + 1], scales[e : e + 1], dtype=out.dtype)
-            out[e].copy_(one[0])
+            dequantize_expert(blocks[e], scales[e], out[e], table)
         return out
 
 
