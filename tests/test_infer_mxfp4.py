@@ -158,3 +158,31 @@ def test_compress_on_an_mxfp4_checkpoint_is_refused_before_any_work(
     err = capsys.readouterr().err
     assert "--compress (compress.scheme): " in err and "MXFP4" in err, err
     assert not (tmp_path / "out.jsonl.run").exists()
+
+
+def test_peak_rss_stays_within_the_least_budget_the_plan_accepts(tmp_path: Path) -> None:
+    """A ring slot's raw buffer holds the largest streamed unit (here the embedding of a
+    64k vocabulary) and keeps the decoder layers' dequantized experts as scratch while
+    the embedding passes through it: the plan counts both per slot (it once counted the
+    larger of the two units, and gpt-oss-20b ran 0.94 GB over its budget)."""
+    from test_infer_budget import TOO_SMALL, _least_from_refusal, _run
+
+    # The embedding (134 MB) about as large as a layer's packed experts and their
+    # dequantized copy together (26 + 101 MB): counting the larger unit misses ~100 MB
+    # a slot.
+    base = build_random_model(
+        tmp_path / "bf16", "gpt_oss", seed=1, dtype=torch.bfloat16, hidden=1024, ffn=1024,
+        heads=16, kv_heads=2, layers=2, vocab=65536, shard="200MB",
+        **{**GPT_OSS, "num_local_experts": 16, "layer_types": ["full_attention"] * 2},
+    )  # fmt: skip
+    model = save_mxfp4(base, tmp_path / "mxfp4")
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": "ab " * (2 + i)}) + "\n" for i in range(4)))
+    pinned = ("--memory.resident", "0", "--memory.prefetch_depth", "1")
+    refused = _run(model, inp, tmp_path / "r.jsonl", TOO_SMALL, *pinned)
+    assert refused.rc == 2 and "is too small for this model" in refused.err, refused.err[-2000:]
+    budget = int(_least_from_refusal(refused.err) * 1.02)
+    ran = _run(model, inp, tmp_path / "o.jsonl", budget, *pinned)
+    assert ran.rc == 0, ran.err[-2000:]
+    print(f"peak_rss gpt-oss mxfp4: {ran.peak / 1e6:.1f} MB of {budget / 1e6:.1f} MB")
+    assert ran.peak <= budget and "WARNING" not in ran.err

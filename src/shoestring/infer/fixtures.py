@@ -29,6 +29,7 @@ def build_random_model(
     seed: int = 0,
     tie: bool = False,
     context: int = 1024,
+    vocab: int = 0,
     **extra: Any,
 ) -> Path:
     """Write a random ``arch`` model with the byte tokenizer into ``target``.
@@ -43,7 +44,7 @@ def build_random_model(
 
     tok = build_tokenizer()
     pad_id, bos_id, eos_id = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
-    vocab = -(-len(tok) // 64) * 64
+    vocab = vocab or -(-len(tok) // 64) * 64  # more rows than the tokenizer: a real size
     config = AutoConfig.for_model(
         arch,
         vocab_size=vocab,

@@ -65,6 +65,10 @@ class Needs:
     build: int = 0  # writing the compressed copy, at its peak (0: nothing to write)
     #: per unit: whether a resident unit keeps its raw bytes once prepared (None: all do)
     raw_kept: list[bool] | None = None
+    #: per unit: which scratch buffers it prepares into (embed, the decoder layers, head):
+    #: a ring slot keeps each kind's buffers for the next unit of that kind, so a slot
+    #: holds every kind's at once (None: all units one kind)
+    kinds: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,38 +149,53 @@ class _Activations:
 
 @dataclass(frozen=True)
 class _Costs:
-    """Bytes each unit holds when resident (``held``), in a ring slot (``slot``: raw
-    bytes, plus its scratch when prepared ``"ahead"``), as scratch once prepared
-    (``scratch``), and for a moment while it is read as a resident unit whose raw
-    bytes are then dropped (``load``: those raw bytes; 0 when they are kept)."""
+    """Bytes each unit holds when resident (``held``), as read (``read``), as scratch
+    once prepared (``scratch``: its kind's buffers, ``kinds``), and for a moment while it
+    is read as a resident unit whose raw bytes are then dropped (``load``: those raw
+    bytes; 0 when they are kept)."""
 
     held: list[int]
-    slot: list[int]
+    read: list[int]
     scratch: list[int]
     load: list[int]
     depth: int
     at: PrepareAt
+    kinds: list[str]
 
     def ring(self, streamed: list[int]) -> int:
-        """The read-ahead ring: depth + 1 slots of the costliest streamed unit (what
-        the streamer allocates), plus, prepared ``"on_compute"``, the one scratch set
-        they share; nothing when every unit is resident."""
+        """The read-ahead ring: depth + 1 slots (what the streamer allocates: each a raw
+        buffer for the largest streamed unit, and ``"ahead"`` its scratch buffers), plus,
+        prepared ``"on_compute"``, the one scratch set they share; nothing when every
+        unit is resident."""
         if not streamed:
             return 0
-        return self._slots(streamed) * max(self.slot[i] for i in streamed) + self.shared(streamed)
+        return self._slots(streamed) * self.slot_bytes(streamed) + self.shared(streamed)
 
     def _slots(self, streamed: list[int]) -> int:
         return min(self.depth, len(streamed)) + 1
+
+    def slot_bytes(self, streamed: list[int]) -> int:
+        """One slot: the largest unit as read, and ``"ahead"`` the scratch it keeps."""
+        raw = max(self.read[i] for i in streamed)
+        return raw + (self._scratch_set(streamed) if self.at == "ahead" else 0)
+
+    def _scratch_set(self, streamed: list[int]) -> int:
+        """A scratch set serving ``streamed``: each kind's largest (its buffers are
+        reused by the next unit of that kind, and kept while other kinds pass)."""
+        most: dict[str, int] = {}
+        for i in streamed:
+            most[self.kinds[i]] = max(most.get(self.kinds[i], 0), self.scratch[i])
+        return sum(most.values())
 
     def shared(self, streamed: list[int]) -> int:
         """The scratch set the ring shares (``"on_compute"``; 0 ``"ahead"``)."""
         if self.at == "ahead" or not streamed:
             return 0
-        return max(self.scratch[i] for i in streamed)
+        return self._scratch_set(streamed)
 
     def holds(self, streamed: list[int]) -> str:
         """What the ring holds, in words (for the refusal)."""
-        slots, raw = self._slots(streamed), max(self.slot[i] for i in streamed)
+        slots, raw = self._slots(streamed), self.slot_bytes(streamed)
         if self.at == "on_compute":
             return (
                 f"the read-ahead holds {slots} units as read ({_mb(raw)} MB each, "
@@ -205,9 +224,9 @@ def _unit_costs(needs: Needs, depth: int, at: PrepareAt) -> _Costs:
     raw_kept = needs.raw_kept
     keep = raw_kept if raw_kept is not None else [True] * len(unit_bytes)
     held = [b + e if k else e for b, k, e in zip(unit_bytes, keep, unit_extra)]
-    slot = [b + e if at == "ahead" else b for b, e in zip(unit_bytes, unit_extra)]
     load = [0 if k else b for b, k in zip(unit_bytes, keep)]
-    return _Costs(held, slot, list(unit_extra), load, depth, at)
+    kinds = needs.kinds or [""] * len(unit_bytes)
+    return _Costs(held, list(unit_bytes), list(unit_extra), load, depth, at, kinds)
 
 
 @dataclass(frozen=True)
@@ -426,10 +445,11 @@ def _resident_and_ring(
     units need, together within ``room`` (``want`` as in :func:`_resident_set`), and
     read at start within ``start_room``.
 
-    The ring holds the costliest streamed unit, so keeping the ``k`` costliest units
-    resident shrinks it (a large embedding: by ``depth`` + 1 of them). Each ``k`` is
-    tried, the room left filled largest first; ``k`` = 0 is the plain largest-first set."""
-    by_cost = sorted(range(len(unit_bytes)), key=lambda i: (-costs.slot[i], -i))
+    Each ring slot's raw buffer holds the largest streamed unit, so keeping the ``k``
+    largest units resident shrinks it (a large embedding: by ``depth`` + 1 of them).
+    Each ``k`` is tried, the room left filled largest first; ``k`` = 0 is the plain
+    largest-first set."""
+    by_cost = sorted(range(len(unit_bytes)), key=lambda i: (-costs.read[i], -i))
     best: tuple[int, list[int], int] = (-1, [], costs.ring(by_cost))
     for k in range(len(by_cost) + 1):
         if want >= 0 and k > want:

@@ -50,6 +50,7 @@ def weight_needs(
         ],
         layout.build + _merge_in_copy(engine, adapter) if compressed else 0,
         _raw_kept(engine),
+        _kinds(engine),
     )
 
 
@@ -70,6 +71,7 @@ def _stored_needs(
         ],
         0,
         _raw_kept(engine),
+        _kinds(engine),
     )
 
 
@@ -152,7 +154,15 @@ def weight_hook(
     elif adapter is not None:
         hook = _merged(adapter)
     cast = [x + engine.cast_bytes(i) + engine.fuse_bytes(i)[0] for i, x in enumerate(extra)]
-    return hook, Needs(engine.unit_bytes, cast, needs.prepare, needs.build, _raw_kept(engine))
+    return hook, Needs(
+        engine.unit_bytes, cast, needs.prepare, needs.build, _raw_kept(engine), _kinds(engine)
+    )
+
+
+def _kinds(engine: StreamingCausalLM) -> list[str]:
+    """Per unit, the scratch buffers it prepares into: the embedding's, the decoder
+    layers' (one set, by generic name), the head's."""
+    return [u.name.split(".")[0] for u in engine.units]
 
 
 def _raw_kept(engine: StreamingCausalLM) -> list[bool]:
