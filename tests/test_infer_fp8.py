@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shoestring.cli import main
-from shoestring.infer import partial
 from shoestring.infer.adapter import LoraDelta
-from shoestring.infer.decode import Rules, generate, generate_from, prompt_logits, start
+from shoestring.infer.decode import generate, prompt_logits
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model, save_fp8
 from shoestring.infer.fp8 import StoredFp8
 from shoestring.infer.weights import weight_hook
+from stored_checks import check_adapter_merged, check_resumes_bit_for_bit, greedy, prompts
 
 CPU = torch.device("cpu")
 BLOCK = (64, 64)  # the Hub's are 128 x 128; 64 divides every weight of these models
@@ -81,23 +81,6 @@ def reference_dtype(model_dir: Path) -> torch.dtype:
     return dtype
 
 
-def prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(2, 14, (n,), generator=g).tolist()
-    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
-
-
-def _greedy(ref: Any, p: list[int], new: int) -> list[int]:
-    want = ref.generate(
-        torch.tensor([p]),
-        attention_mask=torch.ones(1, len(p), dtype=torch.long),
-        max_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return list(want[0, len(p) :].tolist())
-
-
 @pytest.mark.parametrize(
     ("arch", "dtype"),
     [
@@ -110,7 +93,7 @@ def _greedy(ref: Any, p: list[int], new: int) -> list[int]:
 def test_greedy_tokens_and_logits_equal_transformers_fp8_load(
     stored: dict[str, Path], bases: dict[str, Path], arch: str, dtype: torch.dtype
 ) -> None:
-    ref, ps = reference(stored[arch], dtype), prompts()
+    ref, ps = reference(stored[arch], dtype), prompts(5)
     assert reference_dtype(stored[arch]) == torch.bfloat16  # the config's dtype
     eng = streaming(stored[arch], dtype=dtype)
     try:
@@ -121,7 +104,7 @@ def test_greedy_tokens_and_logits_equal_transformers_fp8_load(
     finally:
         eng.close()
     for p, o, lg in zip(ps, out, logits, strict=True):
-        assert o.tokens == _greedy(ref, p, 8)
+        assert o.tokens == greedy(ref, p, 8)
         with torch.no_grad():
             # The same dequantizer on the same bytes: bitwise equal logits.
             assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
@@ -164,7 +147,7 @@ def test_shoestring_infer_on_an_fp8_base_writes_transformers_greedy_answers(
     tok, ref = AutoTokenizer.from_pretrained(str(model)), reference(model)
     got = [json.loads(line) for line in out.read_text().splitlines()]
     for t, line in zip(texts, got, strict=True):
-        new = _greedy(ref, tok(t)["input_ids"], 6)
+        new = greedy(ref, tok(t)["input_ids"], 6)
         assert line["completion"] == tok.decode(new, skip_special_tokens=True)
     start_ev = json.loads((Path(f"{out}.run") / "events.jsonl").read_text().splitlines()[0])
     assert start_ev["dtype"] == "bfloat16"
@@ -173,64 +156,14 @@ def test_shoestring_infer_on_an_fp8_base_writes_transformers_greedy_answers(
 def test_an_adapter_is_merged_into_the_dequantized_weights(
     stored: dict[str, Path], tmp_path: Path
 ) -> None:
-    from peft import LoraConfig, get_peft_model
-
     model = stored["fp32"]
-    torch.manual_seed(0)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    ref = get_peft_model(reference(model), lora).eval()
-    ref.save_pretrained(str(tmp_path / "adapter"))
-    ps = prompts(4, seed=1)
-    eng = streaming(model, LoraDelta(tmp_path / "adapter"))
-    try:
-        eos = {ref.generation_config.eos_token_id}  # transformers stops there too
-        out = generate(eng, ps, max_new_tokens=8, eos_ids=eos, pad_id=0, micro_tokens=20)
-        logits = prompt_logits(eng, ps)
-    finally:
-        eng.close()
-    for p, o, lg in zip(ps, out, logits, strict=True):
-        assert o.tokens == _greedy(ref, p, 8)
-        with torch.no_grad():
-            want = ref(torch.tensor([p])).logits[0].float()
-            with ref.disable_adapter():
-                base_logits = ref(torch.tensor([p])).logits[0].float()
-        # Merged (W + s·B·A) against peft's separate product: fp32 rounding apart, and
-        # far from the base without the adapter.
-        assert (lg - want).abs().max().item() <= 1e-4 * want.abs().max().item()
-        assert (lg - base_logits).abs().max().item() > 100 * (lg - want).abs().max().item()
-
-
-class _Stop(Exception):
-    pass
+    check_adapter_merged(streaming, model, reference(model), tmp_path)
 
 
 def test_a_stopped_generation_on_an_fp8_base_resumes_bit_for_bit(
     stored: dict[str, Path], tmp_path: Path
 ) -> None:
-    model, ps = stored["qwen3_moe"], prompts(5, seed=2)
-    kw: dict[str, Any] = dict(rules=Rules.uniform(len(ps), 6, set()), pad_id=0)
-    eng = streaming(model)
-    try:
-        want = [
-            g.tokens for g in generate_from(eng, start(eng, ps, pad_id=0, micro_tokens=24), **kw)
-        ]
-        state = start(eng, ps, pad_id=0, micro_tokens=24)
-
-        def on_pass() -> None:
-            if state.step == 3:
-                raise _Stop
-
-        with pytest.raises(_Stop):
-            generate_from(eng, state, on_pass=on_pass, **kw)
-        path, _ = partial.save(tmp_path / "partial", 3, state, {"chunk": 0})
-    finally:
-        eng.close()
-    eng = streaming(model)
-    try:
-        got = [g.tokens for g in generate_from(eng, partial.load(path, eng, len(ps)), **kw)]
-    finally:
-        eng.close()
-    assert got == want
+    check_resumes_bit_for_bit(streaming, stored["qwen3_moe"], tmp_path)
 
 
 def _infer(model: Path, tmp_path: Path, *extra: str) -> int:

@@ -18,6 +18,7 @@ from shoestring.infer.decode import generate, prompt_logits
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model, save_mxfp4
 from shoestring.infer.weights import weight_needs
+from stored_checks import greedy, prompts
 
 CPU = torch.device("cpu")
 GPT_OSS = dict(
@@ -47,25 +48,8 @@ def reference(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
 
 
-def prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(2, 20, (n,), generator=g).tolist()
-    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
-
-
-def _greedy(ref: Any, p: list[int], new: int) -> list[int]:
-    want = ref.generate(
-        torch.tensor([p]),
-        attention_mask=torch.ones(1, len(p), dtype=torch.long),
-        max_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return list(want[0, len(p) :].tolist())
-
-
 def test_greedy_tokens_and_logits_equal_transformers_mxfp4_load(models: dict[str, Path]) -> None:
-    ref, ps = reference(models["mxfp4"]), prompts()
+    ref, ps = reference(models["mxfp4"]), prompts(5, longest=20)
     eng = StreamingCausalLM(models["mxfp4"], device=CPU).start(resident=1, depth=1)
     try:
         assert eng.dtype == torch.bfloat16
@@ -77,7 +61,7 @@ def test_greedy_tokens_and_logits_equal_transformers_mxfp4_load(models: dict[str
         eng.close()
     assert {k.rsplit(".", 1)[-1] for k in experts} == {"gate_up_proj", "down_proj"}
     for p, o, lg in zip(ps, out, logits, strict=True):
-        assert o.tokens == _greedy(ref, p, 8)
+        assert o.tokens == greedy(ref, p, 8)
         with torch.no_grad():
             # The same dequantizer on the same bytes, an expert at a time: bitwise.
             assert torch.equal(lg, ref(torch.tensor([p])).logits[0].float())
@@ -143,7 +127,7 @@ def test_shoestring_infer_on_a_gpt_oss_mxfp4_checkpoint_writes_transformers_answ
     tok, ref = AutoTokenizer.from_pretrained(str(model)), reference(model)
     got = [json.loads(line) for line in out.read_text().splitlines()]
     for t, line in zip(texts, got, strict=True):
-        new = _greedy(ref, tok(t)["input_ids"], 6)
+        new = greedy(ref, tok(t)["input_ids"], 6)
         assert line["completion"] == tok.decode(new, skip_special_tokens=True)
 
 

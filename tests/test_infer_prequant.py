@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from shoestring.cli import main
-from shoestring.infer import partial
 from shoestring.infer.adapter import LoraDelta
-from shoestring.infer.decode import Rules, generate, generate_from, prompt_logits, start
+from shoestring.infer.decode import generate, prompt_logits
 from shoestring.infer.engine import StreamingCausalLM, read_config_json
 from shoestring.infer.fixtures import build_random_model
 from shoestring.infer.prequant import Stored4bit
 from shoestring.infer.stored import stored_compute_dtype
 from shoestring.infer.stream import Prepare
 from shoestring.infer.weights import weight_hook
+from stored_checks import check_adapter_merged, check_resumes_bit_for_bit, greedy, prompts
 
 pytest.importorskip("bitsandbytes")
 
@@ -103,23 +103,6 @@ def hook_and_needs(eng: StreamingCausalLM, adapter: LoraDelta | None = None) -> 
     return hook, needs
 
 
-def prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(2, 14, (n,), generator=g).tolist()
-    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
-
-
-def _greedy(ref: Any, p: list[int], new: int) -> list[int]:
-    want = ref.generate(
-        torch.tensor([p]),
-        attention_mask=torch.ones(1, len(p), dtype=torch.long),
-        max_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return list(want[0, len(p) :].tolist())
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_tokens_and_logits_match_transformers_bnb(
     stored: dict[str, Path], base: Path, variant: str
@@ -134,7 +117,7 @@ def test_greedy_tokens_and_logits_match_transformers_bnb(
         eng.close()
     worst = 0.0
     for p, o, lg in zip(ps, out, logits, strict=True):
-        assert o.tokens == _greedy(ref, p, 10)
+        assert o.tokens == greedy(ref, p, 10)
         with torch.no_grad():
             worst = max(worst, (lg - ref(torch.tensor([p])).logits[0].float()).abs().max().item())
     print(f"{variant}: max |logit difference| {worst:.3g}")  # pytest -s: the TOLERANCE note
@@ -182,7 +165,7 @@ def test_shoestring_infer_on_a_bnb_base_writes_transformers_greedy_answers(
     tok, ref = AutoTokenizer.from_pretrained(str(model)), reference(model)
     got = [json.loads(line) for line in out.read_text().splitlines()]
     for t, line in zip(texts, got, strict=True):
-        new = _greedy(ref, tok(t)["input_ids"], 6)
+        new = greedy(ref, tok(t)["input_ids"], 6)
         assert line["completion"] == tok.decode(new, skip_special_tokens=True)
     start_ev = json.loads((Path(f"{out}.run") / "events.jsonl").read_text().splitlines()[0])
     assert start_ev["dtype"] == "float32" and start_ev["plan"]["resident"] == []
@@ -213,64 +196,14 @@ def test_the_plan_counts_packed_bytes_read_and_dequantized_scratch(
 def test_an_adapter_trained_on_the_bnb_base_is_merged_into_its_dequantized_weights(
     stored: dict[str, Path], tmp_path: Path
 ) -> None:
-    from peft import LoraConfig, get_peft_model
-
     model = stored["nf4-double"]
-    torch.manual_seed(0)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    ref = get_peft_model(reference(model), lora).eval()  # what finetune's final/ holds
-    ref.save_pretrained(str(tmp_path / "adapter"))
-    ps = prompts(4, seed=1)
-    eng = streaming(model, LoraDelta(tmp_path / "adapter"))
-    try:
-        out = generate(eng, ps, max_new_tokens=8, eos_ids=set(), pad_id=0, micro_tokens=20)
-        logits = prompt_logits(eng, ps)
-    finally:
-        eng.close()
-    for p, o, lg in zip(ps, out, logits, strict=True):
-        assert o.tokens == _greedy(ref, p, 8)
-        with torch.no_grad():
-            want = ref(torch.tensor([p])).logits[0].float()
-            with ref.disable_adapter():
-                base_logits = ref(torch.tensor([p])).logits[0].float()
-        # Merged (W + s·B·A) against peft's separate product: fp32 rounding apart, and
-        # far from the base without the adapter.
-        print(f"adapter: {(lg - want).abs().max().item() / want.abs().max().item():.2g}")
-        assert (lg - want).abs().max().item() <= 1e-4 * want.abs().max().item()
-        assert (lg - base_logits).abs().max().item() > 100 * (lg - want).abs().max().item()
-
-
-class _Stop(Exception):
-    pass
+    check_adapter_merged(streaming, model, reference(model), tmp_path)
 
 
 def test_a_stopped_generation_on_a_bnb_base_resumes_bit_for_bit(
     stored: dict[str, Path], tmp_path: Path
 ) -> None:
-    model, ps = stored["fp4"], prompts(5, seed=2)
-    kw: dict[str, Any] = dict(rules=Rules.uniform(len(ps), 6, set()), pad_id=0)
-    eng = streaming(model)
-    try:
-        want = [
-            g.tokens for g in generate_from(eng, start(eng, ps, pad_id=0, micro_tokens=24), **kw)
-        ]
-        state = start(eng, ps, pad_id=0, micro_tokens=24)
-
-        def on_pass() -> None:
-            if state.step == 3:
-                raise _Stop
-
-        with pytest.raises(_Stop):
-            generate_from(eng, state, on_pass=on_pass, **kw)
-        path, _ = partial.save(tmp_path / "partial", 3, state, {"chunk": 0})
-    finally:
-        eng.close()
-    eng = streaming(model)  # a new process, as far as the engine is concerned
-    try:
-        got = [g.tokens for g in generate_from(eng, partial.load(path, eng, len(ps)), **kw)]
-    finally:
-        eng.close()
-    assert got == want
+    check_resumes_bit_for_bit(streaming, stored["fp4"], tmp_path)
 
 
 def _infer(model: Path, tmp_path: Path, *extra: str) -> int:

@@ -6,6 +6,7 @@ built-in byte-level tokenizer, so no downloads are needed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,39 +82,23 @@ def save_fp8(
     decoder-layer weight that divides into ``block``-sized blocks quantized by
     transformers' own ``Fp8Quantize`` (float8_e4m3fn codes and ``weight_scale_inv``, in
     ``scale_dtype``), the rest as stored; shards, index and tokenizer kept."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.quantizers.auto import AutoHfQuantizer
     from transformers.utils.quantization_config import FineGrainedFP8Config
 
     config = FineGrainedFP8Config(weight_block_size=block)
     op: Any = Fp8Quantize(AutoHfQuantizer.from_config(config, pre_quantized=True))
-    dest.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    for shard in sorted(base.glob("*.safetensors")):
-        out: dict[str, torch.Tensor] = {}
-        for key, t in load_file(shard).items():
-            parts = op.convert({key: t}) if ".layers." in key and t.ndim >= 2 else {key: t}
-            scale = f"{key}_scale_inv"
-            if scale in parts:
-                parts[scale] = parts[scale].to(scale_dtype)
-            out.update(parts)
-        save_file(out, dest / shard.name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, shard.name))
-    if (base / "model.safetensors.index.json").exists():
-        index = {"metadata": {}, "weight_map": weight_map}
-        (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    doc = json.loads((base / "config.json").read_text())
-    doc["quantization_config"] = {**config.to_dict(), "quant_method": "fp8"}
-    (dest / "config.json").write_text(json.dumps(doc, indent=2))
-    written = ("config.json", "model.safetensors.index.json")
-    for f in base.iterdir():
-        if f.suffix != ".safetensors" and f.name not in written:
-            shutil.copy(f, dest / f.name)
-    return dest
+
+    def stored(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts: dict[str, torch.Tensor] = (
+            op.convert({key: t}) if ".layers." in key and t.ndim >= 2 else {key: t}
+        )
+        scale = f"{key}_scale_inv"
+        if scale in parts:
+            parts[scale] = parts[scale].to(scale_dtype)
+        return parts
+
+    return _saved_as(base, dest, stored, {**config.to_dict(), "quant_method": "fp8"})
 
 
 def save_mxfp4(base: Path, dest: Path) -> Path:
@@ -121,6 +106,25 @@ def save_mxfp4(base: Path, dest: Path) -> Path:
     (``mlp.experts.gate_up_proj`` and ``down_proj``) as MXFP4 ``_blocks`` (two e2m1
     values a byte, 32 a block) and ``_scales`` (a power-of-two exponent per block, +127),
     laid out as transformers' loader reads them; everything else as stored."""
+
+    def stored(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            return {key: t}
+        blocks, scales = mxfp4_pack(t.transpose(-1, -2))
+        return {f"{key}_blocks": blocks, f"{key}_scales": scales}
+
+    keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"]
+    return _saved_as(base, dest, stored, {"quant_method": "mxfp4", "modules_to_not_convert": keep})
+
+
+def _saved_as(
+    base: Path,
+    dest: Path,
+    stored: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    quantization: dict[str, Any],
+) -> Path:
+    """``base`` written to ``dest`` shard by shard, each tensor as ``stored`` gives it,
+    with its config's ``quantization_config`` set; the index and tokenizer kept."""
     import json
     import shutil
 
@@ -129,20 +133,14 @@ def save_mxfp4(base: Path, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard in sorted(base.glob("*.safetensors")):
-        out: dict[str, torch.Tensor] = {}
-        for key, t in load_file(shard).items():
-            if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-                out[f"{key}_blocks"], out[f"{key}_scales"] = mxfp4_pack(t.transpose(-1, -2))
-            else:
-                out[key] = t
+        out = {k: v for key, t in load_file(shard).items() for k, v in stored(key, t).items()}
         save_file(out, dest / shard.name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, shard.name))
     if (base / "model.safetensors.index.json").exists():
         index = {"metadata": {}, "weight_map": weight_map}
         (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     doc = json.loads((base / "config.json").read_text())
-    keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"]
-    doc["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": keep}
+    doc["quantization_config"] = quantization
     (dest / "config.json").write_text(json.dumps(doc, indent=2))
     written = ("config.json", "model.safetensors.index.json")
     for f in base.iterdir():
