@@ -67,57 +67,38 @@ class Shape:
     def config(self, tokenizer_ids: dict[str, int]) -> Any:
         from transformers import AutoConfig, LlamaConfig
 
-        if self.model_type == "gpt_oss":
-            return AutoConfig.for_model(
-                "gpt_oss",
-                vocab_size=self.vocab,
-                hidden_size=self.hidden,
-                intermediate_size=self.ffn,
-                num_hidden_layers=self.layers,
-                num_attention_heads=self.heads,
-                num_key_value_heads=self.kv_heads,
-                head_dim=self.head_dim or self.hidden // self.heads,
-                max_position_embeddings=self.max_positions,
-                num_local_experts=self.experts,
-                num_experts_per_tok=self.experts_per_token,
-                tie_word_embeddings=False,
-                initializer_range=INIT_STD,
-                dtype="bfloat16",
-                **tokenizer_ids,
-            )
-        if self.experts:
-            return AutoConfig.for_model(
-                self.model_type,
-                vocab_size=self.vocab,
-                hidden_size=self.hidden,
-                intermediate_size=self.ffn,
-                num_hidden_layers=self.layers,
-                num_attention_heads=self.heads,
-                num_key_value_heads=self.kv_heads,
-                max_position_embeddings=self.max_positions,
-                rope_theta=self.rope_theta,
-                num_experts=self.experts,
-                num_experts_per_tok=self.experts_per_token,
-                tie_word_embeddings=False,
-                initializer_range=INIT_STD,
-                dtype="bfloat16",
-                **tokenizer_ids,
-            )
-        return LlamaConfig(
+        common = dict(
             vocab_size=self.vocab,
             hidden_size=self.hidden,
             intermediate_size=self.ffn,
             num_hidden_layers=self.layers,
             num_attention_heads=self.heads,
             num_key_value_heads=self.kv_heads,
-            head_dim=self.hidden // self.heads,
             max_position_embeddings=self.max_positions,
-            rope_theta=self.rope_theta,
-            rms_norm_eps=1e-5,
             tie_word_embeddings=False,
             initializer_range=INIT_STD,
             dtype="bfloat16",
             **tokenizer_ids,
+        )
+        routed = dict(num_experts_per_tok=self.experts_per_token)
+        if self.model_type == "gpt_oss":  # its own rope (YaRN) defaults
+            head_dim = self.head_dim or self.hidden // self.heads
+            return AutoConfig.for_model(
+                "gpt_oss", **common, **routed, head_dim=head_dim, num_local_experts=self.experts
+            )
+        if self.experts:
+            return AutoConfig.for_model(
+                self.model_type,
+                **common,
+                **routed,
+                rope_theta=self.rope_theta,
+                num_experts=self.experts,
+            )
+        return LlamaConfig(
+            **common,
+            head_dim=self.hidden // self.heads,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=1e-5,
         )
 
 
