@@ -38,6 +38,9 @@ MODES = {
     "kv8": ("--kv-bits", "8"),
 }
 TOO_SMALL = 300_000_000
+#: The job's own warning when its peak RSS went over the budget (other libraries' warnings,
+#: e.g. bitsandbytes failing to fetch an optional kernel, are not what these tests check).
+OVER_BUDGET = "WARNING: peak RSS exceeded the memory budget"
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,7 @@ def test_peak_rss_stays_within_the_budget(mode: str, runs: Runs) -> None:
     )
     assert ran.peak <= budget, (mode, ran.peak - budget, plan)
     assert end["peak_rss_bytes"] <= budget and end["over_budget_bytes"] == 0
-    assert "WARNING" not in ran.err
+    assert OVER_BUDGET not in ran.err
 
 
 def test_an_impossible_budget_is_refused_before_any_work(
@@ -336,7 +339,7 @@ def test_a_budget_too_small_for_exact_runs_compressed(
     assert plan["prepare_at"] == "on_compute" and not set(plan["resident"]) & set(range(1, 9))
     assert _events(ran.out)[-1]["prepare_s"] > 0  # the time it costs is in the summary
     print(f"peak_rss {scheme} under exact's least: {ran.peak / 1e6:.1f} MB of {budget / 1e6:.1f}")
-    assert ran.peak <= budget and "WARNING" not in ran.err
+    assert ran.peak <= budget and OVER_BUDGET not in ran.err
     exact = _run(model, few, tmp_path / "e.jsonl", budget, *reserve)
     assert exact.rc == 2 and "is too small for this model" in exact.err
 
@@ -370,4 +373,4 @@ def test_peak_rss_of_a_bnb_4bit_base_stays_within_the_budget(
         f"({100 * ran.peak / budget:.1f} %), batch {end['batch_size']}, "
         f"{start['plan']['prepare_at']}, {end['bytes_per_pass'] / 1e6:.1f} MB per pass"
     )
-    assert ran.peak <= budget and end["over_budget_bytes"] == 0 and "WARNING" not in ran.err
+    assert ran.peak <= budget and end["over_budget_bytes"] == 0 and OVER_BUDGET not in ran.err
