@@ -17,7 +17,7 @@ from shoestring.cli import main
 from shoestring.infer.decode import generate, prompt_logits
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model, save_mxfp4
-from shoestring.infer.weights import weight_needs
+from shoestring.infer.weights import weight_hook, weight_needs
 from stored_checks import greedy, prompts
 
 CPU = torch.device("cpu")
@@ -171,3 +171,38 @@ def test_peak_rss_stays_within_the_least_budget_the_plan_accepts(tmp_path: Path)
     assert ran.rc == 0, ran.err[-2000:]
     print(f"peak_rss gpt-oss mxfp4: {ran.peak / 1e6:.1f} MB of {budget / 1e6:.1f} MB")
     assert ran.peak <= budget and OVER_BUDGET not in ran.err
+
+
+def test_an_attention_adapter_is_merged_and_an_expert_adapter_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LoRA on gpt-oss's attention (peft's ``all-linear``) merges into the streamed bf16
+    attention as peft computes it; one on the MXFP4 experts is refused, naming the key,
+    before any pass (merging into decoded experts is not supported yet)."""
+    from peft import LoraConfig, get_peft_model
+
+    from stored_checks import check_adapter_merged
+
+    base = build_random_model(tmp_path / "fp32", "gpt_oss", seed=5, **GPT_OSS)  # type: ignore[arg-type]
+    model = save_mxfp4(base, tmp_path / "mxfp4")
+
+    def open_engine(model_dir: Path, adapter: Any = None) -> StreamingCausalLM:
+        from shoestring.infer.prepare import _fit_adapter
+
+        eng = StreamingCausalLM(model_dir, device=CPU, dtype=torch.float32)
+        if adapter is not None:
+            _fit_adapter(adapter, eng, model_dir)
+        hook = weight_hook(eng, None, adapter, tmp_path / "unused", "")[0]
+        return eng.start(resident=1, depth=1, prepare=hook)
+
+    check_adapter_merged(open_engine, model, reference(model), tmp_path / "attn")
+    lora = LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    get_peft_model(reference(base), lora).save_pretrained(str(tmp_path / "experts"))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hello"}\n')
+    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(tmp_path / "o")]
+    capsys.readouterr()
+    assert main([*args, "--adapter", str(tmp_path / "experts")]) == 2
+    err = capsys.readouterr().err
+    assert "model.adapter: 'model.layers.0.mlp.experts.gate_up_proj' is stored MXFP4" in err, err
+    assert not (tmp_path / "o.run").exists()

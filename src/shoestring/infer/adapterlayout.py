@@ -86,6 +86,12 @@ def _split(
 ) -> dict[str, Pair]:
     """The fused parameter's per-expert factors (peft's) as one pair per stored tensor
     (``rows``: each stored tensor's rows)."""
+    if f.mxfp4:
+        raise ConfigError(
+            f"model.adapter: {f.key!r} is stored MXFP4 and decoded as it streams; an "
+            "adapter on it cannot be merged yet (adapt the attention, or use the model's "
+            "16-bit original)"
+        )
     if f.concat_dim not in (0, 1):
         raise ConfigError(f"model.adapter: cannot split the adapter of {f.key!r} per expert")
     with torch.no_grad():
