@@ -119,3 +119,25 @@ def test_an_expert_adapter_streams_as_peft_merges_it(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
     assert "gate_up_proj" in config["target_parameters"] and config["rank_pattern"]
     _streams_as(moe, tmp_path / "final", peft_model.merge_and_unload().eval(), tmp_path)
+
+
+def test_an_expert_adapter_streams_on_an_fp8_moe_base_as_peft_merges_it(tmp_path: Path) -> None:
+    """Qwen3-MoE stored in FP8 (as the Hub's ``Qwen3-*-FP8`` are: each expert's weight
+    with its block scales): the experts are decoded, then fused, then the adapter's
+    per-expert pairs merged, as peft merges them into transformers' dequantized model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shoestring.infer.fixtures import save_fp8
+
+    base = build_random_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, init_std=0.02)  # fmt: skip
+    fp8 = save_fp8(base, tmp_path / "fp8", (64, 64))
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                      init_lora_weights=False)  # fmt: skip
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(fp8)), lora)
+    peft_model.save_pretrained(str(tmp_path / "final"))
+    config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
+    assert "gate_up_proj" in config["target_parameters"]
+    _streams_as(fp8, tmp_path / "final", peft_model.merge_and_unload().eval(), tmp_path)
