@@ -37,6 +37,43 @@ def greedy(ref: Any, p: list[int], new: int) -> list[int]:
     return list(want[0, len(p) :].tolist())
 
 
+def infer_one(model: Path, tmp_path: Path, *extra: str) -> int:
+    """``shoestring infer`` on one prompt: its exit code (for refusals)."""
+    from shoestring.cli import main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hello"}\n')
+    out = tmp_path / "out.jsonl"
+    return main(["infer", "--model", str(model), "--input", str(inp), "--output", str(out), *extra])
+
+
+def check_cli_answers(model: Path, ref: Any, tmp_path: Path, texts: list[str]) -> dict[str, Any]:
+    """``shoestring infer`` on ``model`` (nothing resident, one unit read ahead) writes
+    ``ref``'s greedy answers; returns the job's start event."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from shoestring.cli import main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "out.jsonl"
+    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(out)]
+    args += ["--max-new-tokens", "6", "--threads", "1", "--job.progress", "off"]
+    args += ["--memory.resident", "0", "--memory.prefetch_depth", "1"]
+    assert main(args) == 0
+    tok = AutoTokenizer.from_pretrained(str(model))
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    for t, line in zip(texts, got, strict=True):
+        new = greedy(ref, tok(t)["input_ids"], 6)
+        assert line["completion"] == tok.decode(new, skip_special_tokens=True)
+    start: dict[str, Any] = json.loads(
+        (Path(f"{out}.run") / "events.jsonl").read_text().splitlines()[0]
+    )
+    return start
+
+
 def check_adapter_merged(open_engine: Open, model: Path, base: Any, tmp_path: Path) -> None:
     """A random LoRA on every linear layer of ``base`` (transformers' model of ``model``)
     merged by the engine as it streams: peft's greedy tokens, and logits within fp32

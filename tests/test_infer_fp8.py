@@ -16,14 +16,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shoestring.cli import main
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.decode import generate, prompt_logits
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model, save_fp8
 from shoestring.infer.fp8 import StoredFp8
 from shoestring.infer.weights import weight_hook
-from stored_checks import check_adapter_merged, check_resumes_bit_for_bit, greedy, prompts
+from stored_checks import (
+    check_adapter_merged,
+    check_cli_answers,
+    check_resumes_bit_for_bit,
+    greedy,
+    infer_one,
+    prompts,
+)
 
 CPU = torch.device("cpu")
 BLOCK = (64, 64)  # the Hub's are 128 x 128; 64 divides every weight of these models
@@ -134,22 +140,12 @@ def test_shoestring_infer_on_an_fp8_base_writes_transformers_greedy_answers(
     stored: dict[str, Path], tmp_path: Path
 ) -> None:
     model = stored["qwen3_moe"]
-    texts = ["alpha beta", "gamma", "delta eps alpha", "beta beta gamma delta"]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    out = tmp_path / "out.jsonl"
-    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(out)]
-    args += ["--max-new-tokens", "6", "--threads", "1", "--job.progress", "off"]
-    args += ["--memory.resident", "0", "--memory.prefetch_depth", "1"]
-    assert main(args) == 0
-    from transformers import AutoTokenizer
-
-    tok, ref = AutoTokenizer.from_pretrained(str(model)), reference(model)
-    got = [json.loads(line) for line in out.read_text().splitlines()]
-    for t, line in zip(texts, got, strict=True):
-        new = greedy(ref, tok(t)["input_ids"], 6)
-        assert line["completion"] == tok.decode(new, skip_special_tokens=True)
-    start_ev = json.loads((Path(f"{out}.run") / "events.jsonl").read_text().splitlines()[0])
+    start_ev = check_cli_answers(
+        model,
+        reference(model),
+        tmp_path,
+        ["alpha beta", "gamma", "delta eps alpha", "beta beta gamma delta"],
+    )
     assert start_ev["dtype"] == "bfloat16"
 
 
@@ -164,13 +160,6 @@ def test_a_stopped_generation_on_an_fp8_base_resumes_bit_for_bit(
     stored: dict[str, Path], tmp_path: Path
 ) -> None:
     check_resumes_bit_for_bit(streaming, stored["qwen3_moe"], tmp_path)
-
-
-def _infer(model: Path, tmp_path: Path, *extra: str) -> int:
-    inp = tmp_path / "in.jsonl"
-    inp.write_text('{"prompt": "hello"}\n')
-    out = tmp_path / "out.jsonl"
-    return main(["infer", "--model", str(model), "--input", str(inp), "--output", str(out), *extra])
 
 
 def _copy(src: Path, dest: Path, quant: dict[str, Any] | None = None) -> Path:
@@ -235,7 +224,7 @@ def test_what_cannot_stream_is_refused_before_any_work(
     else:
         model = _copy(stored["llama"], tmp_path / "m")
         _edit_tensors(model, _drop_scale if case == "no-scale" else _odd_grid)
-    assert _infer(model, tmp_path, *extra) == 2
+    assert infer_one(model, tmp_path, *extra) == 2
     err = capsys.readouterr().err
     assert needle in err, err
     assert not (tmp_path / "out.jsonl.run").exists()

@@ -18,7 +18,7 @@ from shoestring.infer.decode import generate, prompt_logits
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.fixtures import build_random_model, save_mxfp4
 from shoestring.infer.weights import weight_hook, weight_needs
-from stored_checks import greedy, prompts
+from stored_checks import check_cli_answers, greedy, prompts
 
 CPU = torch.device("cpu")
 GPT_OSS = dict(
@@ -115,21 +115,13 @@ def test_shoestring_infer_on_a_gpt_oss_mxfp4_checkpoint_writes_transformers_answ
     models: dict[str, Path], tmp_path: Path
 ) -> None:
     model = models["mxfp4"]
-    texts = ["alpha beta gamma delta eps", "gamma", "delta eps alpha beta beta gamma"]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    out = tmp_path / "out.jsonl"
-    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(out)]
-    args += ["--max-new-tokens", "6", "--threads", "1", "--job.progress", "off"]
-    args += ["--memory.resident", "0", "--memory.prefetch_depth", "1"]
-    assert main(args) == 0
-    from transformers import AutoTokenizer
-
-    tok, ref = AutoTokenizer.from_pretrained(str(model)), reference(model)
-    got = [json.loads(line) for line in out.read_text().splitlines()]
-    for t, line in zip(texts, got, strict=True):
-        new = greedy(ref, tok(t)["input_ids"], 6)
-        assert line["completion"] == tok.decode(new, skip_special_tokens=True)
+    start_ev = check_cli_answers(
+        model,
+        reference(model),
+        tmp_path,
+        ["alpha beta gamma delta eps", "gamma", "delta eps alpha beta beta gamma"],
+    )
+    assert start_ev["dtype"] == "bfloat16"
 
 
 def test_compress_on_an_mxfp4_checkpoint_is_refused_before_any_work(

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from shoestring.cli import main
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.decode import generate, prompt_logits
 from shoestring.infer.engine import StreamingCausalLM, read_config_json
@@ -26,7 +25,14 @@ from shoestring.infer.prequant import Stored4bit
 from shoestring.infer.stored import stored_compute_dtype
 from shoestring.infer.stream import Prepare
 from shoestring.infer.weights import weight_hook
-from stored_checks import check_adapter_merged, check_resumes_bit_for_bit, greedy, prompts
+from stored_checks import (
+    check_adapter_merged,
+    check_cli_answers,
+    check_resumes_bit_for_bit,
+    greedy,
+    infer_one,
+    prompts,
+)
 
 pytest.importorskip("bitsandbytes")
 
@@ -152,22 +158,12 @@ def test_shoestring_infer_on_a_bnb_base_writes_transformers_greedy_answers(
     stored: dict[str, Path], tmp_path: Path
 ) -> None:
     model = stored["nf4-double"]
-    texts = ["alpha beta", "gamma", "delta eps alpha", "beta beta gamma delta"]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    out = tmp_path / "out.jsonl"
-    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(out)]
-    args += ["--max-new-tokens", "6", "--threads", "1", "--job.progress", "off"]
-    args += ["--memory.resident", "0", "--memory.prefetch_depth", "1"]
-    assert main(args) == 0
-    from transformers import AutoTokenizer
-
-    tok, ref = AutoTokenizer.from_pretrained(str(model)), reference(model)
-    got = [json.loads(line) for line in out.read_text().splitlines()]
-    for t, line in zip(texts, got, strict=True):
-        new = greedy(ref, tok(t)["input_ids"], 6)
-        assert line["completion"] == tok.decode(new, skip_special_tokens=True)
-    start_ev = json.loads((Path(f"{out}.run") / "events.jsonl").read_text().splitlines()[0])
+    start_ev = check_cli_answers(
+        model,
+        reference(model),
+        tmp_path,
+        ["alpha beta", "gamma", "delta eps alpha", "beta beta gamma delta"],
+    )
     assert start_ev["dtype"] == "float32" and start_ev["plan"]["resident"] == []
 
 
@@ -206,13 +202,6 @@ def test_a_stopped_generation_on_a_bnb_base_resumes_bit_for_bit(
     check_resumes_bit_for_bit(streaming, stored["fp4"], tmp_path)
 
 
-def _infer(model: Path, tmp_path: Path, *extra: str) -> int:
-    inp = tmp_path / "in.jsonl"
-    inp.write_text('{"prompt": "hello"}\n')
-    out = tmp_path / "out.jsonl"
-    return main(["infer", "--model", str(model), "--input", str(inp), "--output", str(out), *extra])
-
-
 def _with_config(src: Path, dest: Path, **quant: Any) -> Path:
     shutil.copytree(src, dest)
     cfg = json.loads((dest / "config.json").read_text())
@@ -249,7 +238,7 @@ def test_what_cannot_stream_is_refused_before_any_work(
         model = _with_config(base, tmp_path / "m", **q)
     else:  # config.json says 4-bit, the weights are the 16-bit ones
         model = _with_config(base, tmp_path / "m", load_in_4bit=True)
-    assert _infer(model, tmp_path, *extra) == 2
+    assert infer_one(model, tmp_path, *extra) == 2
     err = capsys.readouterr().err
     assert needle in err, err
     assert not (tmp_path / "out.jsonl.run").exists()
