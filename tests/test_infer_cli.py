@@ -18,6 +18,7 @@ VALUES = {
     "generate.temperature": "0.5", "generate.top_p": "0.25", "generate.top_k": "4",
     "generate.seed": "9", "memory.budget": "2GB", "memory.batch_size": "3",
     "memory.kv_bits": "8", "compress.scheme": "int8", "job.num_threads": "2",
+    "compress.decode_once": "True",
 }  # fmt: skip
 
 

@@ -260,12 +260,20 @@ class StreamingCausalLM:
             chosen,
             depth=depth,
             device=self.device,
-            prepare=lambda i, t, s: self._fuse(i, self._cast(user(i, t, s), s), s),
+            prepare=lambda i, t, s: self.prepared(i, t, s, user),
             direct_io=direct_io,
             drop_raw={i for i in chosen if not self.raw_kept(i)},
             prepare_at=prepare_at,
         )
         return self
+
+    def prepared(
+        self, i: int, tensors: dict[str, torch.Tensor], slot: Slot, user: Prepare
+    ) -> dict[str, torch.Tensor]:
+        """Unit ``i``'s tensors as read made what its modules compute with: ``user``'s
+        hook (dequantizing, merging an adapter), then the casts to the compute dtype,
+        then the fused parameters, all into ``slot``'s scratch."""
+        return self._fuse(i, self._cast(user(i, tensors, slot), slot), slot)
 
     def raw_kept(self, i: int) -> bool:
         """Whether unit ``i``'s tensors, once prepared, still point into its raw bytes.

@@ -10,6 +10,7 @@ Layout of the run directory (``OUTPUT.run`` unless ``io.run_dir`` is set)::
     partial/step-0000000K/ the generation state of chunk K when the job was asked to
                         stop mid-chunk (infer/partial.py); removed once K commits
     weights-int8/       the compressed copy of the layers, if compress.scheme is set
+    weights-decoded-bfloat16/  the layers decoded once, if compress.decode_once is set
 
 Chunk K always holds input records [K*C, (K+1)*C) and is computed with the
 same batch grouping, so a rerun after any kill recomputes exactly the missing
@@ -113,6 +114,7 @@ def open_ledger(job: InferJob) -> ChunkLedger:
         chunk_records=job.chunk_records,
         device=str(engine.device),
         compress=job.cfg.compress.scheme,
+        decode_once=job.cfg.compress.decode_once,
         dtype=job.dtype_name,
         plan=job.plan.to_dict(),
         units=len(engine.units),

@@ -62,7 +62,7 @@ class Needs:
     read: list[int]  # bytes streamed
     extra: list[int]  # slot scratch: dequantized weights, casts to the compute dtype
     prepare: list[int] = field(default_factory=list)  # temporaries while it is prepared
-    build: int = 0  # writing the compressed copy, at its peak (0: nothing to write)
+    build: int = 0  # writing a copy of the layers, at its peak (0: nothing to write)
     #: per unit: whether a resident unit keeps its raw bytes once prepared (None: all do)
     raw_kept: list[bool] | None = None
     #: per unit: which scratch buffers it prepares into (embed, the decoder layers, head):
@@ -487,14 +487,14 @@ def _resident_set(
 
 
 def check_setup(budget: Budget, build: int) -> None:
-    """Refuse a budget that cannot hold writing the compressed copy (``build`` bytes at
-    its peak, beyond the runtime) with the slack."""
+    """Refuse a budget that cannot hold writing the copy of the layers, compressed or
+    decoded (``build`` bytes at its peak, beyond the runtime), with the slack."""
     total, reserve = budget.total, budget.runtime
     need = reserve + build + total // 32
     if build and need > total:
         raise ConfigError(
-            f"memory.budget: {total / 1e9:.2f} GB is too small to write the compressed "
-            f"copy of this model: it needs {need / 1e9:.2f} GB ({_mb(reserve)} MB runtime "
-            f"+ {_mb(build)} MB for one layer read, compressed and serialized + "
+            f"memory.budget: {total / 1e9:.2f} GB is too small to write the copy of this "
+            f"model's layers: it needs {need / 1e9:.2f} GB ({_mb(reserve)} MB runtime "
+            f"+ {_mb(build)} MB for one layer read, rebuilt and written + "
             f"{_mb(total // 32)} MB slack); raise the budget"
         )

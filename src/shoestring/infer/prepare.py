@@ -25,15 +25,22 @@ from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.budget import Planner, predicted_plan, real_plan
 from shoestring.infer.codecs import Scheme
 from shoestring.infer.config import LATER_KEY_DEFAULTS, OUTPUT_KEYS, InferConfig
+from shoestring.infer.decoded import decodes, layer_units
 from shoestring.infer.dtype import compute_dtype
 from shoestring.infer.engine import StreamingCausalLM, read_config_json, steady_memory, stored_dtype
 from shoestring.infer.inputs import Input, read_input
+from shoestring.infer.layercopy import kept_copy
 from shoestring.infer.ledger import Pinned, RunRecord
 from shoestring.infer.plan import StreamPlan
 from shoestring.infer.requests import Answering
 from shoestring.infer.sampleparams import Sampling
 from shoestring.infer.shards import ShardError, index_model
-from shoestring.infer.stored import check_stored, stored_compute_dtype, stored_weights
+from shoestring.infer.stored import (
+    StoredWeights,
+    check_stored,
+    stored_compute_dtype,
+    stored_weights,
+)
 from shoestring.infer.stream import Prepare
 from shoestring.infer.structured import read_schema_file
 from shoestring.infer.weights import weight_hook, weight_needs
@@ -112,7 +119,7 @@ def prepare(
     if prior is not None:
         prior.check(identity)
     pinned = prior.pinned if prior is not None else Pinned()
-    hook, plan = _weights_and_plan(cfg, engine, work, adapter, run_dir, identity, pinned)
+    hook, plan = _weights_and_plan(cfg, engine, work, adapter, run_dir, identity, pinned, stream)
     chunk_records = pinned.chunk_records or _chunk_records(cfg, plan, work)
     return InferJob(
         cfg, faults, stream, started, model_dir, output, run_dir, work, tok, engine,
@@ -128,6 +135,11 @@ def _required_keys(cfg: InferConfig) -> None:
     ):
         if not to_flat(cfg)[key]:
             raise ConfigError(f"{flag} ({key}) is required")
+    if cfg.compress.decode_once and cfg.compress.scheme != "none":
+        raise ConfigError(
+            "--decode-once (compress.decode_once): the layers are already streamed from "
+            f"a copy (--compress {cfg.compress.scheme}); give one of the two"
+        )
 
 
 def _model_dir(ref: ModelRef, compress: str) -> Path:
@@ -278,25 +290,49 @@ def _weights_and_plan(
     run_dir: Path,
     identity: dict[str, Any],
     pinned: Pinned,
+    stream: TextIO,
 ) -> tuple[Prepare | None, StreamPlan]:
     """The reader's weight hook and the memory plan: planned on the predicted sizes
-    first (a budget too small is refused before the compressed copy is written), then
+    first (a budget too small is refused before a copy of the layers is written), then
     on the real ones (:mod:`shoestring.infer.budget`). A checkpoint stored quantized
-    streams its stored parts (:mod:`shoestring.infer.stored`)."""
-    name = cfg.compress.scheme
-    scheme: Scheme | None = None if name == "none" else name
+    streams its stored parts (:mod:`shoestring.infer.stored`), or its layers decoded
+    once (:mod:`shoestring.infer.decoded`)."""
+    name: str = cfg.compress.scheme
+    scheme: Scheme | None = None if cfg.compress.scheme == "none" else cfg.compress.scheme
     stored = stored_weights(engine)
+    once = cfg.compress.decode_once
+    if once:
+        _check_decodes(engine, stored, cfg.model.path)
+        name = f"decoded-{str(engine.dtype).removeprefix('torch.')}"
     planner = Planner.of(cfg.memory, engine, work, cfg.generate.mode == "generate", pinned)
-    predicted_plan(planner, weight_needs(engine, scheme, adapter, stored))
-    hook, needs = weight_hook(
-        engine,
-        scheme,
-        adapter,
+    predicted = weight_needs(engine, scheme, adapter, stored, decode_once=once)
+    predicted_plan(planner, predicted)
+    copy_dir, source = (
         run_dir / f"weights-{name}",
         f"{identity['model']}:{identity['adapter']}:{name}",
-        stored,
     )
+    if predicted.build and not kept_copy(copy_dir, source):
+        print(f"infer: writing the layers once into {copy_dir} ...", file=stream, flush=True)
+    hook, needs = weight_hook(engine, scheme, adapter, copy_dir, source, stored, decode_once=once)
     return hook, real_plan(planner, needs)
+
+
+def _check_decodes(engine: StreamingCausalLM, stored: StoredWeights | None, spec: str) -> None:
+    """``compress.decode_once`` is refused where it would only cost: on a GPU (decoding
+    there is cheaper than the extra bytes), and for a checkpoint whose layers stream as
+    they compute."""
+    key = "--decode-once (compress.decode_once)"
+    if engine.device.type != "cpu":
+        raise ConfigError(
+            f"{key}: the layers compute on {engine.device.type}, where decoding them is "
+            "cheaper than reading a decoded copy: drop it"
+        )
+    if not any(decodes(engine, stored, i) for i in layer_units(engine)):
+        dtype = str(engine.dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"{key}: {spec}'s layers are stored as the job computes with them ({dtype}, "
+            "nothing quantized or fused): there is nothing to decode; drop it"
+        )
 
 
 def _chunk_records(cfg: InferConfig, plan: StreamPlan, work: Work) -> int:

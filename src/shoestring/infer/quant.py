@@ -11,18 +11,12 @@ The codecs themselves (int8 per output row, nf4 per 64 inputs) are in
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shoestring.dircommit import replace_dir
-from shoestring.fsio import fsync_dir
 from shoestring.infer.codecs import (
     GROUP,
     Scheme,
@@ -31,7 +25,8 @@ from shoestring.infer.codecs import (
     quantize,
     quantize_scratch,
 )
-from shoestring.infer.engine import StreamingCausalLM, trim_heap
+from shoestring.infer.engine import StreamingCausalLM
+from shoestring.infer.layercopy import layer_file, numel, settle, write_once
 from shoestring.infer.shards import (
     ReadPlan,
     ShardReader,
@@ -59,31 +54,19 @@ def build_compressed(
     source_id: str,
     transform: Transform | None = None,
 ) -> Path:
-    """Write ``dest``/layers.N.safetensors for every decoder layer, once.
-
-    Committed like a checkpoint: written into a temp dir, fsynced, ``meta.json``
-    last, then renamed, so a kill leaves either no copy or a complete one.
-    ``transform`` (e.g. merging a LoRA adapter) is applied before quantizing.
-    """
-    meta_path = dest / "meta.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text()).get("source") == source_id:
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _write_layers(engine, tmp, scheme, transform)
-        meta_path_tmp = tmp / "meta.json"
-        meta_path_tmp.write_text(json.dumps({"source": source_id, "scheme": scheme}))
-        with open(meta_path_tmp, "rb") as f:
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        replace_dir(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        trim_heap()  # its freed blocks would otherwise stay resident through the run
+    """Write ``dest``/layers.N.safetensors for every decoder layer, once
+    (:func:`shoestring.infer.layercopy.write_once`: committed like a checkpoint, kept
+    while ``source_id`` is the same). ``transform`` (e.g. merging a LoRA adapter) is
+    applied before quantizing."""
+    layout = compressed_layout(engine, scheme)
+    nbytes = sum(n for u, n in zip(engine.units, layout.read) if u.name.startswith("layers."))
+    write_once(
+        dest,
+        source_id,
+        {"scheme": scheme},
+        nbytes,
+        lambda tmp: _write_layers(engine, tmp, scheme, transform),
+    )
     return dest
 
 
@@ -107,12 +90,10 @@ def _write_layers(
                 reader.read(plan, buf)
                 t = views(plan, buf)[ref.key]
                 out.update(_compressed(ref, t, scheme, transform, quantize_scratch(largest, cols)))
-            path = tmp / f"{unit.name}.safetensors"
+            path = layer_file(tmp, unit.name)
             save_file(out, str(path))
             del out
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())  # then its clean pages can be dropped from the cache
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            settle(path)
     finally:
         reader.close()
 
@@ -165,7 +146,7 @@ def compressed_layout(engine: StreamingCausalLM, scheme: Scheme) -> Layout:
             read[i] += packed
             part = max(part, packed)
             if _compressible(r.key, r) or (r.dtype.is_floating_point and r.dtype != engine.dtype):
-                scratch[i] += engine.dtype.itemsize * _numel(r.shape)  # dequantized, or cast
+                scratch[i] += engine.dtype.itemsize * numel(r.shape)  # dequantized, or cast
             if _compressible(r.key, r):
                 code = "q4" if scheme == "nf4" and r.shape[-1] % GROUP == 0 else "q8"
                 temps[i] = max(temps[i], dequantize_scratch(r.shape, code, engine.dtype))
@@ -194,13 +175,13 @@ def use_compressed(engine: StreamingCausalLM, src: Path) -> tuple[Prepare, list[
     for i, unit in enumerate(engine.units):
         if not unit.name.startswith("layers."):
             continue
-        refs = read_header(src / f"{unit.name}.safetensors")
+        refs = read_header(layer_file(src, unit.name))
         shapes[i] = {
             r.key: (r.shape, r.dtype)
             for r in unit.refs
             if f"{r.key}::q8" in refs or f"{r.key}::q4" in refs
         }
-        scratch[i] = sum(engine.dtype.itemsize * _numel(s) for s, _ in shapes[i].values())
+        scratch[i] = sum(engine.dtype.itemsize * numel(s) for s, _ in shapes[i].values())
         engine.replace_refs(
             i, [TensorRef(k, r.file, r.offset, r.nbytes, r.dtype, r.shape) for k, r in refs.items()]
         )
@@ -224,10 +205,3 @@ def use_compressed(engine: StreamingCausalLM, src: Path) -> tuple[Prepare, list[
         return out
 
     return prepare, scratch
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

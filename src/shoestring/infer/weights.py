@@ -11,6 +11,7 @@ import torch
 
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.codecs import Scheme
+from shoestring.infer.decoded import build_decoded, decoded_needs, layer_units, use_decoded
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.plan import Needs
 from shoestring.infer.quant import Layout, build_compressed, compressed_layout, use_compressed
@@ -23,8 +24,21 @@ def weight_needs(
     scheme: Scheme | None,
     adapter: LoraDelta | None,
     stored: StoredWeights | None = None,
+    *,
+    decode_once: bool = False,
 ) -> Needs:
     """What :func:`weight_hook` will give, known before anything is read or written."""
+    needs = _streamed_needs(engine, scheme, adapter, stored)
+    return decoded_needs(engine, needs, stored) if decode_once else needs
+
+
+def _streamed_needs(
+    engine: StreamingCausalLM,
+    scheme: Scheme | None,
+    adapter: LoraDelta | None,
+    stored: StoredWeights | None,
+) -> Needs:
+    """The needs of streaming the checkpoint as stored (or its compressed copy)."""
     if adapter is not None:  # an adapted lm_head is no longer the embedding's tensor
         engine.untie(set(adapter.pairs))
     if stored is not None:
@@ -125,29 +139,33 @@ def weight_hook(
     engine: StreamingCausalLM,
     scheme: Scheme | None,
     adapter: LoraDelta | None,
-    compressed_dir: Path,
+    copy_dir: Path,
     source_id: str,
     stored: StoredWeights | None = None,
+    *,
+    decode_once: bool = False,
 ) -> tuple[Prepare | None, Needs]:
     """The ``prepare`` hook for ``engine`` (None: use the tensors as read), and what the
     weights take per unit (:class:`Needs`).
 
-    With ``scheme`` the decoder layers are compressed once into ``compressed_dir``
-    (kept while ``source_id`` names the same model, adapter and scheme; the adapter is
+    With ``scheme`` the decoder layers are compressed once into ``copy_dir`` (kept
+    while ``source_id`` names the same model, adapter and scheme; the adapter is
     merged into the copy) and streamed from there. With ``stored`` (a checkpoint stored
     quantized; ``scheme`` is then None) its weights are dequantized as they
-    are streamed, and an adapter merged into them."""
-    needs = weight_needs(engine, scheme, adapter, stored)
+    are streamed, and an adapter merged into them. With ``decode_once`` the layers are
+    written into ``copy_dir`` as that would prepare them (:mod:`.decoded`)."""
+    needs = weight_needs(engine, scheme, adapter, stored, decode_once=decode_once)
+    if decode_once:
+        return _decoded_once(engine, adapter, stored, copy_dir, source_id, needs)
     if stored is not None:
-        dequantize = stored.hook(engine.dtype)
-        return (_merged_after(dequantize, adapter) if adapter else dequantize), needs
+        return _stored_hook(engine, adapter, stored), needs
     hook: Prepare | None = None
     extra = [0] * len(engine.units)
     if scheme is not None:
         merge = (
             (lambda k, t: adapter.merge_(k, t.to(torch.float32, copy=True))) if adapter else None
         )
-        dest = build_compressed(engine, compressed_dir, scheme, source_id, merge)
+        dest = build_compressed(engine, copy_dir, scheme, source_id, merge)
         hook, extra = use_compressed(engine, dest)
         if adapter is not None:  # layers are merged in the copy; embed/head still need it
             hook = _merged_outside_layers(hook, adapter, engine)
@@ -157,6 +175,38 @@ def weight_hook(
     return hook, Needs(
         engine.unit_bytes, cast, needs.prepare, needs.build, _raw_kept(engine), _kinds(engine)
     )
+
+
+def _stored_hook(
+    engine: StreamingCausalLM, adapter: LoraDelta | None, stored: StoredWeights
+) -> Prepare:
+    dequantize = stored.hook(engine.dtype)
+    return _merged_after(dequantize, adapter) if adapter else dequantize
+
+
+def _decoded_once(
+    engine: StreamingCausalLM,
+    adapter: LoraDelta | None,
+    stored: StoredWeights | None,
+    copy_dir: Path,
+    source_id: str,
+    needs: Needs,
+) -> tuple[Prepare | None, Needs]:
+    """The layers decoded once into ``copy_dir`` by the hook that would stream them, then
+    streamed from there; the embedding and head keep that hook."""
+    hook = (
+        _stored_hook(engine, adapter, stored)
+        if stored is not None
+        else (_merged(adapter) if adapter is not None else None)
+    )
+    build_decoded(
+        engine, copy_dir, source_id, hook, sum(needs.read[i] for i in layer_units(engine))
+    )
+    hook = use_decoded(engine, copy_dir, hook)
+    return hook, Needs(
+        engine.unit_bytes, needs.extra, needs.prepare, needs.build, _raw_kept(engine),
+        _kinds(engine),
+    )  # fmt: skip
 
 
 def _kinds(engine: StreamingCausalLM) -> list[str]:
