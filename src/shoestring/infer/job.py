@@ -120,6 +120,7 @@ def open_ledger(job: InferJob) -> ChunkLedger:
         units=len(engine.units),
         model_bytes=sum(engine.unit_bytes),
         streamed_bytes_per_pass=job.streamed_bytes,
+        setup_s=round(time.perf_counter() - job.started, 3),  # a copy's writing included
         pid=os.getpid(),
         **({"tool_syntax": job.work.tool_syntax.source} if job.work.tool_syntax else {}),
     )
