@@ -19,7 +19,7 @@ import torch
 from shoestring.cli import main
 from shoestring.config import ConfigError
 from shoestring.infer import decoded
-from shoestring.infer.fixtures import build_random_model, save_fp8, save_mxfp4
+from shoestring.infer.fixtures import build_random_model, save_ctensors, save_fp8, save_mxfp4
 from shoestring.infer.layercopy import check_room
 from shoestring.infer.shards import read_header
 
@@ -31,6 +31,7 @@ KINDS = {
     "fp8-moe": "FP8 experts dequantized, then fused",
     "mxfp4": "MXFP4 experts decoded into the fused parameters",
     "bnb": "bitsandbytes nf4 (double quant) dequantized (fp32)",
+    "w4a16": "compressed-tensors int4 groups decompressed (bf16)",
     "fp32-as-bf16": "fp32 cast to bf16",
     "moe-bf16": "per-expert tensors fused",
 }
@@ -51,6 +52,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "fp8-moe": save_fp8(moe, root / "fp8-moe", (64, 64)),
         "mxfp4": save_mxfp4(oss, root / "mxfp4"),
         "bnb": save_4bit(fp32, root / "bnb", "nf4", True),
+        "w4a16": save_ctensors(llama, root / "w4a16", "w4a16"),
         "fp32-as-bf16": fp32,
         "moe-bf16": moe,
         "llama-bf16": llama,
@@ -116,13 +118,18 @@ def test_the_plan_predicts_the_copy_before_writing_it(
     """What the plan counts a layer as reading from the copy (known before it is written)
     is what the copy holds; a layer prepares nothing more."""
     from shoestring.infer.engine import StreamingCausalLM, read_config_json
-    from shoestring.infer.stored import stored_compute_dtype, stored_weights
+    from shoestring.infer.shards import index_model
+    from shoestring.infer.stored import stored_compute_dtype, stored_refs, stored_weights
     from shoestring.infer.weights import weight_hook, weight_needs
 
     model = models[kind]
     dtype = stored_compute_dtype(read_config_json(model))  # as the job resolves it
+    refs = stored_refs(read_config_json(model), index_model(model))  # as the job indexes it
     eng = StreamingCausalLM(
-        model, device=torch.device("cpu"), dtype=torch.bfloat16 if kind == "fp32-as-bf16" else dtype
+        model,
+        device=torch.device("cpu"),
+        refs=refs,
+        dtype=torch.bfloat16 if kind == "fp32-as-bf16" else dtype,
     )
     stored = stored_weights(eng)
     predicted = weight_needs(eng, None, None, stored, decode_once=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -52,3 +54,14 @@ def bf16_is_faster(device: torch.device, reps: int = 5) -> bool:
             torch.nn.functional.linear(x, w)
         times[dt] = time.perf_counter() - t0
     return times[torch.bfloat16] * 1.3 < times[torch.float32]
+
+
+def config_dtype(doc: Mapping[str, Any]) -> torch.dtype:
+    """The dtype a checkpoint stored quantized computes in: its config's
+    ``dtype``/``torch_dtype`` (the one its unquantized tensors are stored in), else
+    bfloat16."""
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    for name in (doc.get("dtype"), doc.get("torch_dtype")):
+        if isinstance(name, str) and name.removeprefix("torch.") in names:
+            return names[name.removeprefix("torch.")]
+    return torch.bfloat16

@@ -165,3 +165,80 @@ def mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+#: compressed-tensors weight schemes of :func:`save_ctensors`: (bits, type, strategy,
+#: group size, symmetric, input activations quantized).
+CT_SCHEMES: dict[str, tuple[int, str, str, int | None, bool, bool]] = {
+    "w4a16": (4, "int", "group", 64, True, False),  # the Hub's *-quantized.w4a16
+    "w4a16-asym": (4, "int", "group", 64, False, False),
+    "w8a16": (8, "int", "channel", None, True, False),
+    "fp8-weights": (8, "float", "channel", None, True, False),
+    "fp8-dynamic": (8, "float", "channel", None, True, True),  # W8A8: activations too
+}
+
+
+def save_ctensors(base: Path, dest: Path, scheme: str = "w4a16") -> Path:
+    """``base`` saved by compressed-tensors as llm-compressor saves a model (the Hub's
+    RedHatAI ``*-quantized.w4a16`` layout): every Linear but the head quantized with
+    ``CT_SCHEMES[scheme]`` (min-max scales per group or row, what an observer would
+    find), compressed by ``ModelCompressor`` and saved with its ``quantization_config``;
+    the tokenizer copied beside it."""
+    import shutil
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from transformers import AutoModelForCausalLM
+
+    bits, kind, strategy, group, symmetric, acts = CT_SCHEMES[scheme]
+    weights = QuantizationArgs(
+        num_bits=bits, type=kind, strategy=strategy, group_size=group, symmetric=symmetric
+    )
+    inputs = (
+        QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True) if acts else None
+    )
+    config = QuantizationConfig(
+        config_groups={
+            "group_0": QuantizationScheme(
+                targets=["Linear"], weights=weights, input_activations=inputs
+            )
+        },
+        ignore=["lm_head"],
+        quantization_status=QuantizationStatus.INITIALIZED,
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            _min_max_qparams(module)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(str(dest))
+    compressor.update_config(str(dest))
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+@torch.no_grad()
+def _min_max_qparams(module: Any) -> None:
+    """The module's weight scale (and zero point) from its weight's range per group of
+    columns or per row, by compressed-tensors' ``calculate_qparams``."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = module.quantization_scheme.weights
+    w = module.weight.float()
+    if args.strategy == "group":
+        w = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+    low, high = w.amin(-1), w.amax(-1)
+    scale, zero = calculate_qparams(low, high, args)
+    module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))

@@ -25,6 +25,7 @@ import torch
 
 from shoestring.config import ConfigError
 from shoestring.hf import quant_method
+from shoestring.infer.dtype import config_dtype
 from shoestring.infer.engine import StreamingCausalLM, read_config_json
 from shoestring.infer.shards import TensorRef, generic_key
 from shoestring.infer.stream import Prepare, Slot
@@ -39,7 +40,6 @@ TEMP_BYTES = 12
 #: Where a weight's block scales are stored, beside ``<module>.weight``: transformers'
 #: name, and the one its FP8 loader renames from (Mistral's).
 SCALE_SUFFIXES = ("weight_scale_inv", "qscale_weight")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def is_fp8(doc: Mapping[str, Any]) -> bool:
@@ -59,12 +59,7 @@ def fp8_compute_dtype(doc: Mapping[str, Any]) -> torch.dtype | None:
     """The dtype an FP8 checkpoint computes in: its config's ``dtype``/``torch_dtype``
     (the one its unquantized tensors are stored in), else bfloat16; None for any other
     checkpoint."""
-    if not is_fp8(doc):
-        return None
-    for name in (doc.get("dtype"), doc.get("torch_dtype")):
-        if isinstance(name, str) and name.removeprefix("torch.") in _DTYPES:
-            return _DTYPES[name.removeprefix("torch.")]
-    return torch.bfloat16
+    return config_dtype(doc) if is_fp8(doc) else None
 
 
 @dataclass(frozen=True)

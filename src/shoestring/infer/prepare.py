@@ -39,6 +39,7 @@ from shoestring.infer.stored import (
     StoredWeights,
     check_stored,
     stored_compute_dtype,
+    stored_refs,
     stored_weights,
 )
 from shoestring.infer.stream import Prepare
@@ -239,10 +240,11 @@ def _build_engine(
     cfg: InferConfig, model_dir: Path, device: torch.device, prior: RunRecord | None
 ) -> StreamingCausalLM:
     try:
-        refs = index_model(model_dir)
+        doc = read_config_json(model_dir)
+        refs = stored_refs(doc, index_model(model_dir))
         dtype = compute_dtype(
             cfg.model.dtype,
-            stored_compute_dtype(read_config_json(model_dir)) or stored_dtype(refs),
+            stored_compute_dtype(doc) or stored_dtype(refs),
             cfg.compress.scheme,
             device,
             pinned=prior.pinned.dtype if prior is not None else None,

@@ -1,0 +1,281 @@
+"""A checkpoint saved by compressed-tensors (``quantization_config.quant_method:
+compressed-tensors``: the Hub's RedHatAI/neuralmagic ``*-quantized.w4a16`` and
+``*-w8a16`` repos, llm-compressor's output), streamed as stored and decompressed where
+:mod:`.stream` prepares.
+
+Each quantized Linear is stored as its compressor's parameters: ``weight_packed``
+(int32, eight 4-bit or four 8-bit values a word), ``weight_scale`` (per group of
+columns, per row or per tensor), ``weight_shape`` and, when asymmetric,
+``weight_zero_point`` (format ``pack-quantized``); or ``weight`` as int8 or FP8 codes
+beside its scale (``int-quantized``, ``naive-quantized``, ``float-quantized``). Which
+module uses which scheme is the library's own business: the config groups are read by
+``QuantizationConfig``, each group's format inferred and its modules matched by
+compressed-tensors' ``match_quantizable_tensors``, as its model-free dequantizer does.
+The parameters stream as ``<module>.weight::<name>`` refs, and each weight is rebuilt by
+the group's compressor (``decompress``), a block of rows at a time, into the slot's
+scratch in the compute dtype. Only weight quantization is read: a scheme that quantizes
+activations too (W8A8, FP8-dynamic) computes another model than its dequantized weights
+do, and is refused before anything loads, as are sparse formats and the formats not
+listed in :data:`FORMATS`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoestring.config import ConfigError
+from shoestring.hf import quant_method
+from shoestring.infer.dtype import config_dtype
+from shoestring.infer.engine import StreamingCausalLM, read_config_json
+from shoestring.infer.shards import TensorRef, generic_key
+from shoestring.infer.stream import Prepare, Slot
+
+METHOD = "compressed-tensors"
+#: The formats streamed (their compressors decompress one weight from its parameters).
+FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+#: Rows of a weight decompressed at once (rounded to whole rows of every parameter).
+ROWS = 512
+#: Bytes per element of a row block while the library decompresses it: the unpacked
+#: codes, their float copy and the scaled product beside the result.
+TEMP_BYTES = 12
+_HINT = "needs compressed-tensors: pip install 'shoestring[ctensors]'"
+
+
+def is_ctensors(doc: Mapping[str, Any]) -> bool:
+    return quant_method(doc) == METHOD
+
+
+def check_ctensors(doc: Mapping[str, Any], spec: str, compress: str) -> None:
+    """Refuse, before anything loads, a compressed-tensors checkpoint infer cannot
+    stream (:func:`groups`), or ``--compress`` on top of one."""
+    if not is_ctensors(doc):
+        return
+    if compress != "none":
+        raise ConfigError(
+            f"--compress (compress.scheme): {spec} is already stored quantized by {METHOD} "
+            f"and streams as stored; drop --compress {compress}"
+        )
+    groups(doc, spec)
+
+
+def ct_compute_dtype(doc: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype a compressed-tensors checkpoint computes in (its config's), or None
+    for any other checkpoint."""
+    return config_dtype(doc) if is_ctensors(doc) else None
+
+
+@dataclass(frozen=True)
+class Group:
+    """One config group: its scheme, its compressor and the parameters it stores per
+    weight (the first is the root: ``weight_packed`` or ``weight``)."""
+
+    name: str
+    scheme: Any
+    compressor: Any
+    params: tuple[str, ...]
+
+
+def groups(doc: Mapping[str, Any], spec: str) -> tuple[list[Group], list[str]]:
+    """The checkpoint's config groups and its ignore list, each group's format inferred
+    as compressed-tensors' own dequantizer infers it; what cannot stream is refused."""
+    try:
+        from compressed_tensors.compressors import BaseCompressor
+        from compressed_tensors.compressors.format import infer_module_format
+        from compressed_tensors.config import CompressionFormat
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError:
+        raise ConfigError(f"--model (model.path): {spec} is stored by {METHOD}; {_HINT}") from None
+    key = "quantization_config"
+    try:
+        config = QuantizationConfig.model_validate(doc[key])
+    except ValueError as e:
+        first = str(e).splitlines()[0]
+        raise ConfigError(
+            f"--model (model.path): {spec}: {key} is not read by {METHOD}: {first}"
+        ) from None
+    if doc[key].get("sparsity_config"):
+        raise ConfigError(
+            f"--model (model.path): {spec} is stored sparse ({key}.sparsity_config); "
+            f"infer streams dense quantized {METHOD} checkpoints"
+        )
+    found = []
+    for name, scheme in config.config_groups.items():
+        where = f"{key}.config_groups.{name}"
+        if scheme.input_activations is not None or scheme.output_activations is not None:
+            raise ConfigError(
+                f"--model (model.path): {spec} quantizes activations too ({where}."
+                "input_activations): infer computes activations in the compute dtype, so "
+                "it would not compute this model; weight-only schemes (w4a16, w8a16) stream"
+            )
+        if scheme.weights is None:
+            continue
+        scheme.format = CompressionFormat(infer_module_format(torch.nn.Linear, scheme))
+        if scheme.format.value not in FORMATS:
+            raise ConfigError(
+                f"--model (model.path): {spec} stores {where} as {scheme.format.value}; "
+                f"infer streams {', '.join(FORMATS)}"
+            )
+        compressor = BaseCompressor.get_value_from_registry(scheme.format.value)
+        found.append(
+            Group(name, scheme, compressor, tuple(compressor.compression_param_names(scheme)))
+        )
+    return found, list(config.ignore or [])
+
+
+def aliased(doc: Mapping[str, Any], refs: dict[str, TensorRef]) -> dict[str, TensorRef]:
+    """The checkpoint's tensors with each packed weight also under its module's
+    ``weight`` key, where the model has its parameter (the engine gives each parameter
+    its stored tensor; :meth:`StoredCt.of` then streams the parts instead)."""
+    if not is_ctensors(doc):
+        return refs
+    out = dict(refs)
+    for key, ref in refs.items():
+        module, _, name = key.rpartition(".")
+        if name == "weight_packed" and f"{module}.weight" not in refs:
+            out[f"{module}.weight"] = _renamed(ref, f"{module}.weight")
+    return out
+
+
+@dataclass(frozen=True)
+class CtWeight:
+    """One stored weight: its model key, dense shape, group, and per parameter how many
+    of the weight's rows one of its rows covers (0: passed whole to every row block)."""
+
+    key: str
+    shape: tuple[int, ...]
+    group: Group
+    rows_per: tuple[tuple[str, int], ...]
+
+    def row_step(self) -> int:
+        unit = math.lcm(1, *(r for _, r in self.rows_per if r))
+        return min(self.shape[0], max(unit, ROWS // unit * unit))
+
+    def temps(self) -> int:
+        return TEMP_BYTES * self.row_step() * math.prod(self.shape[1:])
+
+
+class StoredCt:
+    """The compressed-tensors weights of each unit of an engine; :meth:`of` points the
+    engine's units at their parameters."""
+
+    def __init__(self, weights: dict[int, dict[str, CtWeight]]) -> None:
+        self.weights = weights
+
+    @classmethod
+    def of(cls, engine: StreamingCausalLM) -> StoredCt | None:
+        doc = read_config_json(engine.model_dir)
+        if not is_ctensors(doc):
+            return None
+        found, ignore = groups(doc, str(engine.model_dir))
+        modules = _modules(engine.model, found, ignore)
+        weights: dict[int, dict[str, CtWeight]] = {}
+        for i, unit in enumerate(engine.units):
+            mine = {r.key: modules[r.key] for r in unit.refs if r.key in modules}
+            if not mine:
+                continue
+            shapes = {k: tuple(getattr(m, p).shape) for k, (m, p) in unit.params.items()}
+            weights[i] = {k: _weight(engine.refs, k, shapes[k], g) for k, g in mine.items()}
+            parts = [
+                _renamed(engine.refs[f"{k.removesuffix('.weight')}.{p}"], f"{k}::{p}")
+                for k, w in weights[i].items()
+                for p, _ in w.rows_per
+            ]
+            engine.replace_refs(i, [r for r in unit.refs if r.key not in mine] + parts)
+        return cls(weights)
+
+    def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        return {k: w.shape for k, w in self.weights.get(i, {}).items()}
+
+    def scratch(self, i: int, dtype: torch.dtype) -> int:
+        return sum(dtype.itemsize * math.prod(w.shape) for w in self.weights.get(i, {}).values())
+
+    def temps(self, i: int, dtype: torch.dtype) -> int:
+        return max((w.temps() for w in self.weights.get(i, {}).values()), default=0)
+
+    def hook(self, dtype: torch.dtype) -> Prepare:
+        """The ``prepare`` hook: each weight of a unit decompressed into the slot's
+        scratch in ``dtype``; the unit's other tensors as read."""
+
+        def prepare(i: int, t: dict[str, torch.Tensor], slot: Slot) -> dict[str, torch.Tensor]:
+            mine = self.weights.get(i)
+            if mine is None:
+                return t
+            out = {k: v for k, v in t.items() if "::" not in k}
+            for key, w in mine.items():
+                parts = {p: t[f"{key}::{p}"] for p, _ in w.rows_per}
+                out[key] = decompress(w, parts, _scratch(slot, w, dtype, t))
+            return out
+
+        return prepare
+
+
+def decompress(w: CtWeight, parts: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Weight ``w`` from its streamed parameters into ``out``, by its group's compressor,
+    :meth:`CtWeight.row_step` rows at a time (each row's values depend on its own codes,
+    scales and zero points only, so they are those of one call over the whole weight)."""
+    rows, step, per = w.shape[0], w.row_step(), dict(w.rows_per)
+    wants_shape = "weight_shape" in w.group.params
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        given = {p: (t[r // per[p] : (r + n) // per[p]] if per[p] else t) for p, t in parts.items()}
+        if wants_shape:
+            given["weight_shape"] = torch.tensor([n, *w.shape[1:]])
+        out[r : r + n].copy_(w.group.compressor.decompress(given, w.group.scheme)["weight"])
+    return out
+
+
+def _modules(model: Any, found: list[Group], ignore: list[str]) -> dict[str, Group]:
+    """Model weight key -> its group, for every module a group targets (matched on the
+    model skeleton by compressed-tensors' ``match_named_modules``, as transformers
+    applies a scheme)."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    out: dict[str, Group] = {}
+    for g in found:
+        for name, _ in match_named_modules(model, g.scheme.targets, ignore):
+            out.setdefault(f"{name}.weight", g)
+    return out
+
+
+def _weight(refs: Mapping[str, TensorRef], key: str, shape: tuple[int, ...], g: Group) -> CtWeight:
+    """Weight ``key``'s parameters as stored, checked to cover its rows evenly."""
+    module = key.removesuffix(".weight")
+    rows_per = []
+    for p in g.params:
+        if p == "weight_shape":
+            continue
+        ref = refs.get(f"{module}.{p}")
+        if ref is None:
+            raise ConfigError(
+                f"--model (model.path): {key} has no {module}.{p}, which its "
+                f"{g.scheme.format.value} scheme ({g.name}) stores"
+            )
+        lead = ref.shape[0] if ref.shape else 1
+        whole = p == "weight_g_idx" or lead == 1 or len(ref.shape) < 2
+        if not whole and shape[0] % lead:
+            raise ConfigError(
+                f"--model (model.path): {ref.file}: {module}.{p} {tuple(ref.shape)} does not "
+                f"cover the {shape} weight's rows evenly"
+            )
+        rows_per.append((p, 0 if whole else shape[0] // lead))
+    return CtWeight(key, shape, g, tuple(rows_per))
+
+
+def _scratch(
+    slot: Slot, w: CtWeight, dtype: torch.dtype, t: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    name = generic_key(w.key)
+    device = next(iter(t.values())).device
+    buf = slot.scratch.get(name)
+    if buf is None or tuple(buf.shape) != w.shape or buf.dtype != dtype:
+        buf = slot.scratch[name] = torch.empty(w.shape, dtype=dtype, device=device)
+    return buf
+
+
+def _renamed(ref: TensorRef, key: str) -> TensorRef:
+    return TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype, ref.shape)

@@ -1,0 +1,188 @@
+"""A checkpoint saved by compressed-tensors (the Hub's RedHatAI ``*-quantized.w4a16`` and
+``*-w8a16`` repos, llm-compressor's output) streams as stored: the engine computes what
+transformers computes on the same checkpoint (decompressed by the same library), in
+4-bit groups symmetric and asymmetric, 8-bit rows packed, and FP8 rows; a layer reads
+its packed bytes; an adapter merges into the decompressed weights; a stopped generation
+resumes bit for bit; and what it cannot stream is refused before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shoestring.infer import ctensors
+from shoestring.infer.adapter import LoraDelta
+from shoestring.infer.decode import generate, prompt_logits
+from shoestring.infer.engine import StreamingCausalLM, read_config_json
+from shoestring.infer.fixtures import build_random_model, save_ctensors
+from shoestring.infer.shards import index_model
+from shoestring.infer.stored import stored_compute_dtype, stored_refs, stored_weights
+from shoestring.infer.weights import weight_hook
+from stored_checks import (
+    check_adapter_merged,
+    check_cli_answers,
+    check_resumes_bit_for_bit,
+    greedy,
+    infer_one,
+    prompts,
+)
+
+pytest.importorskip("compressed_tensors")
+
+CPU = torch.device("cpu")
+STREAMED = ["w4a16", "w4a16-asym", "w8a16", "fp8-weights"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_model(
+        tmp_path_factory.mktemp("base"), "llama", seed=3, dtype=torch.bfloat16
+    )
+
+
+@pytest.fixture(scope="module")
+def stored(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ct")
+    return {s: save_ctensors(base, root / s, s) for s in [*STREAMED, "fp8-dynamic"]}
+
+
+def reference(model_dir: Path, dtype: torch.dtype | None = None) -> Any:
+    """transformers' model on the checkpoint, decompressed by compressed-tensors at load
+    (its default decompresses on the first forward, and cannot load an asymmetric save)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    q = CompressedTensorsConfig(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), quantization_config=q, dtype=dtype or "auto"
+    ).eval()
+
+
+def streaming(
+    model_dir: Path, adapter: LoraDelta | None = None, dtype: torch.dtype | None = None
+) -> StreamingCausalLM:
+    """Our engine on the checkpoint (the tensors as the job indexes them), one unit resident."""
+    doc = read_config_json(model_dir)
+    refs = stored_refs(doc, index_model(model_dir))
+    eng = StreamingCausalLM(
+        model_dir, device=CPU, refs=refs, dtype=dtype or stored_compute_dtype(doc)
+    )
+    found = stored_weights(eng)
+    assert isinstance(found, ctensors.StoredCt)
+    hook, _ = weight_hook(eng, None, adapter, Path("/nonexistent"), "", found)
+    return eng.start(resident=1, depth=1, prepare=hook)
+
+
+@pytest.mark.parametrize("scheme", STREAMED)
+def test_logits_and_greedy_tokens_equal_transformers_load(
+    stored: dict[str, Path], scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bitwise equal prompt logits (the library's own decompressor on the same bytes),
+    with weights rebuilt 16 rows at a time (every weight in several row blocks)."""
+    monkeypatch.setattr(ctensors, "ROWS", 16)
+    model = stored[scheme]
+    ref = reference(model)
+    ps = prompts(4)
+    eng = streaming(model)
+    try:
+        logits = prompt_logits(eng, ps)
+        out = generate(eng, ps, max_new_tokens=6, eos_ids=set(), pad_id=0, micro_tokens=20)
+    finally:
+        eng.close()
+    with torch.no_grad():
+        for p, lg, o in zip(ps, logits, out, strict=True):
+            want = ref(torch.tensor([p])).logits[0]
+            assert torch.equal(lg.to(want.dtype), want)
+            assert o.tokens == greedy(ref, p, 6)
+
+
+def test_a_layer_reads_its_packed_parameters_and_holds_its_weights_decompressed(
+    stored: dict[str, Path], base: Path
+) -> None:
+    model = stored["w4a16"]
+    eng = StreamingCausalLM(
+        model, device=CPU, refs=stored_refs(read_config_json(model), index_model(model)),
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    found = stored_weights(eng)
+    assert found is not None
+    layer = next(i for i, u in enumerate(eng.units) if u.name == "layers.1")
+    parts = [r for r in eng.units[layer].refs if "::" in r.key]
+    assert {r.key.split("::")[1] for r in parts} == {"weight_packed", "weight_scale"}
+    dense = StreamingCausalLM(base, device=CPU)
+    dense_layer = sum(r.nbytes for r in dense.units[layer].refs)
+    weights = sum(r.nbytes for r in dense.units[layer].refs if r.key.endswith("proj.weight"))
+    read = sum(r.nbytes for r in eng.units[layer].refs)
+    print(f"w4a16 layer: {read} bytes read vs {dense_layer} bf16")
+    assert read < 0.32 * dense_layer  # 4 bits and a bf16 scale per 64 weights
+    assert found.scratch(layer, torch.bfloat16) == weights
+
+
+def test_shoestring_infer_writes_transformers_greedy_answers(
+    stored: dict[str, Path], tmp_path: Path
+) -> None:
+    model = stored["w4a16-asym"]
+    start = check_cli_answers(model, reference(model), tmp_path, ["alpha beta gamma", "delta"])
+    assert start["dtype"] == "bfloat16"
+
+
+def test_an_adapter_is_merged_into_the_decompressed_weights(
+    stored: dict[str, Path], tmp_path: Path
+) -> None:
+    model = stored["w4a16"]
+
+    def open_engine(model_dir: Path, adapter: LoraDelta | None = None) -> StreamingCausalLM:
+        return streaming(model_dir, adapter, torch.float32)
+
+    check_adapter_merged(open_engine, model, reference(model, torch.float32), tmp_path)
+
+
+def test_a_stopped_generation_resumes_bit_for_bit(stored: dict[str, Path], tmp_path: Path) -> None:
+    check_resumes_bit_for_bit(lambda m, a=None: streaming(m, a), stored["w8a16"], tmp_path)
+
+
+def _with_config(src: Path, dest: Path, **changes: Any) -> Path:
+    import shutil
+
+    shutil.copytree(src, dest)
+    doc = json.loads((dest / "config.json").read_text())
+    doc["quantization_config"].update(changes)
+    (dest / "config.json").write_text(json.dumps(doc))
+    return dest
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("activations", "quantizes activations too (quantization_config.config_groups.group_0"),
+        ("compress", "--compress (compress.scheme): "),
+        ("sparse", "is stored sparse (quantization_config.sparsity_config)"),
+    ],
+)
+def test_what_cannot_stream_is_refused_before_any_work(
+    stored: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    needle: str,
+) -> None:
+    model, extra = stored["w4a16"], []
+    if case == "activations":
+        model = stored["fp8-dynamic"]
+    elif case == "compress":
+        extra = ["--compress", "int8"]
+    else:
+        sparse = {"format": "sparse-24-bitmask", "targets": ["Linear"], "sparsity_structure": "2:4"}
+        model = _with_config(model, tmp_path / "m", sparsity_config=sparse)
+    assert infer_one(model, tmp_path, *extra) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert not (tmp_path / "out.jsonl.run").exists()
