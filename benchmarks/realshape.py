@@ -21,7 +21,7 @@ import hashlib
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -323,13 +323,33 @@ def materialize_fp8(name: str, cache: Path = DEFAULT_CACHE, seed: int = 0) -> Pa
     beside it the same way."""
     from shoestring.infer.fixtures import save_fp8
 
+    return _saved_beside(
+        name, "fp8", lambda base, tmp: save_fp8(base, tmp, (128, 128)), cache, seed
+    )
+
+
+def materialize_ctensors(name: str, cache: Path = DEFAULT_CACHE, seed: int = 0) -> Path:
+    """The model's compressed-tensors w4a16 save (int4, symmetric groups of 128: the
+    Hub's RedHatAI ``*-quantized.w4a16`` layout; the library's own compressor, a tensor
+    at a time), written once beside it."""
+    from shoestring.infer.fixtures import save_ctensors
+
+    def save(base: Path, tmp: Path) -> Path:
+        return save_ctensors(base, tmp, "w4a16", group=128)  # the Hub's group (tests: 64)
+
+    return _saved_beside(name, "w4a16", save, cache, seed)
+
+
+def _saved_beside(
+    name: str, suffix: str, save: Callable[[Path, Path], Path], cache: Path, seed: int
+) -> Path:
     base = materialize(name, cache, seed)
-    target = base.with_name(base.name + "-fp8")
+    target = base.with_name(f"{base.name}-{suffix}")
     if (target / ".complete").is_file():
         return target
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_fp8(base, tmp, (128, 128))
+    save(base, tmp)
     (tmp / ".complete").unlink(missing_ok=True)  # copied from the base: not yet
     (tmp / ".complete").write_text("ok\n")
     shutil.rmtree(target, ignore_errors=True)
@@ -338,6 +358,7 @@ def materialize_fp8(name: str, cache: Path = DEFAULT_CACHE, seed: int = 0) -> Pa
 
 
 if __name__ == "__main__":
-    fp8 = "--fp8" in sys.argv
-    for arg in [a for a in sys.argv[1:] if a != "--fp8"] or ["small-mha"]:
-        print(materialize_fp8(arg) if fp8 else materialize(arg))
+    kinds = {"--fp8": materialize_fp8, "--w4a16": materialize_ctensors}
+    make = next((kinds[a] for a in sys.argv[1:] if a in kinds), materialize)
+    for arg in [a for a in sys.argv[1:] if a not in kinds] or ["small-mha"]:
+        print(make(arg))

@@ -104,6 +104,54 @@ def test_logits_and_greedy_tokens_equal_transformers_load(
             assert o.tokens == greedy(ref, p, 6)
 
 
+def library_save(base: Path, dest: Path, scheme: str) -> Path:
+    """``base`` quantized as llm-compressor does it, the whole model in memory:
+    ``apply_quantization_config``, each module's min-max qparams, ``compress_model``,
+    ``save_pretrained`` and the config written by ``ModelCompressor``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
+    from transformers import AutoModelForCausalLM
+
+    from shoestring.infer.fixtures import ct_config, min_max_qparams
+
+    config = ct_config(scheme)
+    config.quantization_status = QuantizationStatus.INITIALIZED
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "quantization_scheme", None) is not None:
+                qparams = min_max_qparams(module.weight, module.quantization_scheme.weights)
+                for name, value in qparams.items():
+                    getattr(module, name).copy_(value.reshape(getattr(module, name).shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(str(dest))
+    compressor.update_config(str(dest))
+    return dest
+
+
+@pytest.mark.parametrize("scheme", STREAMED)
+def test_the_tensor_at_a_time_writer_saves_what_the_library_pipeline_saves(
+    stored: dict[str, Path], base: Path, tmp_path: Path, scheme: str
+) -> None:
+    """``fixtures.save_ctensors`` (what the real-size benchmark writes a 7B with) gives
+    the tensors and quantization config of compressed-tensors' own in-memory pipeline."""
+    from safetensors.torch import load_file
+
+    want_dir = library_save(base, tmp_path / "lib", scheme)
+    want = load_file(want_dir / "model.safetensors")
+    got = {k: v for f in stored[scheme].glob("*.safetensors") for k, v in load_file(f).items()}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    config = [
+        json.loads((d / "config.json").read_text())["quantization_config"]
+        for d in (want_dir, stored[scheme])
+    ]
+    assert config[0] == config[1]
+
+
 def test_a_layer_reads_its_packed_parameters_and_holds_its_weights_decompressed(
     stored: dict[str, Path], base: Path
 ) -> None:

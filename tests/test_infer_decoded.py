@@ -164,6 +164,7 @@ def test_a_run_switches_the_copy_on_or_off_and_a_rerun_keeps_it(
     env = {**os.environ, "SHOESTRING_FAULTS": "pass.unit@20:term"}
     stopped = subprocess.run(args, env=env, capture_output=True, text=True)
     assert stopped.returncode != 0 and not out.exists(), stopped.stderr[-2000:]
+    assert "on a CPU, --decode-once writes its layers decoded once (" in stopped.stderr
     assert any(e["event"] == "preempt" for e in _events(out)), stopped.stderr[-2000:]
     assert list(Path(f"{out}.run").glob("partial/step-*"))  # mid-chunk state, as stored
     capsys.readouterr()

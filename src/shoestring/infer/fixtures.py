@@ -140,7 +140,8 @@ def _saved_as(
         index = {"metadata": {}, "weight_map": weight_map}
         (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     doc = json.loads((base / "config.json").read_text())
-    doc["quantization_config"] = quantization
+    if quantization:
+        doc["quantization_config"] = quantization
     (dest / "config.json").write_text(json.dumps(doc, indent=2))
     written = ("config.json", "model.safetensors.index.json")
     for f in base.iterdir():
@@ -178,23 +179,43 @@ CT_SCHEMES: dict[str, tuple[int, str, str, int | None, bool, bool]] = {
 }
 
 
-def save_ctensors(base: Path, dest: Path, scheme: str = "w4a16") -> Path:
-    """``base`` saved by compressed-tensors as llm-compressor saves a model (the Hub's
-    RedHatAI ``*-quantized.w4a16`` layout): every Linear but the head quantized with
-    ``CT_SCHEMES[scheme]`` (min-max scales per group or row, what an observer would
-    find), compressed by ``ModelCompressor`` and saved with its ``quantization_config``;
-    the tokenizer copied beside it."""
-    import shutil
+def save_ctensors(base: Path, dest: Path, scheme: str = "w4a16", group: int | None = None) -> Path:
+    """``base`` saved as llm-compressor saves a model with compressed-tensors (the Hub's
+    RedHatAI ``*-quantized.w4a16`` layout), a tensor at a time: every decoder-layer
+    Linear weight quantized with ``CT_SCHEMES[scheme]`` (min-max scales per group or row,
+    what an observer would find by compressed-tensors' ``calculate_qparams``) and
+    compressed by the scheme's own compressor; the ``quantization_config`` written by
+    its ``ModelCompressor``; everything else as stored (shards, index, tokenizer).
+    ``group``: another group size than the scheme's."""
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
 
-    from compressed_tensors.compressors import ModelCompressor
+    config = ct_config(scheme, group)
+    target = config.config_groups["group_0"]
+    compressor = BaseCompressor.get_value_from_registry(target.format)
+
+    def stored(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not (".layers." in key and key.endswith("proj.weight") and t.ndim == 2):
+            return {key: t}
+        module = key.removesuffix(".weight")
+        state = {"weight": t, **min_max_qparams(t, target.weights)}
+        return {f"{module}.{k}": v for k, v in compressor.compress(state, target).items()}
+
+    _saved_as(base, dest, stored, {})
+    ModelCompressor(quantization_config=config).update_config(str(dest))
+    return dest
+
+
+def ct_config(scheme: str, group_size: int | None = None) -> Any:
+    """The compressed-tensors ``QuantizationConfig`` of ``CT_SCHEMES[scheme]`` (with
+    ``group_size`` if given) on every Linear but the head, its format inferred as the
+    library infers it."""
+    from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
         QuantizationScheme,
         QuantizationStatus,
-        apply_quantization_config,
     )
-    from transformers import AutoModelForCausalLM
 
     bits, kind, strategy, group, symmetric, acts = CT_SCHEMES[scheme]
     weights = QuantizationArgs(
@@ -203,42 +224,31 @@ def save_ctensors(base: Path, dest: Path, scheme: str = "w4a16") -> Path:
     inputs = (
         QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True) if acts else None
     )
-    config = QuantizationConfig(
-        config_groups={
-            "group_0": QuantizationScheme(
-                targets=["Linear"], weights=weights, input_activations=inputs
-            )
-        },
+    target = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
+    target.format = infer_module_format(torch.nn.Linear, target)
+    return QuantizationConfig(
+        config_groups={"group_0": target},
         ignore=["lm_head"],
-        quantization_status=QuantizationStatus.INITIALIZED,
+        format=target.format,
+        quantization_status=QuantizationStatus.COMPRESSED,
     )
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
-    apply_quantization_config(model, config)
-    for module in model.modules():
-        if getattr(module, "quantization_scheme", None) is not None:
-            _min_max_qparams(module)
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(str(dest))
-    compressor.update_config(str(dest))
-    for f in base.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, dest / f.name)
-    return dest
 
 
 @torch.no_grad()
-def _min_max_qparams(module: Any) -> None:
-    """The module's weight scale (and zero point) from its weight's range per group of
-    columns or per row, by compressed-tensors' ``calculate_qparams``."""
+def min_max_qparams(w: torch.Tensor, args: Any) -> dict[str, torch.Tensor]:
+    """``weight_scale`` (in ``w``'s dtype) and, when asymmetric, ``weight_zero_point`` of
+    ``w`` from its range per group of columns or per row, by compressed-tensors'
+    ``calculate_qparams`` (what a min-max observer gives)."""
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    args = module.quantization_scheme.weights
-    w = module.weight.float()
-    if args.strategy == "group":
-        w = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
-    low, high = w.amin(-1), w.amax(-1)
+    x = w.float()
+    if args.strategy == "group":  # (rows, groups)
+        x = x.unflatten(-1, (x.shape[-1] // args.group_size, args.group_size))
+        low, high = x.amin(-1), x.amax(-1)
+    else:  # channel: (rows, 1)
+        low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     scale, zero = calculate_qparams(low, high, args)
-    module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-    if hasattr(module, "weight_zero_point"):
-        module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+    out = {"weight_scale": scale.to(w.dtype)}
+    if not args.symmetric:
+        out["weight_zero_point"] = zero.to(args.zp_dtype or torch.int8)
+    return out

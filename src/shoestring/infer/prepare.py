@@ -25,7 +25,7 @@ from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.budget import Planner, predicted_plan, real_plan
 from shoestring.infer.codecs import Scheme
 from shoestring.infer.config import LATER_KEY_DEFAULTS, OUTPUT_KEYS, InferConfig
-from shoestring.infer.decoded import decodes, layer_units
+from shoestring.infer.decoded import decoded_bytes, decodes, layer_units
 from shoestring.infer.dtype import compute_dtype
 from shoestring.infer.engine import StreamingCausalLM, read_config_json, steady_memory, stored_dtype
 from shoestring.infer.inputs import Input, read_input
@@ -306,6 +306,15 @@ def _weights_and_plan(
     if once:
         _check_decodes(engine, stored, cfg.model.path)
         name = f"decoded-{str(engine.dtype).removeprefix('torch.')}"
+    elif engine.device.type == "cpu" and (stored is not None or _mxfp4(engine)):
+        copy = sum(decoded_bytes(engine, stored, i) for i in layer_units(engine))
+        print(
+            "infer: this checkpoint is decoded on every pass; on a CPU, --decode-once "
+            f"writes its layers decoded once ({copy / 1e9:.1f} GB in the run directory) and "
+            "streams them from there, with the same outputs (docs/inference.md)",
+            file=stream,
+            flush=True,
+        )
     planner = Planner.of(cfg.memory, engine, work, cfg.generate.mode == "generate", pinned)
     predicted = weight_needs(engine, scheme, adapter, stored, decode_once=once)
     predicted_plan(planner, predicted)
@@ -317,6 +326,10 @@ def _weights_and_plan(
         print(f"infer: writing the layers once into {copy_dir} ...", file=stream, flush=True)
     hook, needs = weight_hook(engine, scheme, adapter, copy_dir, source, stored, decode_once=once)
     return hook, real_plan(planner, needs)
+
+
+def _mxfp4(engine: StreamingCausalLM) -> bool:
+    return any(f.mxfp4 for u in engine.units for f in u.fused.values())
 
 
 def _check_decodes(engine: StreamingCausalLM, stored: StoredWeights | None, spec: str) -> None:
