@@ -299,7 +299,8 @@ def worker(tool: str, a: argparse.Namespace) -> dict[str, Any]:
         else:  # accelerate: every decoder layer offloaded to disk, small parts on CPU
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            n = AutoConfig.from_pretrained(a.model).num_hidden_layers
+            config = AutoConfig.from_pretrained(a.model)
+            n = config.num_hidden_layers
             dmap = {
                 "model.embed_tokens": "cpu",
                 "model.norm": "cpu",
@@ -309,7 +310,15 @@ def worker(tool: str, a: argparse.Namespace) -> dict[str, Any]:
             }
             # accelerate-bf16: loaded as bf16, so its offloaded copy is bf16 too (half the
             # bytes per step) and it computes in bf16: its fastest setting on this CPU.
-            kw = {"dtype": torch.bfloat16} if tool == "accelerate-bf16" else {}
+            kw: dict[str, Any] = {"dtype": torch.bfloat16} if tool == "accelerate-bf16" else {}
+            q = getattr(config, "quantization_config", None)
+            if isinstance(q, dict) and q.get("quant_method") == "compressed-tensors":
+                # Its default keeps the weights packed until a first-forward hook
+                # decompresses them, which Accelerate's offload hooks break
+                # ('no attribute _hf_hook'); decompressed at load, it runs.
+                from transformers import CompressedTensorsConfig
+
+                kw["quantization_config"] = CompressedTensorsConfig(dequantize=True)
             model = AutoModelForCausalLM.from_pretrained(
                 a.model, device_map=dmap, offload_folder=str(work / "offload"), **kw
             )

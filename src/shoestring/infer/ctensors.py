@@ -84,9 +84,6 @@ def groups(doc: Mapping[str, Any], spec: str) -> tuple[list[Group], list[str]]:
     """The checkpoint's config groups and its ignore list, each group's format inferred
     as compressed-tensors' own dequantizer infers it; what cannot stream is refused."""
     try:
-        from compressed_tensors.compressors import BaseCompressor
-        from compressed_tensors.compressors.format import infer_module_format
-        from compressed_tensors.config import CompressionFormat
         from compressed_tensors.quantization import QuantizationConfig
     except ImportError:
         raise ConfigError(f"--model (model.path): {spec} is stored by {METHOD}; {_HINT}") from None
@@ -103,28 +100,34 @@ def groups(doc: Mapping[str, Any], spec: str) -> tuple[list[Group], list[str]]:
             f"--model (model.path): {spec} is stored sparse ({key}.sparsity_config); "
             f"infer streams dense quantized {METHOD} checkpoints"
         )
-    found = []
-    for name, scheme in config.config_groups.items():
-        where = f"{key}.config_groups.{name}"
-        if scheme.input_activations is not None or scheme.output_activations is not None:
-            raise ConfigError(
-                f"--model (model.path): {spec} quantizes activations too ({where}."
-                "input_activations): infer computes activations in the compute dtype, so "
-                "it would not compute this model; weight-only schemes (w4a16, w8a16) stream"
-            )
-        if scheme.weights is None:
-            continue
-        scheme.format = CompressionFormat(infer_module_format(torch.nn.Linear, scheme))
-        if scheme.format.value not in FORMATS:
-            raise ConfigError(
-                f"--model (model.path): {spec} stores {where} as {scheme.format.value}; "
-                f"infer streams {', '.join(FORMATS)}"
-            )
-        compressor = BaseCompressor.get_value_from_registry(scheme.format.value)
-        found.append(
-            Group(name, scheme, compressor, tuple(compressor.compression_param_names(scheme)))
+    found = [_group(name, scheme, spec) for name, scheme in config.config_groups.items()]
+    return [g for g in found if g is not None], list(config.ignore or [])
+
+
+def _group(name: str, scheme: Any, spec: str) -> Group | None:
+    """Config group ``name`` with its compressor (None: it quantizes no weight); one that
+    quantizes activations, or is stored in a format not streamed, is refused."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
+
+    where = f"quantization_config.config_groups.{name}"
+    if scheme.input_activations is not None or scheme.output_activations is not None:
+        raise ConfigError(
+            f"--model (model.path): {spec} quantizes activations too ({where}."
+            "input_activations): infer computes activations in the compute dtype, so "
+            "it would not compute this model; weight-only schemes (w4a16, w8a16) stream"
         )
-    return found, list(config.ignore or [])
+    if scheme.weights is None:
+        return None
+    scheme.format = CompressionFormat(infer_module_format(torch.nn.Linear, scheme))
+    if scheme.format.value not in FORMATS:
+        raise ConfigError(
+            f"--model (model.path): {spec} stores {where} as {scheme.format.value}; "
+            f"infer streams {', '.join(FORMATS)}"
+        )
+    compressor = BaseCompressor.get_value_from_registry(scheme.format.value)
+    return Group(name, scheme, compressor, tuple(compressor.compression_param_names(scheme)))
 
 
 def aliased(doc: Mapping[str, Any], refs: dict[str, TensorRef]) -> dict[str, TensorRef]:
