@@ -20,6 +20,7 @@ stored.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ from shoestring.stwriter import TensorSpec, write_file
 
 #: Bytes of a tensor handed to the file writer at once (it copies each block once).
 BLOCK_BYTES = 64 << 20
+#: Layers in flight while the copy is written: one written, the next read and prepared.
+SLOTS = 2
 
 
 def layer_units(engine: StreamingCausalLM) -> list[int]:
@@ -69,20 +72,16 @@ def decoded_needs(
     engine: StreamingCausalLM, streamed: Needs, stored: StoredWeights | None
 ) -> Needs:
     """The needs of streaming the decoded copy, from those of streaming as stored: a
-    layer reads its prepared bytes and prepares nothing; writing the copy holds one
-    layer as read, its prepared scratch, what preparing it takes for a moment, and a
-    block being written."""
+    layer reads its prepared bytes and prepares nothing. Writing the copy holds two
+    slots (:func:`_write`), each a layer as read and its prepared scratch, what
+    preparing one takes for a moment, and the block being written."""
     layers = layer_units(engine)
     read, extra, prepare = list(streamed.read), list(streamed.extra), list(streamed.prepare)
     kept = list(streamed.raw_kept) if streamed.raw_kept is not None else [True] * len(read)
     for i in layers:
         read[i], extra[i], prepare[i], kept[i] = decoded_bytes(engine, stored, i), 0, 0, True
-    build = (
-        max(streamed.read[i] for i in layers)
-        + max(streamed.extra[i] for i in layers)
-        + max((streamed.prepare[i] for i in layers), default=0)
-        + BLOCK_BYTES
-    )
+    slot = max(streamed.read[i] for i in layers) + max(streamed.extra[i] for i in layers)
+    build = SLOTS * slot + max((streamed.prepare[i] for i in layers), default=0) + BLOCK_BYTES
     return Needs(read, extra, prepare, build, kept, streamed.kinds)
 
 
@@ -97,18 +96,29 @@ def build_decoded(
 
 
 def _write(engine: StreamingCausalLM, tmp: Path, hook: Prepare | None) -> None:
-    """Each layer read into one buffer, prepared into one slot's scratch (reused from
-    layer to layer, as a ring slot is), and written tensor by tensor."""
+    """Each layer read into a slot and prepared into its scratch, then written by a
+    writer thread while the next layer is read and prepared into the other slot (a
+    slot is reused once the write from it is done, as a ring slot is)."""
     layers = layer_units(engine)
     user: Prepare = hook or (lambda i, t, s: t)
-    slot = Slot(aligned_empty(max(engine.units[i].plan.nbytes for i in layers)))
+    size = max(engine.units[i].plan.nbytes for i in layers)
+    slots = [Slot(aligned_empty(size)) for _ in range(SLOTS)]
+    writes: list[Future[None] | None] = [None] * SLOTS
     reader = ShardReader()
     try:
-        for i in layers:
-            plan = engine.units[i].plan
-            reader.read(plan, slot.host)
-            tensors = engine.prepared(i, views(plan, slot.host), slot, user)
-            _write_layer(layer_file(tmp, engine.units[i].name), tensors)
+        with ThreadPoolExecutor(1, thread_name_prefix="decoded-copy") as writer:
+            for n, i in enumerate(layers):
+                k = n % SLOTS
+                if (done := writes[k]) is not None:
+                    done.result()  # its slot is free again (and a failed write raises here)
+                plan, slot = engine.units[i].plan, slots[k]
+                reader.read(plan, slot.host)
+                tensors = engine.prepared(i, views(plan, slot.host), slot, user)
+                path = layer_file(tmp, engine.units[i].name)
+                writes[k] = writer.submit(_write_layer, path, tensors)
+            for w in writes:
+                if w is not None:
+                    w.result()
     finally:
         reader.close()
 
