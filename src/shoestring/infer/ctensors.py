@@ -34,6 +34,7 @@ from shoestring.infer.dtype import config_dtype
 from shoestring.infer.engine import StreamingCausalLM, read_config_json
 from shoestring.infer.shards import TensorRef, generic_key
 from shoestring.infer.stream import Prepare, Slot
+from shoestring.infer.unitweights import ByUnit
 
 METHOD = "compressed-tensors"
 #: The formats streamed (their compressors decompress one weight from its parameters).
@@ -140,7 +141,7 @@ def aliased(doc: Mapping[str, Any], refs: dict[str, TensorRef]) -> dict[str, Ten
     for key, ref in refs.items():
         module, _, name = key.rpartition(".")
         if name == "weight_packed" and f"{module}.weight" not in refs:
-            out[f"{module}.weight"] = _renamed(ref, f"{module}.weight")
+            out[f"{module}.weight"] = ref.renamed(f"{module}.weight")
     return out
 
 
@@ -162,12 +163,9 @@ class CtWeight:
         return TEMP_BYTES * self.row_step() * math.prod(self.shape[1:])
 
 
-class StoredCt:
+class StoredCt(ByUnit[CtWeight]):
     """The compressed-tensors weights of each unit of an engine; :meth:`of` points the
     engine's units at their parameters."""
-
-    def __init__(self, weights: dict[int, dict[str, CtWeight]]) -> None:
-        self.weights = weights
 
     @classmethod
     def of(cls, engine: StreamingCausalLM) -> StoredCt | None:
@@ -184,18 +182,12 @@ class StoredCt:
             shapes = {k: tuple(getattr(m, p).shape) for k, (m, p) in unit.params.items()}
             weights[i] = {k: _weight(engine.refs, k, shapes[k], g) for k, g in mine.items()}
             parts = [
-                _renamed(engine.refs[f"{k.removesuffix('.weight')}.{p}"], f"{k}::{p}")
+                engine.refs[f"{k.removesuffix('.weight')}.{p}"].renamed(f"{k}::{p}")
                 for k, w in weights[i].items()
                 for p, _ in w.rows_per
             ]
             engine.replace_refs(i, [r for r in unit.refs if r.key not in mine] + parts)
         return cls(weights)
-
-    def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        return {k: w.shape for k, w in self.weights.get(i, {}).items()}
-
-    def scratch(self, i: int, dtype: torch.dtype) -> int:
-        return sum(dtype.itemsize * math.prod(w.shape) for w in self.weights.get(i, {}).values())
 
     def temps(self, i: int, dtype: torch.dtype) -> int:
         return max((w.temps() for w in self.weights.get(i, {}).values()), default=0)
@@ -209,9 +201,12 @@ class StoredCt:
             if mine is None:
                 return t
             out = {k: v for k, v in t.items() if "::" not in k}
+            device = next(iter(t.values())).device
             for key, w in mine.items():
                 parts = {p: t[f"{key}::{p}"] for p, _ in w.rows_per}
-                out[key] = decompress(w, parts, _scratch(slot, w, dtype, t))
+                out[key] = decompress(
+                    w, parts, slot.buffer(generic_key(key), w.shape, dtype, device)
+                )
             return out
 
         return prepare
@@ -267,18 +262,3 @@ def _weight(refs: Mapping[str, TensorRef], key: str, shape: tuple[int, ...], g: 
             )
         rows_per.append((p, 0 if whole else shape[0] // lead))
     return CtWeight(key, shape, g, tuple(rows_per))
-
-
-def _scratch(
-    slot: Slot, w: CtWeight, dtype: torch.dtype, t: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    name = generic_key(w.key)
-    device = next(iter(t.values())).device
-    buf = slot.scratch.get(name)
-    if buf is None or tuple(buf.shape) != w.shape or buf.dtype != dtype:
-        buf = slot.scratch[name] = torch.empty(w.shape, dtype=dtype, device=device)
-    return buf
-
-
-def _renamed(ref: TensorRef, key: str) -> TensorRef:
-    return TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype, ref.shape)

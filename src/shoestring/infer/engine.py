@@ -185,17 +185,13 @@ def make_units(model: Any, config: Any, refs: dict[str, TensorRef]) -> list[Unit
         fused = {k: f for k, f in mapped.fused.items() if k in params}
         own = [k for k in params if k not in shared]
         unit_refs = [
-            refs[k] if k in refs else _renamed(refs[mapped.renamed[k]], k)
+            refs[k] if k in refs else refs[mapped.renamed[k]].renamed(k)
             for k in own
             if k not in fused
         ]
         unit_refs += [refs[s] for f in fused.values() for s in f.sources]
         units.append(Unit(name, params, unit_refs, shared, fused))
     return units
-
-
-def _renamed(ref: TensorRef, key: str) -> TensorRef:
-    return TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype, ref.shape)
 
 
 def _bind(unit: Unit, tensors: dict[str, torch.Tensor], shared: bool = False) -> None:
@@ -297,10 +293,7 @@ class StreamingCausalLM:
                 continue
             if out is tensors:
                 out = dict(tensors)
-            name = "cast:" + generic_key(key)
-            buf = slot.scratch.get(name)
-            if buf is None or buf.shape != t.shape:
-                buf = slot.scratch[name] = torch.empty(t.shape, dtype=self.dtype, device=t.device)
+            buf = slot.buffer("cast:" + generic_key(key), tuple(t.shape), self.dtype, t.device)
             out[key] = buf.copy_(t)
         return out
 
@@ -327,11 +320,8 @@ class StreamingCausalLM:
         built by transformers' converter and copied."""
         built = None if f.in_place else f.build(tensors, self.model, self.config)
         shape = f.shape(self.refs) if built is None else tuple(built.shape)
-        name = "fuse:" + generic_key(key)
-        buf = slot.scratch.get(name)
-        if buf is None or tuple(buf.shape) != shape:
-            device = tensors[f.sources[0]].device
-            buf = slot.scratch[name] = torch.empty(shape, dtype=self.dtype, device=device)
+        device = tensors[f.sources[0]].device
+        buf = slot.buffer("fuse:" + generic_key(key), shape, self.dtype, device)
         return f.build_into(tensors, buf) if built is None else buf.copy_(built)
 
     def fuse_bytes(self, i: int) -> tuple[int, int]:
@@ -358,7 +348,7 @@ class StreamingCausalLM:
             for key in [k for k in unit.shared if k in keys]:
                 embed_key = unit.shared.pop(key)
                 source = self.refs.get(key) or self.refs[embed_key]
-                unit.refs.append(_renamed(source, key))
+                unit.refs.append(source.renamed(key))
                 unit.plan = plan_reads(unit.refs)
 
     def replace_refs(self, i: int, refs: list[TensorRef]) -> None:

@@ -16,7 +16,6 @@ compute dtype, as transformers computes them without an FP8 GPU.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from shoestring.infer.dtype import config_dtype
 from shoestring.infer.engine import StreamingCausalLM, read_config_json
 from shoestring.infer.shards import TensorRef, generic_key
 from shoestring.infer.stream import Prepare, Slot
+from shoestring.infer.unitweights import ByUnit
 
 #: The dtypes an FP8 weight is stored in.
 FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
@@ -84,12 +84,9 @@ class Blocked:
         return TEMP_BYTES * min(self.row_step(), self.shape[-2]) * self.shape[-1]
 
 
-class StoredFp8:
+class StoredFp8(ByUnit[Blocked]):
     """The FP8 weights of each unit of an engine built on an FP8 checkpoint; :meth:`of`
     points the engine's units at their codes and scales."""
-
-    def __init__(self, weights: dict[int, dict[str, Blocked]]) -> None:
-        self.weights = weights
 
     @classmethod
     def of(cls, engine: StreamingCausalLM) -> StoredFp8 | None:
@@ -116,13 +113,6 @@ class StoredFp8:
             )
         return cls(weights)
 
-    def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        return {k: w.shape for k, w in self.weights.get(i, {}).items()}
-
-    def scratch(self, i: int, dtype: torch.dtype) -> int:
-        """Unit ``i``'s dequantized weights, in ``dtype``."""
-        return sum(dtype.itemsize * math.prod(w.shape) for w in self.weights.get(i, {}).values())
-
     def temps(self, i: int, dtype: torch.dtype) -> int:
         return max((w.temps() for w in self.weights.get(i, {}).values()), default=0)
 
@@ -140,7 +130,9 @@ class StoredFp8:
             out = {k: v for k, v in t.items() if "::" not in k}
             for key, w in blocked.items():
                 parts = t[f"{key}::f8"], t[f"{key}::scale_inv"]
-                out[key] = dequantize(op, w, *parts, _scratch(slot, w, dtype, parts[0].device))
+                out[key] = dequantize(
+                    op, w, *parts, slot.buffer(generic_key(w.key), w.shape, dtype, parts[0].device)
+                )
             return out
 
         return prepare
@@ -190,14 +182,6 @@ def _exact(scales: torch.Tensor) -> torch.Tensor:
     return scales if scales.dtype == torch.uint8 else scales.float()
 
 
-def _scratch(slot: Slot, w: Blocked, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    name = generic_key(w.key)
-    buf = slot.scratch.get(name)
-    if buf is None or tuple(buf.shape) != w.shape or buf.dtype != dtype:
-        buf = slot.scratch[name] = torch.empty(w.shape, dtype=dtype, device=device)
-    return buf
-
-
 def _stored_keys(refs: Mapping[str, TensorRef]) -> dict[tuple[Any, int], str]:
     """Each stored tensor's checkpoint key by where its bytes are: a unit's ref carries
     the model's key, which differs for a renamed tensor or an expert of a fused one."""
@@ -218,7 +202,7 @@ def _parts(
             f"has no block scales ({names[0]}): not an FP8 checkpoint transformers can "
             "dequantize"
         )
-    return _renamed(ref, f"{ref.key}::f8"), _renamed(scale, f"{ref.key}::scale_inv")
+    return ref.renamed(f"{ref.key}::f8"), scale.renamed(f"{ref.key}::scale_inv")
 
 
 def _blocked(key: str, codes: TensorRef, scales: TensorRef) -> Blocked:
@@ -239,7 +223,3 @@ def _blocked(key: str, codes: TensorRef, scales: TensorRef) -> Blocked:
             "transformers' FP8 dequantizer takes)"
         )
     return Blocked(key, tuple(shape), tuple(grid))
-
-
-def _renamed(ref: TensorRef, key: str) -> TensorRef:
-    return TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype, ref.shape)

@@ -29,6 +29,7 @@ from shoestring.hf import bnb_stored
 from shoestring.infer.engine import StreamingCausalLM
 from shoestring.infer.shards import TensorRef, generic_key
 from shoestring.infer.stream import Prepare, Slot
+from shoestring.infer.unitweights import ByUnit
 
 #: How the JSON part of a weight's quant state is named (``+ nf4 | fp4``).
 QUANT_STATE = ".quant_state.bitsandbytes__"
@@ -126,12 +127,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-class Stored4bit:
+class Stored4bit(ByUnit[Packed]):
     """The 4-bit weights of each unit of an engine built on a bitsandbytes checkpoint;
     :meth:`of` points the engine's units at their parts."""
-
-    def __init__(self, weights: dict[int, dict[str, Packed]]) -> None:
-        self.weights = weights
 
     @classmethod
     def of(cls, engine: StreamingCausalLM) -> Stored4bit | None:
@@ -160,13 +158,6 @@ class Stored4bit:
             )
         return cls(weights)
 
-    def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        return {k: p.shape for k, p in self.weights.get(i, {}).items()}
-
-    def scratch(self, i: int, dtype: torch.dtype) -> int:
-        """Unit ``i``'s dequantized weights, in ``dtype``."""
-        return sum(dtype.itemsize * _numel(p.shape) for p in self.weights.get(i, {}).values())
-
     def temps(self, i: int, dtype: torch.dtype) -> int:
         return max((p.temps(dtype) for p in self.weights.get(i, {}).values()), default=0)
 
@@ -182,21 +173,15 @@ class Stored4bit:
             out = {k: v for k, v in t.items() if "::" not in k}
             for key, p in packed.items():
                 parts = {s: t[f"{key}::{s}"] for s in ("q4", *PARTS) if f"{key}::{s}" in t}
-                out[key] = dequantize(functional, p, parts, _scratch(slot, key, p, dtype, parts))
+                out[key] = dequantize(
+                    functional,
+                    p,
+                    parts,
+                    slot.buffer(generic_key(key), p.shape, dtype, parts["q4"].device),
+                )
             return out
 
         return prepare
-
-
-def _scratch(
-    slot: Slot, key: str, p: Packed, dtype: torch.dtype, parts: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    name = generic_key(key)
-    buf = slot.scratch.get(name)
-    if buf is None or tuple(buf.shape) != p.shape or buf.dtype != dtype:
-        device = parts["q4"].device
-        buf = slot.scratch[name] = torch.empty(p.shape, dtype=dtype, device=device)
-    return buf
 
 
 def dequantize(
@@ -271,7 +256,7 @@ def _part_refs(refs: Mapping[str, TensorRef], key: str, p: Packed) -> list[Tenso
     """The streamed parts of weight ``key``: its codes as ``key::q4`` and each tensor
     of its quant state as ``key::<part>``; a missing one is refused, naming it."""
     need = PARTS if p.nested else PARTS[:2]
-    out = [_renamed(refs[key], f"{key}::q4")]
+    out = [refs[key].renamed(f"{key}::q4")]
     for part in need:
         ref = refs.get(f"{key}.{part}")
         if ref is None:
@@ -279,9 +264,5 @@ def _part_refs(refs: Mapping[str, TensorRef], key: str, p: Packed) -> list[Tenso
                 f"--model (model.path): {refs[key].file}: the 4-bit weight {key} has no "
                 f"{key}.{part} (a checkpoint saved by bitsandbytes has one)"
             )
-        out.append(_renamed(ref, f"{key}::{part}"))
+        out.append(ref.renamed(f"{key}::{part}"))
     return out
-
-
-def _renamed(ref: TensorRef, key: str) -> TensorRef:
-    return TensorRef(key, ref.file, ref.offset, ref.nbytes, ref.dtype, ref.shape)

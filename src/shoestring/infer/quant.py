@@ -182,9 +182,7 @@ def use_compressed(engine: StreamingCausalLM, src: Path) -> tuple[Prepare, list[
             if f"{r.key}::q8" in refs or f"{r.key}::q4" in refs
         }
         scratch[i] = sum(engine.dtype.itemsize * numel(s) for s, _ in shapes[i].values())
-        engine.replace_refs(
-            i, [TensorRef(k, r.file, r.offset, r.nbytes, r.dtype, r.shape) for k, r in refs.items()]
-        )
+        engine.replace_refs(i, list(refs.values()))
 
     def prepare(i: int, tensors: dict[str, torch.Tensor], slot: Slot) -> dict[str, torch.Tensor]:
         if i not in shapes:
@@ -192,10 +190,7 @@ def use_compressed(engine: StreamingCausalLM, src: Path) -> tuple[Prepare, list[
         out = {k: v for k, v in tensors.items() if "::" not in k}
         device = next(iter(tensors.values())).device
         for key, (shape, _dt) in shapes[i].items():
-            generic = generic_key(key)
-            buf = slot.scratch.get(generic)
-            if buf is None or tuple(buf.shape) != shape:
-                buf = slot.scratch[generic] = torch.empty(shape, dtype=engine.dtype, device=device)
+            buf = slot.buffer(generic_key(key), shape, engine.dtype, device)
             parts = {
                 s: tensors[f"{key}::{s}"]
                 for s in ("q8", "s", "q4", "a")

@@ -14,7 +14,7 @@ import os
 import re
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +56,10 @@ class TensorRef:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+    def renamed(self, key: str) -> TensorRef:
+        """The same bytes under another key (a stored part, a tied or renamed tensor)."""
+        return replace(self, key=key)
 
 
 def same_bytes(a: TensorRef, b: TensorRef, chunk: int = 16 << 20) -> bool:

@@ -56,6 +56,16 @@ class Slot:
     ready: torch.cuda.Event | None = None  # the device copy is done
     freed: torch.cuda.Event | None = None  # compute no longer reads the device buffer
 
+    def buffer(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Scratch buffer ``name`` of this shape and dtype: the one kept from the last unit
+        that used it, or a new one (kept for the next)."""
+        buf = self.scratch.get(name)
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            buf = self.scratch[name] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
 
 class LayerStreamer:
     """Serves unit tensors in cyclic order; reads ahead ``depth`` streamed units."""
