@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -505,7 +506,11 @@ def test_real_slurm_requeue_resumes_exactly(
     # but must let the node finish the old run: slurmd revokes the job id's credentials
     # as of the kill, to the second, so a relaunch within that second is refused
     # ("Job N already killed, do not launch batch job") and the job fails.
-    assert info["Reason"] == "BeginTime"
+    # The hold is the job's begin time moved on; its Reason reads BeginTime only once the
+    # scheduler's next pass has looked at it (None until then).
+    assert info["Reason"] in ("BeginTime", "None"), info
+    held = datetime.fromisoformat(info["EligibleTime"]) - datetime.now()
+    assert held.total_seconds() > 30, info
     _wait("the node to be idle", lambda: cluster.node_state() == "idle", cluster, timeout=60)
     time.sleep(max(0.0, math.floor(seen) + 1.1 - time.time()))
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
