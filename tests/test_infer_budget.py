@@ -354,18 +354,24 @@ def test_the_refusal_of_a_compressed_model_says_what_the_read_ahead_holds(refuse
 
 @pytest.mark.slow(reason="a bnb-4bit save of the model and one more process, ~15 s")
 def test_peak_rss_of_a_bnb_4bit_base_stays_within_the_budget(
-    setup: tuple[Path, Path, Path], refused: Ran, tmp_path: Path
+    setup: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
     """A checkpoint stored 4-bit by bitsandbytes streams its packed parts and dequantizes
-    them into scratch (fp32 here): the plan counts both, so at a budget that leaves 30 %
-    of the dequantized model after the runtime it streams within the budget."""
+    them into scratch (fp32 here): the plan counts both, so at a budget that leaves 45 %
+    of the dequantized model after its own runtime it streams within the budget.
+
+    (The runtime is the one its own refusal names: bitsandbytes is imported then too. A
+    refusal of the 16-bit model measures another process, a grain of RSS apart either
+    way, which a tighter margin once read as pass or fail.)"""
     pytest.importorskip("bitsandbytes")
     from test_infer_prequant import save_4bit
 
     model, _, inp = setup
     bnb = save_4bit(model, tmp_path / "bnb", "nf4", True)
     dequantized = sum(p.stat().st_size for p in model.glob("*.safetensors"))  # fp32
-    budget = _runtime(refused.err) + int(0.3 * dequantized)
+    refused = _run(bnb, inp, tmp_path / "refused.jsonl", TOO_SMALL)
+    assert refused.rc == 2 and " MB runtime" in refused.err, refused.err[-2000:]
+    budget = _runtime(refused.err) + int(0.45 * dequantized)
     ran = _run(bnb, inp, tmp_path / "o.jsonl", budget)
     assert ran.rc == 0, ran.err[-2000:]
     start, end = _events(ran.out)[0], _events(ran.out)[-1]

@@ -1,18 +1,22 @@
-"""A checkpoint saved by compressed-tensors (the Hub's RedHatAI ``*-quantized.w4a16`` and
-``*-w8a16`` repos, llm-compressor's output) streams as stored: the engine computes what
-transformers computes on the same checkpoint (decompressed by the same library), in
-4-bit groups symmetric and asymmetric, 8-bit rows packed, and FP8 rows; a layer reads
-its packed bytes; an adapter merges into the decompressed weights; a stopped generation
-resumes bit for bit; and what it cannot stream is refused before any work."""
+"""A checkpoint saved by compressed-tensors (the Hub's RedHatAI ``*-quantized.w4a16``,
+``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic`` and ``*-FP8`` repos, llm-compressor's
+output) streams as stored: the engine computes what transformers computes on the same
+checkpoint (decompressed by the same library), in 4-bit groups symmetric and
+asymmetric, 8-bit rows packed, and FP8 rows, and with inputs quantized per token or by
+a static scale as the scheme says; a layer reads its packed bytes; an adapter merges
+into the decompressed weights; a stopped generation resumes bit for bit; and what it
+cannot stream is refused before any work."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from shoestring.infer import ctensors
 from shoestring.infer.adapter import LoraDelta
@@ -34,7 +38,9 @@ from stored_checks import (
 pytest.importorskip("compressed_tensors")
 
 CPU = torch.device("cpu")
-STREAMED = ["w4a16", "w4a16-asym", "w8a16", "fp8-weights"]
+WEIGHT_ONLY = ["w4a16", "w4a16-asym", "w8a16", "fp8-weights"]
+WITH_INPUTS = ["fp8-dynamic", "w8a8", "fp8-static"]  # inputs quantized too
+STREAMED = [*WEIGHT_ONLY, *WITH_INPUTS]
 
 
 @pytest.fixture(autouse=True)
@@ -52,18 +58,21 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stored(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ct")
-    return {s: save_ctensors(base, root / s, s) for s in [*STREAMED, "fp8-dynamic"]}
+    return {s: save_ctensors(base, root / s, s) for s in STREAMED}
 
 
 def reference(model_dir: Path, dtype: torch.dtype | None = None) -> Any:
-    """transformers' model on the checkpoint, decompressed by compressed-tensors at load
-    (its default decompresses on the first forward, and cannot load an asymmetric save)."""
+    """transformers' model on the checkpoint: weight-only schemes decompressed by
+    compressed-tensors at load (its default decompresses on the first forward, and
+    cannot load an asymmetric save); schemes that quantize inputs too by its default
+    load, whose quantized forward quantizes each input (``dequantize=True`` drops that)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    q = CompressedTensorsConfig(dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(
-        str(model_dir), quantization_config=q, dtype=dtype or "auto"
-    ).eval()
+    groups = read_config_json(model_dir)["quantization_config"]["config_groups"]
+    inputs = any(g.get("input_activations") for g in groups.values())
+    # (passing quantization_config=None would load the codes unscaled)
+    q = {} if inputs else {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or "auto", **q).eval()
 
 
 def streaming(
@@ -104,25 +113,49 @@ def test_logits_and_greedy_tokens_equal_transformers_load(
             assert o.tokens == greedy(ref, p, 6)
 
 
+def test_quantized_inputs_change_what_the_same_weights_compute(stored: dict[str, Path]) -> None:
+    """FP8-dynamic stores FP8-weights' very bytes; its per-token FP8 inputs are what
+    make its logits differ (and equal transformers', above)."""
+    weights = [
+        {k: v for f in stored[s].glob("*.safetensors") for k, v in load_file(f).items()}
+        for s in ("fp8-weights", "fp8-dynamic")
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    logits = []
+    for scheme in ("fp8-weights", "fp8-dynamic"):
+        eng = streaming(stored[scheme])
+        try:
+            logits.append(prompt_logits(eng, prompts(2)))
+        finally:
+            eng.close()
+    for a, b in zip(*logits, strict=True):
+        assert not torch.equal(a, b)
+        print(f"mean |difference| {(a - b).abs().mean():.3f} of mean |logit| {a.abs().mean():.3f}")
+
+
 def library_save(base: Path, dest: Path, scheme: str) -> Path:
     """``base`` quantized as llm-compressor does it, the whole model in memory:
-    ``apply_quantization_config``, each module's min-max qparams, ``compress_model``,
-    ``save_pretrained`` and the config written by ``ModelCompressor``."""
+    ``apply_quantization_config``, each module's min-max qparams (and calibrated static
+    input scale), ``compress_model``, ``save_pretrained`` and the config written by
+    ``ModelCompressor``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
     from transformers import AutoModelForCausalLM
 
-    from shoestring.infer.fixtures import ct_config, min_max_qparams
+    from shoestring.infer.fixtures import ct_config, input_qparams, min_max_qparams
 
     config = ct_config(scheme)
     config.quantization_status = QuantizationStatus.INITIALIZED
+    inputs = config.config_groups["group_0"].input_activations
+    static = input_qparams(base, inputs) if inputs is not None and not inputs.dynamic else {}
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
     apply_quantization_config(model, config)
     with torch.no_grad():
-        for module in model.modules():
+        for key, module in model.named_modules():
             if getattr(module, "quantization_scheme", None) is not None:
                 qparams = min_max_qparams(module.weight, module.quantization_scheme.weights)
-                for name, value in qparams.items():
+                for name, value in {**qparams, **static.get(key, {})}.items():
                     getattr(module, name).copy_(value.reshape(getattr(module, name).shape))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
@@ -137,8 +170,6 @@ def test_the_tensor_at_a_time_writer_saves_what_the_library_pipeline_saves(
 ) -> None:
     """``fixtures.save_ctensors`` (what the real-size benchmark writes a 7B with) gives
     the tensors and quantization config of compressed-tensors' own in-memory pipeline."""
-    from safetensors.torch import load_file
-
     want_dir = library_save(base, tmp_path / "lib", scheme)
     want = load_file(want_dir / "model.safetensors")
     got = {k: v for f in stored[scheme].glob("*.safetensors") for k, v in load_file(f).items()}
@@ -198,8 +229,6 @@ def test_a_stopped_generation_resumes_bit_for_bit(stored: dict[str, Path], tmp_p
 
 
 def _with_config(src: Path, dest: Path, **changes: Any) -> Path:
-    import shutil
-
     shutil.copytree(src, dest)
     doc = json.loads((dest / "config.json").read_text())
     doc["quantization_config"].update(changes)
@@ -207,29 +236,60 @@ def _with_config(src: Path, dest: Path, **changes: Any) -> Path:
     return dest
 
 
-@pytest.mark.parametrize(
-    ("case", "needle"),
-    [
-        ("activations", "quantizes activations too (quantization_config.config_groups.group_0"),
-        ("compress", "--compress (compress.scheme): "),
-        ("sparse", "is stored sparse (quantization_config.sparsity_config)"),
-    ],
-)
+def _changed_inputs(model: Path, dest: Path, **changes: Any) -> Path:
+    """``model`` with its group's input-activation args changed (None: a kv-cache scheme
+    and output args made of them instead)."""
+    group = json.loads((model / "config.json").read_text())["quantization_config"]
+    group = group["config_groups"]["group_0"]
+    group["input_activations"].update(changes)
+    return _with_config(model, dest, config_groups={"group_0": group})
+
+
+GROUP = "quantization_config.config_groups.group_0"
+REFUSED: dict[str, tuple[str, str]] = {
+    "inputs-per-tensor": ("a scale computed on the fly per tensor (", "fp8-dynamic"),
+    "static-zero-points": (
+        f"static zero points ({GROUP}.input_activations.symmetric",
+        "fp8-static",
+    ),
+    "outputs": (f"quantizes module outputs ({GROUP}.output_activations)", "fp8-dynamic"),
+    "kv-cache": ("quantizes its KV cache (quantization_config.kv_cache_scheme)", "fp8-static"),
+    "no-input-scale": ("has no model.layers.0.self_attn.q_proj.input_scale", "fp8-static"),
+    "compress": ("--compress (compress.scheme): ", "w4a16"),
+    "sparse": ("is stored sparse (quantization_config.sparsity_config)", "w4a16"),
+}
+
+
+def _refused_model(case: str, model: Path, dest: Path) -> Path:
+    if case == "inputs-per-tensor":
+        return _changed_inputs(model, dest, strategy="tensor")
+    if case == "static-zero-points":
+        return _changed_inputs(model, dest, symmetric=False)
+    doc = json.loads((model / "config.json").read_text())["quantization_config"]
+    args = doc["config_groups"]["group_0"]["input_activations"]
+    if case == "outputs":
+        groups = doc["config_groups"]
+        groups["group_0"]["output_activations"] = args
+        return _with_config(model, dest, config_groups=groups)
+    if case == "kv-cache":
+        return _with_config(model, dest, kv_cache_scheme=args)
+    if case == "no-input-scale":
+        shutil.copytree(model, dest)
+        for shard in dest.glob("*.safetensors"):
+            kept = {k: v for k, v in load_file(shard).items() if not k.endswith("input_scale")}
+            save_file(kept, shard, metadata={"format": "pt"})
+        return dest
+    sparse = {"format": "sparse-24-bitmask", "targets": ["Linear"], "sparsity_structure": "2:4"}
+    return _with_config(model, dest, sparsity_config=sparse) if case == "sparse" else model
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
 def test_what_cannot_stream_is_refused_before_any_work(
-    stored: dict[str, Path],
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    case: str,
-    needle: str,
+    stored: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:
-    model, extra = stored["w4a16"], []
-    if case == "activations":
-        model = stored["fp8-dynamic"]
-    elif case == "compress":
-        extra = ["--compress", "int8"]
-    else:
-        sparse = {"format": "sparse-24-bitmask", "targets": ["Linear"], "sparsity_structure": "2:4"}
-        model = _with_config(model, tmp_path / "m", sparsity_config=sparse)
+    needle, scheme = REFUSED[case]
+    model = _refused_model(case, stored[scheme], tmp_path / "m")
+    extra = ["--compress", "int8"] if case == "compress" else []
     assert infer_one(model, tmp_path, *extra) == 2
     err = capsys.readouterr().err
     assert needle in err, err

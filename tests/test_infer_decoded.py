@@ -32,6 +32,7 @@ KINDS = {
     "mxfp4": "MXFP4 experts decoded into the fused parameters",
     "bnb": "bitsandbytes nf4 (double quant) dequantized (fp32)",
     "w4a16": "compressed-tensors int4 groups decompressed (bf16)",
+    "fp8-static": "compressed-tensors FP8 decompressed, static input scales copied",
     "fp32-as-bf16": "fp32 cast to bf16",
     "moe-bf16": "per-expert tensors fused",
 }
@@ -53,6 +54,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "mxfp4": save_mxfp4(oss, root / "mxfp4"),
         "bnb": save_4bit(fp32, root / "bnb", "nf4", True),
         "w4a16": save_ctensors(llama, root / "w4a16", "w4a16"),
+        "fp8-static": save_ctensors(llama, root / "fp8-static", "fp8-static"),
         "fp32-as-bf16": fp32,
         "moe-bf16": moe,
         "llama-bf16": llama,

@@ -1,7 +1,8 @@
 """A checkpoint saved by compressed-tensors (``quantization_config.quant_method:
-compressed-tensors``: the Hub's RedHatAI/neuralmagic ``*-quantized.w4a16`` and
-``*-w8a16`` repos, llm-compressor's output), streamed as stored and decompressed where
-:mod:`.stream` prepares.
+compressed-tensors``: the Hub's RedHatAI/neuralmagic ``*-quantized.w4a16``,
+``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic`` and ``*-FP8`` repos,
+llm-compressor's output), streamed as stored and decompressed where :mod:`.stream`
+prepares.
 
 Each quantized Linear is stored as its compressor's parameters: ``weight_packed``
 (int32, eight 4-bit or four 8-bit values a word), ``weight_scale`` (per group of
@@ -13,10 +14,18 @@ module uses which scheme is the library's own business: the config groups are re
 compressed-tensors' ``match_quantizable_tensors``, as its model-free dequantizer does.
 The parameters stream as ``<module>.weight::<name>`` refs, and each weight is rebuilt by
 the group's compressor (``decompress``), a block of rows at a time, into the slot's
-scratch in the compute dtype. Only weight quantization is read: a scheme that quantizes
-activations too (W8A8, FP8-dynamic) computes another model than its dequantized weights
-do, and is refused before anything loads, as are sparse formats and the formats not
-listed in :data:`FORMATS`.
+scratch in the compute dtype.
+
+A scheme that quantizes activations too (the Hub's ``*-FP8-dynamic``, ``*-FP8``,
+``*-quantized.w8a8``) has each targeted module quantize and dequantize its input as
+compressed-tensors' own quantized forward does (:class:`InputQuant`): per token or per
+group of a token's features computed on the fly, or with the static ``input_scale``
+stored beside the weight, which streams with its layer as a parameter of the module.
+That is what transformers computes on the checkpoint (its default load); outputs stay
+independent of batching, which is why a scale computed on the fly over a whole tensor
+(a sequence's outputs would depend on its batch-mates) is refused, as are quantized
+outputs, a quantized KV cache, sparse formats and the formats not in :data:`FORMATS`,
+all before anything loads.
 """
 
 from __future__ import annotations
@@ -101,6 +110,12 @@ def groups(doc: Mapping[str, Any], spec: str) -> tuple[list[Group], list[str]]:
             f"--model (model.path): {spec} is stored sparse ({key}.sparsity_config); "
             f"infer streams dense quantized {METHOD} checkpoints"
         )
+    if config.kv_cache_scheme is not None:
+        raise ConfigError(
+            f"--model (model.path): {spec} quantizes its KV cache ({key}.kv_cache_scheme); "
+            "infer keeps the KV cache in the compute dtype (or int8 with --kv-bits 8) and "
+            "would not compute this model"
+        )
     found = [_group(name, scheme, spec) for name, scheme in config.config_groups.items()]
     return [g for g in found if g is not None], list(config.ignore or [])
 
@@ -113,12 +128,12 @@ def _group(name: str, scheme: Any, spec: str) -> Group | None:
     from compressed_tensors.config import CompressionFormat
 
     where = f"quantization_config.config_groups.{name}"
-    if scheme.input_activations is not None or scheme.output_activations is not None:
+    if scheme.output_activations is not None:
         raise ConfigError(
-            f"--model (model.path): {spec} quantizes activations too ({where}."
-            "input_activations): infer computes activations in the compute dtype, so "
-            "it would not compute this model; weight-only schemes (w4a16, w8a16) stream"
+            f"--model (model.path): {spec} quantizes module outputs ({where}."
+            "output_activations); infer streams schemes that quantize weights and inputs"
         )
+    _check_inputs(scheme.input_activations, f"{where}.input_activations", spec)
     if scheme.weights is None:
         return None
     scheme.format = CompressionFormat(infer_module_format(torch.nn.Linear, scheme))
@@ -129,6 +144,30 @@ def _group(name: str, scheme: Any, spec: str) -> Group | None:
         )
     compressor = BaseCompressor.get_value_from_registry(scheme.format.value)
     return Group(name, scheme, compressor, tuple(compressor.compression_param_names(scheme)))
+
+
+def _check_inputs(args: Any, where: str, spec: str) -> None:
+    """Refuse input quantization whose outputs would depend on the batch (a scale
+    computed on the fly over the whole tensor), and static zero points."""
+    from compressed_tensors.quantization import DynamicType, QuantizationStrategy
+
+    if args is None:
+        return
+    strategy = QuantizationStrategy(args.strategy).value
+    if args.dynamic == DynamicType.LOCAL or (
+        args.dynamic is True and strategy not in ("token", "group")
+    ):
+        raise ConfigError(
+            f"--model (model.path): {spec} quantizes inputs with a scale computed on the "
+            f"fly per {strategy} ({where}): a sequence's outputs would depend "
+            "on the sequences batched with it; infer streams per-token, per-group and "
+            "static input scales"
+        )
+    if args.dynamic is False and not args.symmetric:
+        raise ConfigError(
+            f"--model (model.path): {spec} quantizes inputs with static zero points "
+            f"({where}.symmetric: false); infer streams symmetric static input scales"
+        )
 
 
 def aliased(doc: Mapping[str, Any], refs: dict[str, TensorRef]) -> dict[str, TensorRef]:
@@ -154,6 +193,11 @@ class CtWeight:
     shape: tuple[int, ...]
     group: Group
     rows_per: tuple[tuple[str, int], ...]
+    inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()  # its module's static input scale
+
+    @property
+    def module(self) -> str:
+        return self.key.removesuffix(".weight")
 
     def row_step(self) -> int:
         unit = math.lcm(1, *(r for _, r in self.rows_per if r))
@@ -182,12 +226,26 @@ class StoredCt(ByUnit[CtWeight]):
             shapes = {k: tuple(getattr(m, p).shape) for k, (m, p) in unit.params.items()}
             weights[i] = {k: _weight(engine.refs, k, shapes[k], g) for k, g in mine.items()}
             parts = [
-                engine.refs[f"{k.removesuffix('.weight')}.{p}"].renamed(f"{k}::{p}")
+                engine.refs[f"{w.module}.{p}"].renamed(f"{k}::{p}")
                 for k, w in weights[i].items()
-                for p, _ in w.rows_per
+                for p in [*(p for p, _ in w.rows_per), *(p for p, _ in w.inputs)]
             ]
             engine.replace_refs(i, [r for r in unit.refs if r.key not in mine] + parts)
+            for w in weights[i].values():
+                module = unit.params[w.key][0]
+                for p, _ in w.inputs:
+                    engine.add_param(i, f"{w.module}.{p}", module, p)
+                if w.group.scheme.input_activations is not None:
+                    module.register_forward_pre_hook(InputQuant(w.group.scheme.input_activations))
         return cls(weights)
+
+    def shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Unit ``i``'s stored weights and their modules' static input scales: what
+        its ``prepare`` makes in the compute dtype, model key -> shape."""
+        out = super().shapes(i)
+        for w in self.weights.get(i, {}).values():
+            out.update({f"{w.module}.{p}": shape for p, shape in w.inputs})
+        return out
 
     def temps(self, i: int, dtype: torch.dtype) -> int:
         return max((w.temps() for w in self.weights.get(i, {}).values()), default=0)
@@ -207,9 +265,38 @@ class StoredCt(ByUnit[CtWeight]):
                 out[key] = decompress(
                     w, parts, slot.buffer(generic_key(key), w.shape, dtype, device)
                 )
+                for p, shape in w.inputs:  # copied: no prepared tensor holds the raw bytes
+                    name = f"{w.module}.{p}"
+                    buf = slot.buffer(generic_key(name), shape, dtype, device)
+                    out[name] = buf.copy_(t[f"{key}::{p}"])
             return out
 
         return prepare
+
+
+@dataclass(frozen=True)
+class InputQuant:
+    """A forward pre-hook: the module's input quantized and dequantized as ``args`` says
+    before the module computes, as compressed-tensors' quantized forward does it (its
+    scale and zero point computed on the fly, or the module's static ``input_scale``
+    and ``input_zero_point``, streamed with its layer)."""
+
+    args: Any
+
+    def __call__(
+        self, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...] | None:
+        from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+        from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+        x = inputs[0]
+        if x.numel() == 0:
+            return None
+        if self.args.dynamic:
+            scale, zero = compute_dynamic_scales_and_zp(value=x, args=self.args, module=module)
+        else:
+            scale, zero = module.input_scale, getattr(module, "input_zero_point", None)
+        return (fake_quantize(x=x, scale=scale, zero_point=zero, args=self.args), *inputs[1:])
 
 
 def decompress(w: CtWeight, parts: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -261,4 +348,21 @@ def _weight(refs: Mapping[str, TensorRef], key: str, shape: tuple[int, ...], g: 
                 f"cover the {shape} weight's rows evenly"
             )
         rows_per.append((p, 0 if whole else shape[0] // lead))
-    return CtWeight(key, shape, g, tuple(rows_per))
+    return CtWeight(key, shape, g, tuple(rows_per), _static_inputs(refs, module, g))
+
+
+def _static_inputs(
+    refs: Mapping[str, TensorRef], module: str, g: Group
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The static input scale of ``module`` its group's scheme stores (none when its
+    inputs are not quantized, or quantized with a scale computed on the fly)."""
+    args = g.scheme.input_activations
+    if args is None or args.dynamic:
+        return ()
+    ref = refs.get(f"{module}.input_scale")
+    if ref is None:
+        raise ConfigError(
+            f"--model (model.path): {module} has no {module}.input_scale, which its static "
+            f"input quantization ({g.name}.input_activations) stores"
+        )
+    return (("input_scale", tuple(ref.shape)),)

@@ -356,6 +356,12 @@ class StreamingCausalLM:
         self.units[i].refs = refs
         self.units[i].plan = plan_reads(refs)
 
+    def add_param(self, i: int, key: str, module: nn.Module, name: str) -> None:
+        """Give unit ``i`` parameter ``key``, which ``module`` does not declare (a static
+        input scale a checkpoint stores beside a weight); the unit's ``prepare`` makes it."""
+        module.register_parameter(name, None)
+        self.units[i].params[key] = (module, name)
+
     @property
     def unit_bytes(self) -> list[int]:
         return [u.plan.nbytes for u in self.units]

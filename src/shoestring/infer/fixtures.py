@@ -168,37 +168,44 @@ def mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 
-#: compressed-tensors weight schemes of :func:`save_ctensors`: (bits, type, strategy,
-#: group size, symmetric, input activations quantized).
-CT_SCHEMES: dict[str, tuple[int, str, str, int | None, bool, bool]] = {
-    "w4a16": (4, "int", "group", 64, True, False),  # the Hub's *-quantized.w4a16
-    "w4a16-asym": (4, "int", "group", 64, False, False),
-    "w8a16": (8, "int", "channel", None, True, False),
-    "fp8-weights": (8, "float", "channel", None, True, False),
-    "fp8-dynamic": (8, "float", "channel", None, True, True),  # W8A8: activations too
+#: compressed-tensors schemes of :func:`save_ctensors`: the library's preset, the changes
+#: to its weight args, and whether its input-activation args are kept.
+CT_SCHEMES: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "w4a16": ("W4A16", {"group_size": 64}, True),  # the Hub's *-quantized.w4a16 (group 128)
+    "w4a16-asym": ("W4A16_ASYM", {"group_size": 64}, True),
+    "w8a16": ("W8A16", {"strategy": "channel", "group_size": None}, True),  # *-quantized.w8a16
+    "fp8-weights": ("FP8_DYNAMIC", {}, False),
+    "fp8-dynamic": ("FP8_DYNAMIC", {}, True),  # *-FP8-dynamic: per-token FP8 activations
+    "w8a8": ("W8A8", {}, True),  # *-quantized.w8a8: per-token int8 activations
+    "fp8-static": ("FP8", {}, True),  # *-FP8: calibrated per-tensor input scales
 }
 
 
 def save_ctensors(base: Path, dest: Path, scheme: str = "w4a16", group: int | None = None) -> Path:
     """``base`` saved as llm-compressor saves a model with compressed-tensors (the Hub's
     RedHatAI ``*-quantized.w4a16`` layout), a tensor at a time: every decoder-layer
-    Linear weight quantized with ``CT_SCHEMES[scheme]`` (min-max scales per group or row,
-    what an observer would find by compressed-tensors' ``calculate_qparams``) and
-    compressed by the scheme's own compressor; the ``quantization_config`` written by
-    its ``ModelCompressor``; everything else as stored (shards, index, tokenizer).
-    ``group``: another group size than the scheme's."""
+    Linear weight quantized with ``CT_SCHEMES[scheme]`` (min-max scales per group, row
+    or tensor, what an observer would find by compressed-tensors' ``calculate_qparams``)
+    and compressed by the scheme's own compressor; a static input scale from the range
+    each Linear's input takes on calibration tokens (:func:`input_qparams`); the
+    ``quantization_config`` written by its ``ModelCompressor``; everything else as
+    stored (shards, index, tokenizer). ``group``: another group size than the scheme's."""
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
 
     config = ct_config(scheme, group)
     target = config.config_groups["group_0"]
     compressor = BaseCompressor.get_value_from_registry(target.format)
+    inputs = target.input_activations
+    static = input_qparams(base, inputs) if inputs is not None and not inputs.dynamic else {}
 
     def stored(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         if not (".layers." in key and key.endswith("proj.weight") and t.ndim == 2):
             return {key: t}
         module = key.removesuffix(".weight")
         state = {"weight": t, **min_max_qparams(t, target.weights)}
-        return {f"{module}.{k}": v for k, v in compressor.compress(state, target).items()}
+        packed = compressor.compress(state, target)
+        scales = {k: v.to(t.dtype) for k, v in static.get(module, {}).items()}
+        return {f"{module}.{k}": v for k, v in {**packed, **scales}.items()}
 
     _saved_as(base, dest, stored, {})
     ModelCompressor(quantization_config=config).update_config(str(dest))
@@ -213,18 +220,17 @@ def ct_config(scheme: str, group_size: int | None = None) -> Any:
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
-        QuantizationScheme,
         QuantizationStatus,
+        preset_name_to_scheme,
     )
 
-    bits, kind, strategy, group, symmetric, acts = CT_SCHEMES[scheme]
-    weights = QuantizationArgs(
-        num_bits=bits, type=kind, strategy=strategy, group_size=group, symmetric=symmetric
-    )
-    inputs = (
-        QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True) if acts else None
-    )
-    target = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
+    preset, changes, inputs = CT_SCHEMES[scheme]
+    target = preset_name_to_scheme(preset, ["Linear"])
+    changes = {**changes, **({"group_size": group_size} if group_size else {})}
+    assert target.weights is not None
+    target.weights = QuantizationArgs(**{**target.weights.model_dump(), **changes})
+    if not inputs:
+        target.input_activations = None
     target.format = infer_module_format(torch.nn.Linear, target)
     return QuantizationConfig(
         config_groups={"group_0": target},
@@ -235,9 +241,43 @@ def ct_config(scheme: str, group_size: int | None = None) -> Any:
 
 
 @torch.no_grad()
+def input_qparams(base: Path, args: Any, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """Per decoder-layer Linear of ``base``: its static ``input_scale`` (and, when
+    asymmetric, ``input_zero_point``) from the range its input takes over a calibration
+    batch of random tokens, by compressed-tensors' ``calculate_qparams`` (what a
+    static min-max observer finds while llm-compressor calibrates)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+            low, high = torch.aminmax(inputs[0].float())
+            old = seen.get(name, (low, high))
+            seen[name] = (torch.minimum(old[0], low), torch.maximum(old[1], high))
+
+        return hook
+
+    for name, module in model.named_modules():
+        if ".layers." in name and name.endswith("proj") and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(record(name))
+    gen = torch.Generator().manual_seed(seed)
+    model(torch.randint(0, model.config.vocab_size, (4, 32), generator=gen))
+    out = {}
+    for name, (low, high) in seen.items():
+        scale, zero = calculate_qparams(low.reshape(1), high.reshape(1), args)
+        out[name] = {"input_scale": scale}
+        if not args.symmetric:
+            out[name]["input_zero_point"] = zero.to(args.zp_dtype or torch.int8)
+    return out
+
+
+@torch.no_grad()
 def min_max_qparams(w: torch.Tensor, args: Any) -> dict[str, torch.Tensor]:
     """``weight_scale`` (in ``w``'s dtype) and, when asymmetric, ``weight_zero_point`` of
-    ``w`` from its range per group of columns or per row, by compressed-tensors'
+    ``w`` from its range per group of columns, per row or per tensor, by compressed-tensors'
     ``calculate_qparams`` (what a min-max observer gives)."""
     from compressed_tensors.quantization.utils import calculate_qparams
 
@@ -245,6 +285,8 @@ def min_max_qparams(w: torch.Tensor, args: Any) -> dict[str, torch.Tensor]:
     if args.strategy == "group":  # (rows, groups)
         x = x.unflatten(-1, (x.shape[-1] // args.group_size, args.group_size))
         low, high = x.amin(-1), x.amax(-1)
+    elif args.strategy == "tensor":  # (1,)
+        low, high = x.amin().reshape(1), x.amax().reshape(1)
     else:  # channel: (rows, 1)
         low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     scale, zero = calculate_qparams(low, high, args)

@@ -5,8 +5,8 @@ weights of each are rebuilt (:class:`StoredWeights`), and the refusal of the res
 * FP8 with block scales (``quant_method: fp8``; DeepSeek-V3, ``*-FP8``): :mod:`.fp8`;
 * MXFP4 experts (``quant_method: mxfp4``; openai/gpt-oss-*): built with the fused
   parameters, an expert at a time (:mod:`.fused`);
-* compressed-tensors weight-only schemes (``quant_method: compressed-tensors``; the
-  Hub's ``*-quantized.w4a16``, ``*-w8a16``): :mod:`.ctensors`.
+* compressed-tensors (``quant_method: compressed-tensors``; the Hub's
+  ``*-quantized.w4a16``, ``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic``): :mod:`.ctensors`.
 
 Any other ``quantization_config`` (GPTQ, AWQ, ...) is refused
 before anything loads, naming the method and what to use instead.
@@ -71,7 +71,7 @@ def check_stored(doc: Mapping[str, Any], spec: str, compress: str) -> None:
             f"--model (model.path): {spec} is stored quantized by {method} "
             "(quantization_config.quant_method); infer streams 16/32-bit safetensors and "
             "checkpoints stored in bitsandbytes 4-bit, in FP8 with block scales, with "
-            "MXFP4 experts or by compressed-tensors (weight-only): use the model's 16-bit "
+            "MXFP4 experts or by compressed-tensors: use the model's 16-bit "
             "original (add --compress int8 or nf4 to stream it smaller)"
         )
     check_bnb(doc, spec, compress)
