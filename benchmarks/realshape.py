@@ -17,6 +17,7 @@ identical model in memory and compare.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -328,16 +329,20 @@ def materialize_fp8(name: str, cache: Path = DEFAULT_CACHE, seed: int = 0) -> Pa
     )
 
 
-def materialize_ctensors(name: str, cache: Path = DEFAULT_CACHE, seed: int = 0) -> Path:
-    """The model's compressed-tensors w4a16 save (int4, symmetric groups of 128: the
-    Hub's RedHatAI ``*-quantized.w4a16`` layout; the library's own compressor, a tensor
-    at a time), written once beside it."""
+def materialize_ctensors(
+    name: str, cache: Path = DEFAULT_CACHE, seed: int = 0, scheme: str = "w4a16"
+) -> Path:
+    """The model's compressed-tensors save in ``scheme`` (``fixtures.CT_SCHEMES``; w4a16:
+    int4, symmetric groups of 128, the Hub's RedHatAI ``*-quantized.w4a16`` layout; the
+    library's own compressor, a tensor at a time), written once beside it."""
     from shoestring.infer.fixtures import save_ctensors
 
-    def save(base: Path, tmp: Path) -> Path:
-        return save_ctensors(base, tmp, "w4a16", group=128)  # the Hub's group (tests: 64)
+    group = 128 if scheme == "w4a16" else None  # the Hub's group (tests: 64)
 
-    return _saved_beside(name, "w4a16", save, cache, seed)
+    def save(base: Path, tmp: Path) -> Path:
+        return save_ctensors(base, tmp, scheme, group=group)
+
+    return _saved_beside(name, scheme, save, cache, seed)
 
 
 def _saved_beside(
@@ -358,7 +363,9 @@ def _saved_beside(
 
 
 if __name__ == "__main__":
-    kinds = {"--fp8": materialize_fp8, "--w4a16": materialize_ctensors}
+    kinds: dict[str, Callable[[str], Path]] = {"--fp8": materialize_fp8}
+    for scheme in ("w4a16", "fp8-weights", "fp8-dynamic"):  # static scales need calibration
+        kinds[f"--{scheme}"] = functools.partial(materialize_ctensors, scheme=scheme)
     make = next((kinds[a] for a in sys.argv[1:] if a in kinds), materialize)
     for arg in [a for a in sys.argv[1:] if a not in kinds] or ["small-mha"]:
         print(make(arg))

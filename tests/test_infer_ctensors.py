@@ -38,8 +38,8 @@ from stored_checks import (
 pytest.importorskip("compressed_tensors")
 
 CPU = torch.device("cpu")
-WEIGHT_ONLY = ["w4a16", "w4a16-asym", "w8a16", "fp8-weights"]
-WITH_INPUTS = ["fp8-dynamic", "w8a8", "fp8-static"]  # inputs quantized too
+WEIGHT_ONLY = ["w4a16", "w4a16-asym", "w8a16", "fp8-weights", "nvfp4a16", "mxfp4a16"]
+WITH_INPUTS = ["fp8-dynamic", "w8a8", "fp8-static", "fp8-block", "mxfp4"]  # inputs too
 STREAMED = [*WEIGHT_ONLY, *WITH_INPUTS]
 
 
@@ -248,6 +248,7 @@ def _changed_inputs(model: Path, dest: Path, **changes: Any) -> Path:
 GROUP = "quantization_config.config_groups.group_0"
 REFUSED: dict[str, tuple[str, str]] = {
     "inputs-per-tensor": ("a scale computed on the fly per tensor (", "fp8-dynamic"),
+    "inputs-global-scale": ("a global scale (", "nvfp4a16"),
     "static-zero-points": (
         f"static zero points ({GROUP}.input_activations.symmetric",
         "fp8-static",
@@ -265,6 +266,15 @@ def _refused_model(case: str, model: Path, dest: Path) -> Path:
         return _changed_inputs(model, dest, strategy="tensor")
     if case == "static-zero-points":
         return _changed_inputs(model, dest, symmetric=False)
+    if case == "inputs-global-scale":  # NVFP4's inputs: FP4 groups under a static global scale
+        from compressed_tensors.quantization import preset_name_to_scheme
+
+        nvfp4 = preset_name_to_scheme("NVFP4", ["Linear"]).input_activations
+        assert nvfp4 is not None
+        group = json.loads((model / "config.json").read_text())["quantization_config"]
+        group = group["config_groups"]["group_0"]
+        group["input_activations"] = nvfp4.model_dump(mode="json")
+        return _with_config(model, dest, config_groups={"group_0": group})
     doc = json.loads((model / "config.json").read_text())["quantization_config"]
     args = doc["config_groups"]["group_0"]["input_activations"]
     if case == "outputs":

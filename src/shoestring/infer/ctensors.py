@@ -1,14 +1,16 @@
 """A checkpoint saved by compressed-tensors (``quantization_config.quant_method:
 compressed-tensors``: the Hub's RedHatAI/neuralmagic ``*-quantized.w4a16``,
-``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic`` and ``*-FP8`` repos,
-llm-compressor's output), streamed as stored and decompressed where :mod:`.stream`
-prepares.
+``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic``, ``*-FP8``, ``*-FP8-block`` and
+``*-NVFP4A16`` repos, llm-compressor's output), streamed as stored and decompressed
+where :mod:`.stream` prepares.
 
 Each quantized Linear is stored as its compressor's parameters: ``weight_packed``
 (int32, eight 4-bit or four 8-bit values a word), ``weight_scale`` (per group of
-columns, per row or per tensor), ``weight_shape`` and, when asymmetric,
-``weight_zero_point`` (format ``pack-quantized``); or ``weight`` as int8 or FP8 codes
-beside its scale (``int-quantized``, ``naive-quantized``, ``float-quantized``). Which
+columns, per row, per block or per tensor), ``weight_shape`` and, when asymmetric,
+``weight_zero_point`` (format ``pack-quantized``); ``weight`` as int8 or FP8 codes
+beside its scale (``int-quantized``, ``naive-quantized``, ``float-quantized``); or FP4
+codes two a byte beside FP8 group scales and a global scale (``nvfp4-pack-quantized``)
+or power-of-two group scales (``mxfp4-pack-quantized``). Which
 module uses which scheme is the library's own business: the config groups are read by
 ``QuantizationConfig``, each group's format inferred and its modules matched by
 compressed-tensors' ``match_quantizable_tensors``, as its model-free dequantizer does.
@@ -17,15 +19,16 @@ the group's compressor (``decompress``), a block of rows at a time, into the slo
 scratch in the compute dtype.
 
 A scheme that quantizes activations too (the Hub's ``*-FP8-dynamic``, ``*-FP8``,
-``*-quantized.w8a8``) has each targeted module quantize and dequantize its input as
-compressed-tensors' own quantized forward does (:class:`InputQuant`): per token or per
-group of a token's features computed on the fly, or with the static ``input_scale``
-stored beside the weight, which streams with its layer as a parameter of the module.
-That is what transformers computes on the checkpoint (its default load); outputs stay
-independent of batching, which is why a scale computed on the fly over a whole tensor
-(a sequence's outputs would depend on its batch-mates) is refused, as are quantized
-outputs, a quantized KV cache, sparse formats and the formats not in :data:`FORMATS`,
-all before anything loads.
+``*-FP8-block``, ``*-quantized.w8a8``, MXFP4) has each targeted module quantize and
+dequantize its input as compressed-tensors' own quantized forward does
+(:class:`InputQuant`): per token or per group of a token's features computed on the
+fly, or with the static ``input_scale`` stored beside the weight, which streams with
+its layer as a parameter of the module. That is what transformers computes on the
+checkpoint (its default load); outputs stay independent of batching, which is why a
+scale computed on the fly over a whole tensor (a sequence's outputs would depend on
+its batch-mates) is refused, as are a global input scale (NVFP4's inputs), static
+zero points, quantized outputs, a quantized KV cache, sparse formats and the formats
+not in :data:`FORMATS`, all before anything loads.
 """
 
 from __future__ import annotations
@@ -47,7 +50,14 @@ from shoestring.infer.unitweights import ByUnit
 
 METHOD = "compressed-tensors"
 #: The formats streamed (their compressors decompress one weight from its parameters).
-FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "naive-quantized",
+    "float-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+)
 #: Rows of a weight decompressed at once (rounded to whole rows of every parameter).
 ROWS = 512
 #: Bytes per element of a row block while the library decompresses it: the unpacked
@@ -154,9 +164,13 @@ def _check_inputs(args: Any, where: str, spec: str) -> None:
     if args is None:
         return
     strategy = QuantizationStrategy(args.strategy).value
-    if args.dynamic == DynamicType.LOCAL or (
-        args.dynamic is True and strategy not in ("token", "group")
-    ):
+    if args.dynamic == DynamicType.LOCAL:
+        raise ConfigError(
+            f"--model (model.path): {spec} quantizes inputs per group under a global scale "
+            f"({where}.dynamic: local; NVFP4's W4A4): infer streams per-token, per-group "
+            "and static input scales; NVFP4A16 (weights only) streams"
+        )
+    if args.dynamic is True and strategy not in ("token", "group"):
         raise ConfigError(
             f"--model (model.path): {spec} quantizes inputs with a scale computed on the "
             f"fly per {strategy} ({where}): a sequence's outputs would depend "

@@ -178,6 +178,10 @@ CT_SCHEMES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "fp8-dynamic": ("FP8_DYNAMIC", {}, True),  # *-FP8-dynamic: per-token FP8 activations
     "w8a8": ("W8A8", {}, True),  # *-quantized.w8a8: per-token int8 activations
     "fp8-static": ("FP8", {}, True),  # *-FP8: calibrated per-tensor input scales
+    "fp8-block": ("FP8_BLOCK", {"block_structure": [64, 64]}, True),  # *-FP8-block (128)
+    "nvfp4a16": ("NVFP4A16", {}, True),  # *-NVFP4A16: FP4 groups of 16, FP8 scales
+    "mxfp4a16": ("MXFP4A16", {}, True),  # MXFP4 groups of 32, power-of-two scales
+    "mxfp4": ("MXFP4", {}, True),  # and MXFP4 inputs per group of 32
 }
 
 
@@ -276,21 +280,32 @@ def input_qparams(base: Path, args: Any, seed: int = 0) -> dict[str, dict[str, t
 
 @torch.no_grad()
 def min_max_qparams(w: torch.Tensor, args: Any) -> dict[str, torch.Tensor]:
-    """``weight_scale`` (in ``w``'s dtype) and, when asymmetric, ``weight_zero_point`` of
-    ``w`` from its range per group of columns, per row or per tensor, by compressed-tensors'
-    ``calculate_qparams`` (what a min-max observer gives)."""
-    from compressed_tensors.quantization.utils import calculate_qparams
+    """``weight_scale`` (in ``w``'s dtype; the compressor casts it to the scheme's) and, when
+    asymmetric, ``weight_zero_point`` of ``w`` from its range per group of columns, per
+    row, per block or per tensor, by compressed-tensors' ``calculate_qparams`` (what a
+    min-max observer gives); NVFP4's groups beside a ``weight_global_scale`` from the
+    whole weight's range (``generate_gparam``)."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     x = w.float()
-    if args.strategy == "group":  # (rows, groups)
+    glob = None
+    if args.strategy in ("group", "tensor_group"):  # (rows, groups)
         x = x.unflatten(-1, (x.shape[-1] // args.group_size, args.group_size))
         low, high = x.amin(-1), x.amax(-1)
+        if args.strategy == "tensor_group":
+            glob = generate_gparam(x.amin().reshape(1), x.amax().reshape(1))
+    elif args.strategy == "block":  # (row blocks, column blocks)
+        br, bc = args.block_structure
+        x = x.unflatten(0, (-(-x.shape[0] // br), -1)).unflatten(-1, (x.shape[-1] // bc, bc))
+        low, high = x.amin((1, 3)), x.amax((1, 3))
     elif args.strategy == "tensor":  # (1,)
         low, high = x.amin().reshape(1), x.amax().reshape(1)
     else:  # channel: (rows, 1)
         low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    scale, zero = calculate_qparams(low, high, args)
+    scale, zero = calculate_qparams(low, high, args, global_scale=glob)
     out = {"weight_scale": scale.to(w.dtype)}
+    if glob is not None:
+        out["weight_global_scale"] = glob
     if not args.symmetric:
         out["weight_zero_point"] = zero.to(args.zp_dtype or torch.int8)
     return out

@@ -6,7 +6,8 @@ weights of each are rebuilt (:class:`StoredWeights`), and the refusal of the res
 * MXFP4 experts (``quant_method: mxfp4``; openai/gpt-oss-*): built with the fused
   parameters, an expert at a time (:mod:`.fused`);
 * compressed-tensors (``quant_method: compressed-tensors``; the Hub's
-  ``*-quantized.w4a16``, ``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic``): :mod:`.ctensors`.
+  ``*-quantized.w4a16``, ``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic``,
+  ``*-NVFP4A16``): :mod:`.ctensors`.
 
 Any other ``quantization_config`` (GPTQ, AWQ, ...) is refused
 before anything loads, naming the method and what to use instead.
