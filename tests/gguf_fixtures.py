@@ -1,4 +1,4 @@
-"""Tiny random Llama and Qwen2 model dirs with byte-level BPE tokenizers trained on the
+"""Tiny random Llama, Qwen2 and Qwen3 model dirs with byte-level BPE tokenizers trained on the
 spot (Llama 3 and Qwen2 split regexes, special tokens, chat templates), for the GGUF
 export tests and benchmark. Nothing is downloaded."""
 
@@ -57,10 +57,18 @@ def bpe_tokenizer(split: str, specials: list[str], bos: str | None, eos: str, te
 def tiny_model_dir(
     path: Path, arch: str, tied: bool = False, seed: int = 0, rope: dict[str, Any] | None = None
 ) -> Path:
-    """A random ``llama`` (GQA, Llama 3 tokenizer and template) or ``qwen2`` (q/k/v
-    biases, ChatML) model dir; widths multiples of 64 (the 4-bit CPU kernels' rule).
+    """A random ``llama`` (GQA, Llama 3 tokenizer and template), ``qwen2`` (q/k/v
+    biases, ChatML) or ``qwen3`` (q/k RMS norms, ChatML) model dir; widths multiples of
+    64 (the 4-bit CPU kernels' rule).
     ``rope``: its ``rope_parameters`` (transformers 5's ``rope_scaling``), e.g. llama3."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     if arch == "llama":
         tok = bpe_tokenizer(
@@ -86,8 +94,11 @@ def tiny_model_dir(
             "<|im_end|>",
             CHATML_TEMPLATE,
         )
-        cls, ccls = Qwen2ForCausalLM, Qwen2Config
-        extra = {"num_key_value_heads": 2}
+        qwen3 = arch == "qwen3"
+        cls, ccls = (Qwen3ForCausalLM, Qwen3Config) if qwen3 else (Qwen2ForCausalLM, Qwen2Config)
+        # transformers' GGUF loader reads no head_dim for qwen3 (llama.cpp reads
+        # attention.key_length): it takes Qwen3Config's 128, which every Qwen3 has.
+        extra = {"num_key_value_heads": 2, **({"head_dim": 128} if qwen3 else {})}
     n = len(tok)
     cfg = ccls(
         vocab_size=(n + 63) // 64 * 64,
@@ -95,14 +106,13 @@ def tiny_model_dir(
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
-        head_dim=32,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         rope_parameters=rope,
-        **extra,
+        **{"head_dim": 32, **extra},
     )
     torch.manual_seed(seed)
     model = cls(cfg)
@@ -111,6 +121,8 @@ def tiny_model_dir(
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # not all ones: checked
+                p.normal_(1.0, 0.2)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -123,6 +123,33 @@ def test_a_tied_qwen2_with_biases_exports_and_loads(tmp_path: Path) -> None:
     assert 'PARAMETER stop "<|im_end|>"' in (path.parent / "Modelfile").read_text()
 
 
+def test_a_qwen3_with_q_and_k_norms_exports_and_loads(tmp_path: Path) -> None:
+    """Qwen3 (llama.cpp's QWEN3: Qwen2's layout without biases, RMS norms on each head's
+    q and k) reads back as the adapted model, its q/k norms as written."""
+    from transformers import AutoTokenizer
+
+    from shoestring.train.ggufexport import export_gguf
+
+    d = tiny_model_dir(tmp_path / "tiny-qwen3", "qwen3")
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d)
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    assert "blk.1.attn_k_norm.weight" in tensors and "blk.0.attn_q.bias" not in tensors
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "qwen3"
+    q_norm = model.get_base_model().model.layers[1].self_attn.q_norm.weight.detach()
+    stored = torch.from_numpy(tensors["blk.1.attn_q_norm.weight"].data.astype("float32"))
+    assert torch.equal(stored, q_norm) and not torch.equal(q_norm, torch.ones_like(q_norm))
+    loaded, gtok = _load_gguf(path)
+    for text in PROMPTS:
+        ids = tok(text)["input_ids"]
+        assert gtok(text)["input_ids"] == ids
+        ref, got = _logits(model, ids), _logits(loaded, ids)
+        assert (got - ref).abs().max() <= TOLERANCE["f16"][0] * ref.abs().max()
+        assert _greedy(loaded, ids) == _greedy(model, ids)
+
+
 #: Llama 3.1's RoPE scaling with a context small enough for the tiny head_dim (32) to
 #: have frequencies in all three bands (wavelength < 16, 16..64, > 64).
 LLAMA3_ROPE = {

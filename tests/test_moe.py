@@ -50,6 +50,47 @@ def test_lora_trains_an_moe_base_and_infer_merges_its_expert_adapter_as_peft(
     _streams_as(moe, final, merged.merge_and_unload().eval(), tmp_path)
 
 
+def test_the_merged_export_of_an_moe_is_peft_merge_in_the_stored_layout(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``export.merged`` on an MoE base trained with expert adapters writes what peft's
+    ``merge_and_unload`` + ``save_pretrained`` write: the experts back in the Hub's
+    layout (a tensor per expert and projection, as the base is stored), every tensor
+    bitwise equal; it loads without peft and answers as peft's merged model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
+    moe = build_random_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=64, init_std=0.02)  # fmt: skip
+    out = tmp_path / "run"
+    args = [*FAST, "--train.max_steps", "3", "--model.path", str(moe), "--lora.dropout", "0"]
+    assert main(["finetune", "--output_dir", str(out), *args, "--export.merged"]) == 0
+    peft_merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(moe)), str(out / "final")
+    ).merge_and_unload()
+    peft_merged.save_pretrained(str(tmp_path / "peft-merged"))
+    ours, theirs = (_tensors(d) for d in (out / "merged", tmp_path / "peft-merged"))
+    assert ours.keys() == theirs.keys() == _tensors(moe).keys()  # the stored layout
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in ours
+    for k, v in theirs.items():
+        assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+    base = _tensors(moe)
+    assert not torch.equal(ours["model.layers.0.mlp.experts.0.down_proj.weight"],
+                           base["model.layers.0.mlp.experts.0.down_proj.weight"])  # fmt: skip
+    report = json.loads((out / "merged" / "merge_report.json").read_text())
+    print(f"MoE merged export: drift max {report['max_abs']:.3g}")
+    assert report["top1_agreement"] == 1.0 and report["max_abs"] < 1e-3
+    loaded = AutoModelForCausalLM.from_pretrained(str(out / "merged")).eval()
+    ids = torch.tensor([[5, 9, 33, 7, 81]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, peft_merged.eval()(ids).logits)
+
+
+def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def _streams_as(model: Path, adapter: Path, merged: torch.nn.Module, tmp_path: Path) -> None:
     """``infer --adapter`` gives ``merged``'s greedy answers, which are not the base's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -34,12 +34,17 @@ GGUF_HINT = "needs the gguf package: pip install 'shoestring[gguf]'"
 
 #: config.json ``model_type`` -> gguf's ``MODEL_ARCH`` member name, and whether q/k are
 #: permuted (``LlamaModel.modify_tensors`` in convert_hf_to_gguf.py).
-ARCHS: dict[str, tuple[str, bool]] = {"llama": ("LLAMA", True), "qwen2": ("QWEN2", False)}
+ARCHS: dict[str, tuple[str, bool]] = {
+    "llama": ("LLAMA", True),
+    "qwen2": ("QWEN2", False),
+    "qwen3": ("QWEN3", False),  # Qwen2's, with q/k norms and no biases
+}
 #: RoPE variants written as llama.cpp's convert does, per model_type (default: no scaling
 #: keys; linear: ``rope.scaling.type``/``factor``; llama3: the ``rope_freqs`` tensor).
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "llama": ("default", "linear", "llama3"),
     "qwen2": ("default", "linear"),
+    "qwen3": ("default", "linear"),
 }
 
 
@@ -71,7 +76,8 @@ def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_arch(cfg: Mapping[str, Any], key: str) -> str:
-    """The model's ``model_type`` if llama.cpp's LLAMA/QWEN2 export of it is ours to write."""
+    """The model's ``model_type`` if llama.cpp's LLAMA/QWEN2/QWEN3 export of it is ours to
+    write."""
     model_type = str(cfg.get("model_type"))
     if model_type not in ARCHS:
         raise ConfigError(

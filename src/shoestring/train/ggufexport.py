@@ -67,8 +67,8 @@ def check_exportable(cfg: FinetuneConfig, model_dir: Path | None) -> None:
     if model_dir is None:
         raise ConfigError(
             f"{KEY}: the built-in tiny model's byte tokenizer is a BPE without merges, which "
-            "llama.cpp cannot load (it needs tokenizer.ggml.merges); export a Llama or Qwen2 "
-            "model given with --model.path"
+            "llama.cpp cannot load (it needs tokenizer.ggml.merges); export a Llama, Qwen2 or "
+            "Qwen3 model given with --model.path"
         )
     check_model_dir(model_dir, KEY)
 

@@ -8,8 +8,11 @@ would add the quantization error back (unsloth-zoo #810). ``delta`` is peft's ow
 ``LoraLayer.get_delta_weight`` (on CPU, bf16/fp16 adapters multiply in fp32 and cast
 back), added in place into the dense weight exactly as peft's ``Linear.merge`` does
 on a dense base. So the result is bitwise what ``merge_and_unload`` gives on the
-dequantized base. A quantized linear without an adapter is dequantized; every other
-tensor passes through unchanged.
+dequantized base. A parameter peft adapts directly (its ``ParamWrapper``: an MoE
+layer's fused experts, its router) gets ``get_delta_weight`` added as
+``ParamWrapper.merge`` adds it. A quantized linear without an adapter is dequantized;
+every other tensor passes through unchanged. Tensors transformers fused or renamed as
+it loaded them are written back under their stored names (:mod:`.storednames`).
 
 Tensors are listed by their plain checkpoint names (a LoRA layer stands for its base
 linear; no ``.base_layer``, no quant-state tensors), in checkpoint order, a tied tensor
@@ -30,9 +33,8 @@ from typing import Any
 import torch
 
 from shoestring.stwriter import TensorSpec
+from shoestring.train.storednames import FormTensor, in_stored_names
 
-#: Forms one exported tensor (allocating it, for a merged or dequantized weight).
-FormTensor = Callable[[], torch.Tensor]
 #: A ``torch.nn.Linear`` or a bitsandbytes ``Linear4bit``/``Linear8bitLt`` (untyped).
 Linear = Any
 #: Rows per block handed to the writer: it copies each block to bytes.
@@ -126,6 +128,17 @@ def check_mergeable(layer: Any, adapters: list[str]) -> None:
         raise ValueError("streamed merge: the adapter is already merged into the base")
 
 
+def merged_parameter(
+    wrapper: Any, adapters: list[str], dtype: torch.dtype, tally: LargestTensor
+) -> torch.Tensor:
+    """A fused parameter (an MoE layer's experts) with each adapter's delta added, as
+    peft's ``ParamWrapper.merge`` does it (``param += get_delta_weight``), in a new tensor."""
+    weight = tally.note(wrapper.get_param().detach().to(dtype, copy=True))
+    for adapter in adapters:
+        weight += tally.note(wrapper.get_delta_weight(adapter))
+    return weight
+
+
 @dataclass(frozen=True)
 class FormedLinear:
     """A linear whose exported weight is formed, not stored (merged or dequantized)."""
@@ -133,6 +146,16 @@ class FormedLinear:
     module: torch.nn.Module
     form_weight: FormTensor
     bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class FormedParams:
+    """A module whose adapted parameters are formed (merged), ``wrapper`` the peft
+    module that stands for it in the model, ``base`` the module itself."""
+
+    wrapper: torch.nn.Module
+    base: torch.nn.Module
+    forms: dict[str, FormTensor]
 
 
 @dataclass
@@ -144,6 +167,7 @@ class MergePlan:
     specs: list[TensorSpec] = field(default_factory=list)
     forms: dict[str, FormTensor] = field(default_factory=dict)
     linears: list[FormedLinear] = field(default_factory=list)
+    params: list[FormedParams] = field(default_factory=list)
     largest: LargestTensor = field(default_factory=LargestTensor)
     seen: set[int] = field(default_factory=set)
 
@@ -203,10 +227,47 @@ def _add_linear_rest(
     plan.linears.append(FormedLinear(module, form, bias))
 
 
+def _param_wrappers(wrapper: Any) -> tuple[dict[str, Any], torch.nn.Module]:
+    """peft's ``ParamWrapper``s around one module (one per adapted parameter, nested),
+    by parameter name, and the module."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrappers, module = {}, wrapper
+    while isinstance(module, ParamWrapper):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return wrappers, module
+
+
+def _add_adapted_params(plan: MergePlan, name: str, wrapper: Any) -> None:
+    """A module with LoRA on its parameters (an MoE layer's fused experts): each adapted
+    parameter merged (:func:`merged_parameter`), the rest as stored."""
+    wrappers, base = _param_wrappers(wrapper)
+    forms: dict[str, FormTensor] = {}
+    for pname, p in base.named_parameters(recurse=False):
+        if pname not in wrappers:
+            plan.add_stored(f"{name}{pname}", p)
+            continue
+        check_mergeable(wrappers[pname], plan.adapters)
+        forms[pname] = _merged_form(wrappers[pname], plan)
+        plan.seen.add(id(p))
+        plan.add(f"{name}{pname}", tuple(p.shape), plan.dtype, forms[pname])
+    _add_buffers(plan, name, base)
+    plan.params.append(FormedParams(wrapper, base, forms))
+
+
+def _merged_form(wrapper: Any, plan: MergePlan) -> FormTensor:
+    return lambda: merged_parameter(wrapper, plan.adapters, plan.dtype, plan.largest)
+
+
 def _add_plain(plan: MergePlan, name: str, module: torch.nn.Module) -> None:
     """Own parameters and persistent buffers, as ``state_dict`` lists them."""
     for pname, p in module.named_parameters(recurse=False):
         plan.add_stored(f"{name}{pname}", p)
+    _add_buffers(plan, name, module)
+
+
+def _add_buffers(plan: MergePlan, name: str, module: torch.nn.Module) -> None:
     non_persistent: set[str] = getattr(module, "_non_persistent_buffers_set", set())
     for bname, b in module.named_buffers(recurse=False):
         if bname not in non_persistent:
@@ -223,6 +284,7 @@ def _refuse(plan: MergePlan, name: str, module: torch.nn.Module) -> None:
 #: What a module contributes to the export, by kind (see :func:`_kind`).
 _HANDLERS: dict[str, Callable[[MergePlan, str, Any], None]] = {
     "adapted": _add_adapted,
+    "adapted parameters": _add_adapted_params,
     "quantized": _add_quantized,
     "plain": _add_plain,
     "other peft": _refuse,
@@ -231,7 +293,10 @@ _HANDLERS: dict[str, Callable[[MergePlan, str, Any], None]] = {
 
 def _kind(module: torch.nn.Module) -> str:
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
 
+    if isinstance(module, ParamWrapper):
+        return "adapted parameters"
     if isinstance(module, LoraLayer):
         return "adapted"
     if type(module).__module__.startswith("peft."):
@@ -278,13 +343,11 @@ def _renames(base: Any) -> list[Any]:
 def plan_merge(model: Any) -> MergePlan:
     """The merged export of a peft model (the base's names, the adapters folded in)."""
     base = model.get_base_model()
-    if _renames(base):  # save_pretrained would undo them
-        raise NotImplementedError(
-            f"streamed merge: {type(base).__name__} renames or fuses weights at load"
-        )
     plan = MergePlan(export_dtype(base), list(model.active_adapters))
     for name, kind, module in _checkpoint_modules(base):
         _HANDLERS[kind](plan, name, module)
+    # the tensors transformers fused or renamed at load, as save_pretrained writes them
+    plan.specs, plan.forms = in_stored_names(plan.specs, plan.forms, _renames(base), base.config)
     return plan
 
 
@@ -295,19 +358,30 @@ def _formed_forward(linear: FormedLinear) -> Callable[..., torch.Tensor]:
     return forward
 
 
+def _formed_params_forward(formed: FormedParams) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        merged = {p: form() for p, form in formed.forms.items()}
+        return torch.func.functional_call(formed.base, merged, args, kwargs)
+
+    return forward
+
+
 @contextlib.contextmanager
 def formed_forwards(plan: MergePlan) -> Iterator[None]:
     """Within: every merged or dequantized linear of the in-memory model computes with
     its exported weight, formed for each call and dropped after (the model is the
     merged model, one layer's weight at a time). Restored on exit."""
-    saved = [(lin.module, lin.module.__dict__.get("forward")) for lin in plan.linears]
+    formed: list[tuple[torch.nn.Module, Callable[..., Any]]]
+    formed = [(lin.module, _formed_forward(lin)) for lin in plan.linears]
+    formed += [(p.wrapper, _formed_params_forward(p)) for p in plan.params]
+    saved = [(module, module.__dict__.get("forward")) for module, _ in formed]
     try:
-        for lin in plan.linears:
-            lin.module.forward = _formed_forward(lin)
+        for module, forward in formed:
+            module.forward = forward
         yield
     finally:
-        for module, forward in saved:
-            if forward is None:
+        for module, kept in saved:
+            if kept is None:
                 module.__dict__.pop("forward", None)
             else:
-                module.forward = forward
+                module.forward = kept

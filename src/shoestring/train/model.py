@@ -336,24 +336,14 @@ def fuses_parameters(model_dir: Path) -> bool:
     return any(isinstance(t, WeightConverter) for t in mapping or ())
 
 
-def check_fused_base(
-    model_dir: Path, model_cfg: ModelConfig, lora: LoraSection, merged: bool
-) -> None:
+def check_fused_base(model_dir: Path, model_cfg: ModelConfig, lora: LoraSection) -> None:
     """For a model whose stored tensors are fused as it loads (:func:`fuses_parameters`):
-    refuse the merged export (it writes weights under their stored names one at a time,
-    and cannot undo the fusion), and put the adapters on its skeleton (the meta device:
-    no weight read), so a configuration peft refuses is refused in seconds, before the
-    base loads and before any step."""
+    put the adapters on its skeleton (the meta device: no weight read), so a
+    configuration peft refuses is refused in seconds, before the base loads and before
+    any step. (The merged export writes the fused tensors back under their stored
+    names: :mod:`shoestring.train.storednames`.)"""
     if not fuses_parameters(model_dir):
         return
-    if merged:
-        raise ConfigError(
-            "export.merged: this model's experts are fused as transformers loads it (a "
-            "mixture-of-experts model), and the merged export cannot write them back one "
-            "expert at a time yet; leave export.merged off: OUTPUT/final is a peft adapter, "
-            "which shoestring infer --adapter streams merged and PeftModel.from_pretrained "
-            "loads"
-        )
     dtype = model_cfg.dtype if model_cfg.dtype in _DTYPES else "float32"  # shapes only
     skeleton = empty_base_model(model_dir, replace(model_cfg, dtype=dtype))
     apply_lora(skeleton, lora, seed=0, gradient_checkpointing=False)
