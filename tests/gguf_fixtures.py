@@ -58,8 +58,8 @@ def tiny_model_dir(
     path: Path, arch: str, tied: bool = False, seed: int = 0, rope: dict[str, Any] | None = None
 ) -> Path:
     """A random ``llama`` (GQA, Llama 3 tokenizer and template), ``qwen2`` (q/k/v
-    biases, ChatML) or ``qwen3`` (q/k RMS norms, ChatML) model dir; widths multiples of
-    64 (the 4-bit CPU kernels' rule).
+    biases, ChatML), ``qwen3`` (q/k RMS norms, ChatML) or ``qwen3_moe`` (4 experts, 2
+    a token) model dir; widths multiples of 64 (the 4-bit CPU kernels' rule).
     ``rope``: its ``rope_parameters`` (transformers 5's ``rope_scaling``), e.g. llama3."""
     from transformers import (
         LlamaConfig,
@@ -68,6 +68,8 @@ def tiny_model_dir(
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     if arch == "llama":
@@ -94,11 +96,21 @@ def tiny_model_dir(
             "<|im_end|>",
             CHATML_TEMPLATE,
         )
-        qwen3 = arch == "qwen3"
-        cls, ccls = (Qwen3ForCausalLM, Qwen3Config) if qwen3 else (Qwen2ForCausalLM, Qwen2Config)
-        # transformers' GGUF loader reads no head_dim for qwen3 (llama.cpp reads
-        # attention.key_length): it takes Qwen3Config's 128, which every Qwen3 has.
-        extra = {"num_key_value_heads": 2, **({"head_dim": 128} if qwen3 else {})}
+        cls, ccls = {
+            "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+            "qwen3": (Qwen3ForCausalLM, Qwen3Config),
+            "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig),
+        }[arch]
+        extra = {"num_key_value_heads": 2}
+        if arch == "qwen3":
+            # transformers' GGUF loader reads no head_dim for qwen3 (llama.cpp reads
+            # attention.key_length): it takes Qwen3Config's 128, which every Qwen3 has.
+            extra["head_dim"] = 128
+        if arch == "qwen3_moe":
+            # nor moe_intermediate_size (expert_feed_forward_length): Qwen3-30B-A3B's 768
+            # is its default; and it sets norm_topk_prob as llama.cpp computes it
+            extra |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 768,
+                      "norm_topk_prob": True}  # fmt: skip
     n = len(tok)
     cfg = ccls(
         vocab_size=(n + 63) // 64 * 64,
@@ -131,13 +143,21 @@ def tiny_model_dir(
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def adapted_model(model_dir: Path) -> Any:
-    """The base with LoRA on every linear, B drawn non-zero (a trained-looking adapter)."""
+#: An MoE's fused experts, which peft adapts as parameters.
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def adapted_model(model_dir: Path, parameters: list[str] | None = None) -> Any:
+    """The base with LoRA on every linear (and on ``parameters``), B drawn non-zero (a
+    trained-looking adapter)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=TARGETS, target_parameters=parameters, lora_dropout=0.0
+    )
+    model = get_peft_model(base, config)
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -150,6 +150,38 @@ def test_a_qwen3_with_q_and_k_norms_exports_and_loads(tmp_path: Path) -> None:
         assert _greedy(loaded, ids) == _greedy(model, ids)
 
 
+def test_a_qwen3_moe_exports_its_adapted_experts_stacked_and_loads(tmp_path: Path) -> None:
+    """Qwen3-MoE (QWEN3MOE) with LoRA on its fused experts: each layer's experts stacked
+    as llama.cpp's converter stacks them (gate, up and down, each experts x rows x
+    columns), the expert counts in the metadata; it reads back as the adapted model."""
+    from transformers import AutoTokenizer
+
+    from gguf_fixtures import EXPERTS
+    from shoestring.train.ggufexport import export_gguf
+
+    d = tiny_model_dir(tmp_path / "tiny-qwen3-moe", "qwen3_moe")
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d, EXPERTS)
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    assert {f"blk.1.ffn_{w}_exps.weight" for w in ("gate", "up", "down")} <= tensors.keys()
+    assert "blk.0.ffn_gate_inp.weight" in tensors
+    assert tensors["blk.0.ffn_gate_exps.weight"].data.shape == (4, 768, 128)
+    assert tensors["blk.0.ffn_down_exps.weight"].data.shape == (4, 128, 768)
+    count = reader.fields["qwen3moe.expert_count"]
+    assert int(count.parts[count.data[0]][0]) == 4
+    merged = copy.deepcopy(model).merge_and_unload()
+    up = merged.model.layers[1].mlp.experts.gate_up_proj.detach()[:, 768:]
+    stored = torch.from_numpy(tensors["blk.1.ffn_up_exps.weight"].data.astype("float32"))
+    assert torch.equal(stored, up.half().float())  # the merged up half, expert by expert
+    loaded, gtok = _load_gguf(path)
+    for text in PROMPTS:
+        ids = tok(text)["input_ids"]
+        ref, got = _logits(model, ids), _logits(loaded, ids)
+        assert (got - ref).abs().max() <= TOLERANCE["f16"][0] * ref.abs().max()
+        assert _greedy(loaded, ids) == _greedy(model, ids)
+
+
 #: Llama 3.1's RoPE scaling with a context small enough for the tiny head_dim (32) to
 #: have frequencies in all three bands (wavelength < 16, 16..64, > 64).
 LLAMA3_ROPE = {

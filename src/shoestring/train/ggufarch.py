@@ -1,6 +1,8 @@
-"""What llama.cpp expects of a Llama- or Qwen2-family GGUF, as its ``convert_hf_to_gguf.py``
-writes one: the architecture's hyperparameter keys, each tensor's GGUF name (gguf's own
-``TensorNameMap``), the q/k row permutation of LLAMA (llama.cpp computes rotary
+"""What llama.cpp expects of a Llama-, Qwen2- or Qwen3-family GGUF (Qwen3-MoE too), as its
+``convert_hf_to_gguf.py`` writes one: the architecture's hyperparameter keys, each
+tensor's GGUF name (gguf's own ``TensorNameMap``), an MoE layer's experts stacked per
+projection (transformers' fused ``gate_up_proj`` split into gate and up), the q/k row
+permutation of LLAMA (llama.cpp computes rotary
 embeddings on interleaved pairs, Hugging Face's Llama on halves; Qwen2 is NEOX-style in
 llama.cpp and is not permuted), and the type each tensor is stored in (1-D tensors, norms
 and biases stay F32; the rest f16/bf16/q8_0; q8_0 falls back to f16 for rows that are not
@@ -38,6 +40,7 @@ ARCHS: dict[str, tuple[str, bool]] = {
     "llama": ("LLAMA", True),
     "qwen2": ("QWEN2", False),
     "qwen3": ("QWEN3", False),  # Qwen2's, with q/k norms and no biases
+    "qwen3_moe": ("QWEN3MOE", False),  # Qwen3's attention, every MLP a mixture of experts
 }
 #: RoPE variants written as llama.cpp's convert does, per model_type (default: no scaling
 #: keys; linear: ``rope.scaling.type``/``factor``; llama3: the ``rope_freqs`` tensor).
@@ -45,6 +48,7 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "llama": ("default", "linear", "llama3"),
     "qwen2": ("default", "linear"),
     "qwen3": ("default", "linear"),
+    "qwen3_moe": ("default", "linear"),
 }
 
 
@@ -76,13 +80,20 @@ def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_arch(cfg: Mapping[str, Any], key: str) -> str:
-    """The model's ``model_type`` if llama.cpp's LLAMA/QWEN2/QWEN3 export of it is ours to
-    write."""
+    """The model's ``model_type`` if llama.cpp's LLAMA/QWEN2/QWEN3/QWEN3MOE export of it is
+    ours to write."""
     model_type = str(cfg.get("model_type"))
     if model_type not in ARCHS:
         raise ConfigError(
             f"{key}: model_type {model_type!r} has no GGUF export here "
             f"(supported: {', '.join(sorted(ARCHS))})"
+        )
+    dense = cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1
+    if model_type == "qwen3_moe" and dense:
+        raise ConfigError(
+            f"{key}: this qwen3_moe has dense MLP layers among its expert layers "
+            "(mlp_only_layers / decoder_sparse_step), which llama.cpp's QWEN3MOE does not "
+            "read; not exported to GGUF"
         )
     rope = rope_parameters(cfg)["rope_type"]
     if rope not in ROPE_TYPES[model_type]:
@@ -122,6 +133,11 @@ def add_hparams(writer: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
     if cfg["model_type"] == "llama":
         writer.add_vocab_size(int(cfg["vocab_size"]))
         writer.add_rope_dimension_count(head_dim(cfg))
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")  # as transformers 5 / Hub
+    if experts:  # Qwen2MoeModel.set_gguf_parameters
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+        writer.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
 
 
 def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -159,6 +175,7 @@ class TensorPlan:
     qtype: gguf.GGMLQuantizationType
     permute: Callable[[torch.Tensor], torch.Tensor] | None
     form: Callable[[], torch.Tensor] | None = None
+    part: Callable[[torch.Tensor], torch.Tensor] | None = None  # of the formed tensor
 
     @property
     def nbytes(self) -> int:
@@ -193,19 +210,49 @@ def tensor_type(
     return qtype if shape[-1] % block == 0 else q.F16
 
 
-def plan_tensor(
+#: Makes one of the file's tensors from a formed (merged) one: a slice of it.
+Part = Callable[[torch.Tensor], torch.Tensor]
+
+
+def plan_tensors(
     names: gguf.TensorNameMap,
     cfg: Mapping[str, Any],
     hf_name: str,
     shape: tuple[int, ...],
     kind: GgufType,
-) -> TensorPlan:
-    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-    if name is None:
-        raise NotImplementedError(f"GGUF export: no llama.cpp name for tensor {hf_name!r}")
-    return TensorPlan(
-        hf_name, name, shape, tensor_type(name, shape, kind), row_permutation(hf_name, cfg)
-    )
+) -> list[TensorPlan]:
+    """The file's tensors made of the merge plan's ``hf_name``: itself, or an MoE layer's
+    fused experts as llama.cpp stacks them (:func:`expert_parts`)."""
+    out = []
+    for part_name, part_shape, part in expert_parts(hf_name, shape):
+        name = names.get_name(part_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise NotImplementedError(f"GGUF export: no llama.cpp name for tensor {hf_name!r}")
+        qtype = tensor_type(name, part_shape, kind)
+        permute = row_permutation(hf_name, cfg)
+        out.append(TensorPlan(hf_name, name, part_shape, qtype, permute, part=part))
+    return out
+
+
+def expert_parts(
+    hf_name: str, shape: tuple[int, ...]
+) -> list[tuple[str, tuple[int, ...], Part | None]]:
+    """transformers 5's fused experts as convert_hf_to_gguf.py writes the per-expert
+    tensors it stacks: ``experts.gate_up_proj`` (experts, 2 x ffn, hidden; gate first)
+    as ``ffn_gate_exps`` and ``ffn_up_exps`` (experts, ffn, hidden) each, ``experts.
+    down_proj`` (experts, hidden, ffn) as ``ffn_down_exps``; any other tensor as itself."""
+    prefix, _, last = hf_name.rpartition("mlp.experts.")
+    if not prefix or last not in ("gate_up_proj", "down_proj"):
+        return [(hf_name, shape, None)]
+    base = f"{prefix}mlp.experts."
+    if last == "down_proj":
+        return [(f"{base}down_proj.weight", shape, None)]
+    ffn = shape[1] // 2
+    half = (shape[0], ffn, *shape[2:])
+    return [
+        (f"{base}gate_proj.weight", half, lambda t: t[:, :ffn]),
+        (f"{base}up_proj.weight", half, lambda t: t[:, ffn:]),
+    ]
 
 
 def name_map(cfg: Mapping[str, Any]) -> gguf.TensorNameMap:

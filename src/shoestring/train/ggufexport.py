@@ -35,7 +35,7 @@ from shoestring.train.ggufarch import (
     check_arch,
     extra_tensors,
     name_map,
-    plan_tensor,
+    plan_tensors,
     read_config,
     require_gguf,
 )
@@ -106,6 +106,8 @@ def _blocks(plan: MergePlan, t: TensorPlan) -> Iterator[Any]:
     import gguf
 
     formed = t.form() if t.form is not None else plan.forms[t.hf_name]()
+    if t.part is not None:
+        formed = t.part(formed)
     if t.permute is not None:
         formed = t.permute(formed)
     rows = formed.reshape(-1, formed.shape[-1]) if formed.dim() > 1 else formed.reshape(1, -1)
@@ -140,7 +142,7 @@ def write_gguf(
 
     names = name_map(cfg)
     tensors = extra_tensors(cfg)
-    tensors += [plan_tensor(names, cfg, s.name, s.shape, kind) for s in plan.specs]
+    tensors += [t for s in plan.specs for t in plan_tensors(names, cfg, s.name, s.shape, kind)]
     writer = gguf.GGUFWriter(path, arch_name(cfg))
     _add_metadata(writer, cfg, path.stem, kind)
     vocab.add_to(writer)
@@ -182,7 +184,7 @@ def export_gguf(model: Any, tok: Any, gguf_dir: Path, kind: GgufType, name: str)
     t0 = time.perf_counter()
     base = model.get_base_model()
     cfg = _model_config(base)
-    plan = plan_merge(model)
+    plan = plan_merge(model, stored_names=False)  # llama.cpp stacks the experts
     gguf_dir.mkdir(parents=True, exist_ok=True)
     prune_temps(gguf_dir)
     tmp = gguf_dir / f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}"

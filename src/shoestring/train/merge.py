@@ -340,14 +340,18 @@ def _renames(base: Any) -> list[Any]:
     ]
 
 
-def plan_merge(model: Any) -> MergePlan:
-    """The merged export of a peft model (the base's names, the adapters folded in)."""
+def plan_merge(model: Any, stored_names: bool = True) -> MergePlan:
+    """The merged export of a peft model (the base's names, the adapters folded in);
+    ``stored_names``: the tensors transformers fused or renamed at load as the checkpoint
+    stores them (else as the model holds them: an MoE layer's experts fused)."""
     base = model.get_base_model()
     plan = MergePlan(export_dtype(base), list(model.active_adapters))
     for name, kind, module in _checkpoint_modules(base):
         _HANDLERS[kind](plan, name, module)
-    # the tensors transformers fused or renamed at load, as save_pretrained writes them
-    plan.specs, plan.forms = in_stored_names(plan.specs, plan.forms, _renames(base), base.config)
+    if stored_names:  # as save_pretrained writes them
+        plan.specs, plan.forms = in_stored_names(
+            plan.specs, plan.forms, _renames(base), base.config
+        )
     return plan
 
 
