@@ -39,7 +39,7 @@ pytest.importorskip("compressed_tensors")
 
 CPU = torch.device("cpu")
 WEIGHT_ONLY = ["w4a16", "w4a16-asym", "w8a16", "fp8-weights", "nvfp4a16", "mxfp4a16"]
-WITH_INPUTS = ["fp8-dynamic", "w8a8", "fp8-static", "fp8-block", "mxfp4"]  # inputs too
+WITH_INPUTS = ["fp8-dynamic", "w8a8", "fp8-static", "fp8-block", "mxfp4", "nvfp4"]
 STREAMED = [*WEIGHT_ONLY, *WITH_INPUTS]
 
 
@@ -148,7 +148,9 @@ def library_save(base: Path, dest: Path, scheme: str) -> Path:
     config = ct_config(scheme)
     config.quantization_status = QuantizationStatus.INITIALIZED
     inputs = config.config_groups["group_0"].input_activations
-    static = input_qparams(base, inputs) if inputs is not None and not inputs.dynamic else {}
+    static = (
+        input_qparams(base, inputs) if inputs is not None and inputs.dynamic is not True else {}
+    )
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
     apply_quantization_config(model, config)
     with torch.no_grad():
@@ -248,7 +250,7 @@ def _changed_inputs(model: Path, dest: Path, **changes: Any) -> Path:
 GROUP = "quantization_config.config_groups.group_0"
 REFUSED: dict[str, tuple[str, str]] = {
     "inputs-per-tensor": ("a scale computed on the fly per tensor (", "fp8-dynamic"),
-    "inputs-global-scale": ("a global scale (", "nvfp4a16"),
+    "no-global-scale": ("has no model.layers.0.self_attn.q_proj.input_global_scale", "nvfp4"),
     "static-zero-points": (
         f"static zero points ({GROUP}.input_activations.symmetric",
         "fp8-static",
@@ -261,20 +263,14 @@ REFUSED: dict[str, tuple[str, str]] = {
 }
 
 
+SCALES = ("input_scale", "input_global_scale")
+
+
 def _refused_model(case: str, model: Path, dest: Path) -> Path:
     if case == "inputs-per-tensor":
         return _changed_inputs(model, dest, strategy="tensor")
     if case == "static-zero-points":
         return _changed_inputs(model, dest, symmetric=False)
-    if case == "inputs-global-scale":  # NVFP4's inputs: FP4 groups under a static global scale
-        from compressed_tensors.quantization import preset_name_to_scheme
-
-        nvfp4 = preset_name_to_scheme("NVFP4", ["Linear"]).input_activations
-        assert nvfp4 is not None
-        group = json.loads((model / "config.json").read_text())["quantization_config"]
-        group = group["config_groups"]["group_0"]
-        group["input_activations"] = nvfp4.model_dump(mode="json")
-        return _with_config(model, dest, config_groups={"group_0": group})
     doc = json.loads((model / "config.json").read_text())["quantization_config"]
     args = doc["config_groups"]["group_0"]["input_activations"]
     if case == "outputs":
@@ -283,10 +279,10 @@ def _refused_model(case: str, model: Path, dest: Path) -> Path:
         return _with_config(model, dest, config_groups=groups)
     if case == "kv-cache":
         return _with_config(model, dest, kv_cache_scheme=args)
-    if case == "no-input-scale":
+    if case in ("no-input-scale", "no-global-scale"):
         shutil.copytree(model, dest)
         for shard in dest.glob("*.safetensors"):
-            kept = {k: v for k, v in load_file(shard).items() if not k.endswith("input_scale")}
+            kept = {k: v for k, v in load_file(shard).items() if not k.endswith(SCALES)}
             save_file(kept, shard, metadata={"format": "pt"})
         return dest
     sparse = {"format": "sparse-24-bitmask", "targets": ["Linear"], "sparsity_structure": "2:4"}

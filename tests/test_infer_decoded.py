@@ -33,6 +33,7 @@ KINDS = {
     "bnb": "bitsandbytes nf4 (double quant) dequantized (fp32)",
     "w4a16": "compressed-tensors int4 groups decompressed (bf16)",
     "fp8-static": "compressed-tensors FP8 decompressed, static input scales copied",
+    "nvfp4": "compressed-tensors NVFP4 decompressed, float32 input global scales kept",
     "fp32-as-bf16": "fp32 cast to bf16",
     "moe-bf16": "per-expert tensors fused",
 }
@@ -55,6 +56,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "bnb": save_4bit(fp32, root / "bnb", "nf4", True),
         "w4a16": save_ctensors(llama, root / "w4a16", "w4a16"),
         "fp8-static": save_ctensors(llama, root / "fp8-static", "fp8-static"),
+        "nvfp4": save_ctensors(llama, root / "nvfp4", "nvfp4"),
         "fp32-as-bf16": fp32,
         "moe-bf16": moe,
         "llama-bf16": llama,
@@ -104,8 +106,10 @@ def test_the_decoded_copy_scores_and_generates_what_streaming_as_stored_does(
     assert len(layers) == start_once["units"] - 2  # every decoder layer; embed and head as stored
     for refs in layers:
         assert all("::" not in k for k in refs)  # model keys, no stored parts
-        floats = {r.dtype for r in refs.values() if r.dtype.is_floating_point}
-        assert floats == {getattr(torch, start_once["dtype"])}
+        floats = {r.dtype for k, r in refs.items() if r.dtype.is_floating_point}
+        own = {r.dtype for k, r in refs.items() if k.endswith("input_global_scale")}
+        assert floats - own == {getattr(torch, start_once["dtype"])}
+        assert own <= {torch.float32}  # NVFP4's input global scales compute in float32
     assert start_once["decode_once"] is True and start_stored["decode_once"] is False
     print(
         f"{kind}: bytes a pass {start_stored['streamed_bytes_per_pass']} as stored, "

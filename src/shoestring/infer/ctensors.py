@@ -1,7 +1,7 @@
 """A checkpoint saved by compressed-tensors (``quantization_config.quant_method:
 compressed-tensors``: the Hub's RedHatAI/neuralmagic ``*-quantized.w4a16``,
-``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic``, ``*-FP8``, ``*-FP8-block`` and
-``*-NVFP4A16`` repos, llm-compressor's output), streamed as stored and decompressed
+``*-w8a16``, ``*-quantized.w8a8``, ``*-FP8-dynamic``, ``*-FP8``, ``*-FP8-block``,
+``*-NVFP4A16`` and ``*-NVFP4`` repos, llm-compressor's output), streamed as stored and decompressed
 where :mod:`.stream` prepares.
 
 Each quantized Linear is stored as its compressor's parameters: ``weight_packed``
@@ -26,9 +26,10 @@ fly, or with the static ``input_scale`` stored beside the weight, which streams 
 its layer as a parameter of the module. That is what transformers computes on the
 checkpoint (its default load); outputs stay independent of batching, which is why a
 scale computed on the fly over a whole tensor (a sequence's outputs would depend on
-its batch-mates) is refused, as are a global input scale (NVFP4's inputs), static
-zero points, quantized outputs, a quantized KV cache, sparse formats and the formats
-not in :data:`FORMATS`, all before anything loads.
+its batch-mates) is refused, as are static zero points, quantized outputs, a quantized
+KV cache, sparse formats and the formats not in :data:`FORMATS`, all before anything
+loads. NVFP4's inputs (FP4 per group of 16, local scales under a static float32
+``input_global_scale``) are quantized as its scheme says.
 """
 
 from __future__ import annotations
@@ -164,11 +165,11 @@ def _check_inputs(args: Any, where: str, spec: str) -> None:
     if args is None:
         return
     strategy = QuantizationStrategy(args.strategy).value
-    if args.dynamic == DynamicType.LOCAL:
+    if args.dynamic == DynamicType.LOCAL and strategy != "tensor_group":
         raise ConfigError(
-            f"--model (model.path): {spec} quantizes inputs per group under a global scale "
-            f"({where}.dynamic: local; NVFP4's W4A4): infer streams per-token, per-group "
-            "and static input scales; NVFP4A16 (weights only) streams"
+            f"--model (model.path): {spec} quantizes inputs with local scales per "
+            f"{strategy} ({where}.dynamic: local); infer streams them per group under a "
+            "static global scale (NVFP4's tensor_group)"
         )
     if args.dynamic is True and strategy not in ("token", "group"):
         raise ConfigError(
@@ -207,7 +208,8 @@ class CtWeight:
     shape: tuple[int, ...]
     group: Group
     rows_per: tuple[tuple[str, int], ...]
-    inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()  # its module's static input scale
+    # its module's static input qparams: name, shape, dtype (None: the compute dtype)
+    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype | None], ...] = ()
 
     @property
     def module(self) -> str:
@@ -242,13 +244,13 @@ class StoredCt(ByUnit[CtWeight]):
             parts = [
                 engine.refs[f"{w.module}.{p}"].renamed(f"{k}::{p}")
                 for k, w in weights[i].items()
-                for p in [*(p for p, _ in w.rows_per), *(p for p, _ in w.inputs)]
+                for p in [*(p for p, _ in w.rows_per), *(p for p, _, _ in w.inputs)]
             ]
             engine.replace_refs(i, [r for r in unit.refs if r.key not in mine] + parts)
             for w in weights[i].values():
                 module = unit.params[w.key][0]
-                for p, _ in w.inputs:
-                    engine.add_param(i, f"{w.module}.{p}", module, p)
+                for p, _, own in w.inputs:
+                    engine.add_param(i, f"{w.module}.{p}", module, p, own_dtype=own is not None)
                 if w.group.scheme.input_activations is not None:
                     module.register_forward_pre_hook(InputQuant(w.group.scheme.input_activations))
         return cls(weights)
@@ -258,8 +260,18 @@ class StoredCt(ByUnit[CtWeight]):
         its ``prepare`` makes in the compute dtype, model key -> shape."""
         out = super().shapes(i)
         for w in self.weights.get(i, {}).values():
-            out.update({f"{w.module}.{p}": shape for p, shape in w.inputs})
+            out.update({f"{w.module}.{p}": s for p, s, d in w.inputs if d is None})
         return out
+
+    def kept(self, i: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What unit ``i``'s ``prepare`` makes in a dtype of its own (an NVFP4 input's
+        float32 global scale), model key -> shape and dtype."""
+        return {
+            f"{w.module}.{p}": (s, d)
+            for w in self.weights.get(i, {}).values()
+            for p, s, d in w.inputs
+            if d is not None
+        }
 
     def temps(self, i: int, dtype: torch.dtype) -> int:
         return max((w.temps() for w in self.weights.get(i, {}).values()), default=0)
@@ -279,9 +291,9 @@ class StoredCt(ByUnit[CtWeight]):
                 out[key] = decompress(
                     w, parts, slot.buffer(generic_key(key), w.shape, dtype, device)
                 )
-                for p, shape in w.inputs:  # copied: no prepared tensor holds the raw bytes
+                for p, shape, own in w.inputs:  # copied: no prepared tensor holds raw bytes
                     name = f"{w.module}.{p}"
-                    buf = slot.buffer(generic_key(name), shape, dtype, device)
+                    buf = slot.buffer(generic_key(name), shape, own or dtype, device)
                     out[name] = buf.copy_(t[f"{key}::{p}"])
             return out
 
@@ -306,11 +318,15 @@ class InputQuant:
         x = inputs[0]
         if x.numel() == 0:
             return None
-        if self.args.dynamic:
-            scale, zero = compute_dynamic_scales_and_zp(value=x, args=self.args, module=module)
+        glob = getattr(module, "input_global_scale", None)  # NVFP4's, static
+        if self.args.dynamic:  # True, or local: groups' scales on the fly under ``glob``
+            scale, zero = compute_dynamic_scales_and_zp(
+                value=x, args=self.args, module=module, global_scale=glob
+            )
         else:
             scale, zero = module.input_scale, getattr(module, "input_zero_point", None)
-        return (fake_quantize(x=x, scale=scale, zero_point=zero, args=self.args), *inputs[1:])
+        q = fake_quantize(x=x, scale=scale, zero_point=zero, args=self.args, global_scale=glob)
+        return (q, *inputs[1:])
 
 
 def decompress(w: CtWeight, parts: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -367,16 +383,22 @@ def _weight(refs: Mapping[str, TensorRef], key: str, shape: tuple[int, ...], g: 
 
 def _static_inputs(
     refs: Mapping[str, TensorRef], module: str, g: Group
-) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The static input scale of ``module`` its group's scheme stores (none when its
-    inputs are not quantized, or quantized with a scale computed on the fly)."""
+) -> tuple[tuple[str, tuple[int, ...], torch.dtype | None], ...]:
+    """The static input qparams of ``module`` its group's scheme stores: a static
+    scheme's ``input_scale`` (in the compute dtype, as compressed-tensors makes it),
+    NVFP4's float32 ``input_global_scale``; none when inputs are not quantized or their
+    scales are all computed on the fly."""
+    from compressed_tensors.quantization import DynamicType
+
     args = g.scheme.input_activations
-    if args is None or args.dynamic:
+    if args is None or args.dynamic is True:
         return ()
-    ref = refs.get(f"{module}.input_scale")
+    local = args.dynamic == DynamicType.LOCAL
+    name, dtype = ("input_global_scale", torch.float32) if local else ("input_scale", None)
+    ref = refs.get(f"{module}.{name}")
     if ref is None:
         raise ConfigError(
-            f"--model (model.path): {module} has no {module}.input_scale, which its static "
+            f"--model (model.path): {module} has no {module}.{name}, which its static "
             f"input quantization ({g.name}.input_activations) stores"
         )
-    return (("input_scale", tuple(ref.shape)),)
+    return ((name, tuple(ref.shape), dtype),)

@@ -50,7 +50,10 @@ def decodes(engine: StreamingCausalLM, stored: StoredWeights | None, i: int) -> 
     return bool(
         (stored is not None and stored.shapes(i))
         or unit.fused
-        or any(r.dtype.is_floating_point and r.dtype != engine.dtype for r in unit.refs)
+        or any(
+            r.dtype.is_floating_point and r.dtype != engine.dtype and r.key not in engine.own_dtype
+            for r in unit.refs
+        )
     )
 
 
@@ -60,6 +63,8 @@ def decoded_bytes(engine: StreamingCausalLM, stored: StoredWeights | None, i: in
     sources = {s for f in unit.fused.values() for s in f.sources}
     shapes = stored.shapes(i) if stored is not None else {}
     weights = sum(numel(s) for k, s in shapes.items() if k not in sources) * dtype.itemsize
+    kept = stored.kept(i).values() if stored is not None else ()
+    weights += sum(numel(s) * d.itemsize for s, d in kept)
     plain = sum(
         numel(r.shape) * dtype.itemsize if r.dtype.is_floating_point else r.nbytes
         for r in unit.refs

@@ -233,6 +233,8 @@ class StreamingCausalLM:
         rotary = getattr(base, "rotary_emb", None)
         self.rotary = type(rotary)(config=self.config).to(device) if rotary is not None else None
         self.streamer: LayerStreamer | None = None
+        # Keys whose tensors keep their dtype (see add_param); every other float is cast.
+        self.own_dtype: set[str] = set()
         # Unit 0's tensors, acquired by the last pass's head (a tied lm_head) for the
         # next pass's embedding lookup; None: the embed unit acquires them itself.
         self._kept: dict[str, torch.Tensor] | None = None
@@ -281,7 +283,9 @@ class StreamingCausalLM:
         return self.device.type == "cuda" or any(
             "::" not in r.key
             and r.key not in fused
-            and not (r.dtype.is_floating_point and r.dtype != self.dtype)
+            and not (
+                r.dtype.is_floating_point and r.dtype != self.dtype and r.key not in self.own_dtype
+            )
             for r in self.units[i].refs
         )
 
@@ -289,7 +293,7 @@ class StreamingCausalLM:
         """Float tensors not in the compute dtype, cast into the slot's scratch buffers."""
         out = tensors
         for key, t in tensors.items():
-            if not t.is_floating_point() or t.dtype == self.dtype:
+            if not t.is_floating_point() or t.dtype == self.dtype or key in self.own_dtype:
                 continue
             if out is tensors:
                 out = dict(tensors)
@@ -338,7 +342,10 @@ class StreamingCausalLM:
         return sum(
             self.dtype.itemsize * (r.nbytes // r.dtype.itemsize)
             for r in self.units[i].refs
-            if r.dtype.is_floating_point and r.dtype != self.dtype and "::" not in r.key
+            if r.dtype.is_floating_point
+            and r.dtype != self.dtype
+            and "::" not in r.key
+            and r.key not in self.own_dtype
         )
 
     def untie(self, keys: set[str]) -> None:
@@ -356,11 +363,16 @@ class StreamingCausalLM:
         self.units[i].refs = refs
         self.units[i].plan = plan_reads(refs)
 
-    def add_param(self, i: int, key: str, module: nn.Module, name: str) -> None:
+    def add_param(
+        self, i: int, key: str, module: nn.Module, name: str, own_dtype: bool = False
+    ) -> None:
         """Give unit ``i`` parameter ``key``, which ``module`` does not declare (a static
-        input scale a checkpoint stores beside a weight); the unit's ``prepare`` makes it."""
+        input scale a checkpoint stores beside a weight); the unit's ``prepare`` makes it.
+        ``own_dtype``: it computes in its own dtype, not cast to the compute dtype."""
         module.register_parameter(name, None)
         self.units[i].params[key] = (module, name)
+        if own_dtype:
+            self.own_dtype.add(key)
 
     @property
     def unit_bytes(self) -> list[int]:

@@ -180,6 +180,7 @@ CT_SCHEMES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "fp8-static": ("FP8", {}, True),  # *-FP8: calibrated per-tensor input scales
     "fp8-block": ("FP8_BLOCK", {"block_structure": [64, 64]}, True),  # *-FP8-block (128)
     "nvfp4a16": ("NVFP4A16", {}, True),  # *-NVFP4A16: FP4 groups of 16, FP8 scales
+    "nvfp4": ("NVFP4", {}, True),  # *-NVFP4: and FP4 inputs per 16 under a global scale
     "mxfp4a16": ("MXFP4A16", {}, True),  # MXFP4 groups of 32, power-of-two scales
     "mxfp4": ("MXFP4", {}, True),  # and MXFP4 inputs per group of 32
 }
@@ -200,7 +201,9 @@ def save_ctensors(base: Path, dest: Path, scheme: str = "w4a16", group: int | No
     target = config.config_groups["group_0"]
     compressor = BaseCompressor.get_value_from_registry(target.format)
     inputs = target.input_activations
-    static = input_qparams(base, inputs) if inputs is not None and not inputs.dynamic else {}
+    static = (
+        input_qparams(base, inputs) if inputs is not None and inputs.dynamic is not True else {}
+    )
 
     def stored(key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         if not (".layers." in key and key.endswith("proj.weight") and t.ndim == 2):
@@ -208,12 +211,18 @@ def save_ctensors(base: Path, dest: Path, scheme: str = "w4a16", group: int | No
         module = key.removesuffix(".weight")
         state = {"weight": t, **min_max_qparams(t, target.weights)}
         packed = compressor.compress(state, target)
-        scales = {k: v.to(t.dtype) for k, v in static.get(module, {}).items()}
+        scales = {k: _scale_dtype(k, v, t.dtype) for k, v in static.get(module, {}).items()}
         return {f"{module}.{k}": v for k, v in {**packed, **scales}.items()}
 
     _saved_as(base, dest, stored, {})
     ModelCompressor(quantization_config=config).update_config(str(dest))
     return dest
+
+
+def _scale_dtype(name: str, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An input scale as compressed-tensors keeps it: in the model's dtype; a global
+    scale in float32."""
+    return v if name.endswith("global_scale") else v.to(dtype)
 
 
 def ct_config(scheme: str, group_size: int | None = None) -> Any:
@@ -249,8 +258,9 @@ def input_qparams(base: Path, args: Any, seed: int = 0) -> dict[str, dict[str, t
     """Per decoder-layer Linear of ``base``: its static ``input_scale`` (and, when
     asymmetric, ``input_zero_point``) from the range its input takes over a calibration
     batch of random tokens, by compressed-tensors' ``calculate_qparams`` (what a
-    static min-max observer finds while llm-compressor calibrates)."""
-    from compressed_tensors.quantization.utils import calculate_qparams
+    static min-max observer finds while llm-compressor calibrates); for NVFP4's inputs
+    (local scales) the ``input_global_scale`` of that range (``generate_gparam``)."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base)).eval()
@@ -271,6 +281,9 @@ def input_qparams(base: Path, args: Any, seed: int = 0) -> dict[str, dict[str, t
     model(torch.randint(0, model.config.vocab_size, (4, 32), generator=gen))
     out = {}
     for name, (low, high) in seen.items():
+        if args.dynamic:  # local: only the global scale is static
+            out[name] = {"input_global_scale": generate_gparam(low.reshape(1), high.reshape(1))}
+            continue
         scale, zero = calculate_qparams(low.reshape(1), high.reshape(1), args)
         out[name] = {"input_scale": scale}
         if not args.symmetric:

@@ -41,6 +41,10 @@ class StoredWeights(Protocol):
         """Unit ``i``'s stored-quantized weights: model key -> shape."""
         ...
 
+    def kept(self, i: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What unit ``i``'s hook makes in a dtype of its own: model key -> shape, dtype."""
+        ...
+
     def scratch(self, i: int, dtype: torch.dtype) -> int:
         """Bytes of unit ``i``'s weights dequantized into ``dtype``."""
         ...

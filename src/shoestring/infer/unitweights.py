@@ -28,6 +28,10 @@ class ByUnit(Generic[W]):
         """Unit ``i``'s stored-quantized weights: model key -> shape."""
         return {k: w.shape for k, w in self.weights.get(i, {}).items()}
 
+    def kept(self, i: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What unit ``i``'s hook makes in a dtype of its own, not the compute dtype."""
+        return {}
+
     def scratch(self, i: int, dtype: torch.dtype) -> int:
         """Bytes of unit ``i``'s weights dequantized into ``dtype``."""
         return sum(dtype.itemsize * math.prod(w.shape) for w in self.weights.get(i, {}).values())
