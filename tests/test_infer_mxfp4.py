@@ -165,36 +165,66 @@ def test_peak_rss_stays_within_the_least_budget_the_plan_accepts(tmp_path: Path)
     assert ran.peak <= budget and OVER_BUDGET not in ran.err
 
 
-def test_an_attention_adapter_is_merged_and_an_expert_adapter_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """LoRA on gpt-oss's attention (peft's ``all-linear``) merges into the streamed bf16
-    attention as peft computes it; one on the MXFP4 experts is refused, naming the key,
-    before any pass (merging into decoded experts is not supported yet)."""
-    from peft import LoraConfig, get_peft_model
-
-    from stored_checks import check_adapter_merged
-
-    base = build_random_model(tmp_path / "fp32", "gpt_oss", seed=5, **GPT_OSS)  # type: ignore[arg-type]
-    model = save_mxfp4(base, tmp_path / "mxfp4")
+def _open_engine(tmp_path: Path, dtype: torch.dtype | None = None) -> Any:
+    """How ``infer`` opens the engine with an adapter (fitted, then its merge hook)."""
 
     def open_engine(model_dir: Path, adapter: Any = None) -> StreamingCausalLM:
         from shoestring.infer.prepare import _fit_adapter
 
-        eng = StreamingCausalLM(model_dir, device=CPU, dtype=torch.float32)
+        eng = StreamingCausalLM(model_dir, device=CPU, dtype=dtype)
         if adapter is not None:
             _fit_adapter(adapter, eng, model_dir)
         hook = weight_hook(eng, None, adapter, tmp_path / "unused", "")[0]
         return eng.start(resident=1, depth=1, prepare=hook)
 
+    return open_engine
+
+
+def test_an_attention_adapter_is_merged_as_peft_computes_it(tmp_path: Path) -> None:
+    """LoRA on gpt-oss's attention (peft's ``all-linear``) merges into the streamed
+    attention of the MXFP4 checkpoint as peft computes it (fp32)."""
+    from stored_checks import check_adapter_merged
+
+    base = build_random_model(tmp_path / "fp32", "gpt_oss", seed=5, **GPT_OSS)  # type: ignore[arg-type]
+    model = save_mxfp4(base, tmp_path / "mxfp4")
+    open_engine = _open_engine(tmp_path, torch.float32)
     check_adapter_merged(open_engine, model, reference(model), tmp_path / "attn")
-    lora = LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
-    get_peft_model(reference(base), lora).save_pretrained(str(tmp_path / "experts"))
-    inp = tmp_path / "in.jsonl"
-    inp.write_text('{"prompt": "hello"}\n')
-    args = ["infer", "--model", str(model), "--input", str(inp), "--output", str(tmp_path / "o")]
-    capsys.readouterr()
-    assert main([*args, "--adapter", str(tmp_path / "experts")]) == 2
-    err = capsys.readouterr().err
-    assert "model.adapter: 'model.layers.0.mlp.experts.gate_up_proj' is stored MXFP4" in err, err
-    assert not (tmp_path / "o.run").exists()
+
+
+def test_an_expert_adapter_merges_into_each_decoded_expert_as_peft_merges_it(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """gpt-oss with a random LoRA on both fused expert parameters (as OpenAI's
+    fine-tuning recipe targets them), stored MXFP4: each expert gets its delta as it is
+    decoded, every layer's experts bitwise those of peft's merge into transformers'
+    dequantized load (bf16); ``infer --adapter`` answers as that merged model (and not
+    as the base)."""
+    from peft import LoraConfig, get_peft_model
+
+    from shoestring.infer.adapter import LoraDelta
+    from test_moe import _streams_as
+
+    torch.manual_seed(0)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=[],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
+    peft_model = get_peft_model(reference(models["mxfp4"]), lora)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    merged = peft_model.merge_and_unload().eval()
+    want = dict(merged.named_parameters())
+    eng = _open_engine(tmp_path)(models["mxfp4"], LoraDelta(tmp_path / "adapter"))
+    try:
+        assert eng.streamer is not None
+        for i, unit in enumerate(eng.units):
+            got = eng.streamer.acquire(i)
+            for key in unit.fused:
+                assert torch.equal(got[key], want[key].detach()), key
+            eng.streamer.release(i)
+    finally:
+        eng.close()
+    _streams_as(models["mxfp4"], tmp_path / "adapter", merged, tmp_path)

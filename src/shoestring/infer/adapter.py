@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shoestring.config import ConfigError
+from shoestring.infer.fused import ExpertMerge
 
 _PREFIX = "base_model.model."
 #: Bytes of fp32 product one row block of ``B @ A`` may take (blocks are whole
@@ -50,6 +51,9 @@ class LoraDelta:
         self.scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         tensors = load_file(str(weights))
         self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Fused parameters decoded as they stream (MXFP4 experts): a pair per expert,
+        # merged into each as it is decoded (:meth:`merge_expert_`).
+        self.decoded: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.scales: dict[str, float] = {}  # where peft's differs from ``scale``
         # Per-module ranks, or adapters on parameters: read with peft (:meth:`resolve`).
         self._peft_only = bool(
@@ -71,11 +75,16 @@ class LoraDelta:
             return
         from shoestring.infer.adapterlayout import peft_layout
 
-        scales, experts, replaced = peft_layout(self._dir, model_dir, self._tensors, fused, rows)
-        for key in replaced:
+        layout = peft_layout(self._dir, model_dir, self._tensors, fused, rows)
+        for key in layout.replaced:
             self.pairs.pop(key, None)
-        self.pairs.update(experts)
-        self.scales = {k: v for k, v in scales.items() if k in self.pairs and v != self.scale}
+        self.pairs.update(layout.experts)
+        self.decoded = layout.decoded
+        self.scales = {
+            k: v
+            for k, v in layout.scales.items()
+            if (k in self.pairs or k in self.decoded) and v != self.scale
+        }
         self._tensors = {}
 
     def check(self, keys: set[str]) -> None:
@@ -88,7 +97,8 @@ class LoraDelta:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.pairs.values() for t in pair)
+        pairs = [*self.pairs.values(), *(p for ps in self.decoded.values() for p in ps)]
+        return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
 
     def merge_(self, key: str, w: torch.Tensor) -> torch.Tensor:
         """Add the adapter's delta to ``w`` in place (a no-op for untargeted keys), a
@@ -96,13 +106,19 @@ class LoraDelta:
         pair = self.pairs.get(key)
         if pair is None:
             return w
-        a, b = pair
-        a, b = a.to(w.device), b.to(w.device)
-        scale = self.scales.get(key, self.scale)
-        rows = _block_rows(w.shape[-1])
-        for i in range(0, w.shape[0], rows):
-            w[i : i + rows].add_((b[i : i + rows] @ a).mul_(scale).to(w.dtype))
-        return w
+        return _add_product(w, *pair, self.scales.get(key, self.scale))
+
+    def merge_expert_(self, key: str, e: int, w: torch.Tensor) -> torch.Tensor:
+        """Add expert ``e``'s delta of the fused parameter ``key`` to ``w`` (that expert's
+        decoded values, in the parameter's layout) in place, a row block at a time."""
+        return _add_product(w, *self.decoded[key][e], self.scales.get(key, self.scale))
+
+    def expert_merge(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> ExpertMerge:
+        """The merge of the fused parameter ``key`` (``shape``: experts first) into each
+        expert as it is decoded, and its temporaries."""
+        cells = min(shape[1], _block_rows(shape[-1])) * shape[-1]
+        temps = cells * 4 + (cells * dtype.itemsize if dtype != torch.float32 else 0)
+        return ExpertMerge(lambda e, w: self.merge_expert_(key, e, w), temps)
 
     def scratch(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Temporary bytes :meth:`merge_` takes for the weight ``key`` (0: untargeted):
@@ -111,6 +127,16 @@ class LoraDelta:
             return 0
         cells = min(shape[0], _block_rows(shape[-1])) * shape[-1]
         return cells * 4 + (cells * dtype.itemsize if dtype != torch.float32 else 0)
+
+
+def _add_product(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``w += scale * b @ a``, the product formed in float32 a row block at a time and
+    cast to ``w``'s dtype before it is added (as peft's merge adds its delta)."""
+    a, b = a.to(w.device), b.to(w.device)
+    rows = _block_rows(w.shape[-1])
+    for i in range(0, w.shape[0], rows):
+        w[i : i + rows].add_((b[i : i + rows] @ a).mul_(scale).to(w.dtype))
+    return w
 
 
 def _block_rows(cols: int) -> int:

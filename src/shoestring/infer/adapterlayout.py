@@ -11,7 +11,8 @@ are not, and both are read through peft's own modules, put on the model's skelet
   the checkpoint's per-expert tensors (:mod:`.fused`), so its factors are split into a
   LoRA pair per stored tensor (the gate rows and the up rows of expert ``e``, its down
   projection); those merge as they stream like any other weight's, compressed copy
-  included.
+  included. Experts stored MXFP4 (gpt-oss) are codes, not weights: their pairs stay
+  one per expert in the fused layout, merged into each expert as it is decoded.
 
 A router (a 2-D parameter) is an ordinary pair under its stored name; only its scale
 comes from here.
@@ -19,6 +20,7 @@ comes from here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +33,28 @@ _PREFIX = "base_model.model."
 Pair = tuple[torch.Tensor, torch.Tensor]  # (A, B), float32
 
 
+@dataclass
+class PeftLayout:
+    """What peft says of an adapter on this model: each weight's scale, a LoRA pair per
+    stored expert tensor, the adapter's keys those replace, and per fused parameter
+    decoded as it streams (MXFP4 experts) a pair per expert in its fused layout."""
+
+    scales: dict[str, float] = field(default_factory=dict)
+    experts: dict[str, Pair] = field(default_factory=dict)
+    replaced: set[str] = field(default_factory=set)
+    decoded: dict[str, list[Pair]] = field(default_factory=dict)
+
+
 def peft_layout(
     adapter_dir: Path,
     model_dir: Path,
     tensors: dict[str, torch.Tensor],
     fused: dict[str, Fused],
     rows: dict[str, int],
-) -> tuple[dict[str, float], dict[str, Pair], set[str]]:
-    """(scale per weight key, LoRA pair per stored expert tensor, the adapter's keys those
-    replace). ``fused``: the engine's fused parameters by key; ``rows``: each stored
-    tensor's rows."""
-    scales: dict[str, float] = {}
-    experts: dict[str, Pair] = {}
-    replaced: set[str] = set()
+) -> PeftLayout:
+    """The adapter as peft reads it on this model. ``fused``: the engine's fused
+    parameters by key; ``rows``: each stored tensor's rows."""
+    out = PeftLayout()
     for name, module in _lora_modules(adapter_dir, model_dir):
         scale = float(module.scaling["default"])
         if getattr(module, "num_experts", 1) > 1:
@@ -52,13 +63,18 @@ def peft_layout(
                 raise ConfigError(
                     f"model.adapter: it adapts {key!r}, which this model does not fuse"
                 )
-            for source, pair in _split(module, tensors, name, fused[key], rows).items():
-                experts[source] = pair
-                scales[source] = scale
-            replaced.add(f"{name}.weight")  # its pair's key as the adapter file names it
+            lhs, rhs = _factors(module, tensors, name)
+            if fused[key].mxfp4:  # merged into each expert as it is decoded
+                out.decoded[key] = [(rhs[e], lhs[e]) for e in range(lhs.shape[0])]
+                out.scales[key] = scale
+            else:
+                for source, pair in _split(lhs, rhs, fused[key], rows).items():
+                    out.experts[source] = pair
+                    out.scales[source] = scale
+            out.replaced.add(f"{name}.weight")  # its pair's key as the adapter file names it
         else:
-            scales[f"{_clean(name)}.{getattr(module, 'parameter_name', 'weight')}"] = scale
-    return scales, experts, replaced
+            out.scales[f"{_clean(name)}.{getattr(module, 'parameter_name', 'weight')}"] = scale
+    return out
 
 
 def _lora_modules(adapter_dir: Path, model_dir: Path) -> list[tuple[str, Any]]:
@@ -81,25 +97,23 @@ def _clean(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
-def _split(
-    module: Any, tensors: dict[str, torch.Tensor], name: str, f: Fused, rows: dict[str, int]
-) -> dict[str, Pair]:
-    """The fused parameter's per-expert factors (peft's) as one pair per stored tensor
-    (``rows``: each stored tensor's rows)."""
-    if f.mxfp4:
-        raise ConfigError(
-            f"model.adapter: {f.key!r} is stored MXFP4 and decoded as it streams; an "
-            "adapter on it cannot be merged yet (adapt the attention, or use the model's "
-            "16-bit original)"
-        )
-    if f.concat_dim not in (0, 1):
-        raise ConfigError(f"model.adapter: cannot split the adapter of {f.key!r} per expert")
+def _factors(module: Any, tensors: dict[str, torch.Tensor], name: str) -> Pair:
+    """peft's per-expert factors of the fused parameter (``get_delta_factors``): the
+    delta of expert ``e`` is ``lhs[e] @ rhs[e]`` (times the scale), in the parameter's
+    own layout, float32."""
     with torch.no_grad():
         for side in ("lora_A", "lora_B"):
             value = tensors[f"{_PREFIX}{name}.{side}.weight"].float()
             getattr(module, side)["default"].weight = torch.nn.Parameter(value, requires_grad=False)
         lhs, rhs, _ = module.get_delta_factors("default")  # (E, out, r), (E, r, in)
-    lhs, rhs = lhs.float(), rhs.float()
+    return lhs.float().contiguous(), rhs.float().contiguous()
+
+
+def _split(lhs: torch.Tensor, rhs: torch.Tensor, f: Fused, rows: dict[str, int]) -> dict[str, Pair]:
+    """The fused parameter's per-expert factors as one pair per stored tensor
+    (``rows``: each stored tensor's rows)."""
+    if f.concat_dim not in (0, 1):
+        raise ConfigError(f"model.adapter: cannot split the adapter of {f.key!r} per expert")
     pairs: dict[str, Pair] = {}
     offset = 0
     for group in f.groups():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,15 @@ import torch
 
 from shoestring.infer.mxfp4 import ROWS, dequantize_expert, pair_table
 from shoestring.infer.shards import TensorRef
+
+
+@dataclass(frozen=True)
+class ExpertMerge:
+    """What each expert of a parameter decoded as it streams gets once decoded: an
+    adapter's delta added (``add(e, values)``), taking ``temps`` bytes beside it."""
+
+    add: Callable[[int, torch.Tensor], torch.Tensor]
+    temps: int
 
 
 @dataclass
@@ -54,6 +64,7 @@ class Fused:
     sources: list[str]  # checkpoint keys, in the order transformers loads them
     patterns: list[str]  # the converter's source pattern each one matched
     converter: Any  # this parameter's own transformers WeightConverter
+    merge: ExpertMerge | None = None  # MXFP4 experts: an adapter merged as each is decoded
 
     @property
     def concat_dim(self) -> int | None:
@@ -131,7 +142,8 @@ class Fused:
         if self.mxfp4:
             _, cols, rows = self.shape(refs)  # an expert's input and output features
             n = min(ROWS, rows)
-            return n * cols * (4 + dtype.itemsize) + 2 * n * cols // 32 * dtype.itemsize
+            decode = n * cols * (4 + dtype.itemsize) + 2 * n * cols // 32 * dtype.itemsize
+            return max(decode, self.merge.temps if self.merge else 0)
         return 0
 
     def _packed(self) -> tuple[str, str]:
@@ -147,6 +159,8 @@ class Fused:
         table = pair_table(out.dtype)
         for e in range(out.shape[0]):
             dequantize_expert(blocks[e], scales[e], out[e], table)
+            if self.merge is not None:
+                self.merge.add(e, out[e])
         return out
 
 

@@ -167,6 +167,8 @@ def _fit_adapter(adapter: LoraDelta, engine: StreamingCausalLM, model_dir: Path)
     rows = {k: r.shape[0] for k, r in engine.refs.items() if r.shape}
     adapter.resolve(model_dir, fused, rows)
     adapter.check(set(engine.refs))
+    for key in adapter.decoded:  # MXFP4 experts: merged into each as it is decoded
+        fused[key].merge = adapter.expert_merge(key, fused[key].shape(engine.refs), engine.dtype)
 
 
 def _device(cfg: InferConfig) -> torch.device:
