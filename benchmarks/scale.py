@@ -18,6 +18,8 @@ memory), as a new user runs it — whole ``shoestring`` processes:
     .venv/bin/python benchmarks/scale.py                       # 7B and 8B, ~1 h
     .venv/bin/python benchmarks/scale.py --shapes llama2-7b    # one shape
     .venv/bin/python benchmarks/scale.py --small               # CI smoke, small widths
+    .venv/bin/python benchmarks/scale.py --shapes olmoe-1b-7b --checks qlora,merge \
+        --finetune-args '--lora.dropout 0'                      # an MoE, merged export
 
 Writes ``benchmarks/results/scale-<date>.json`` after every check (a cut-off run
 keeps what it measured). Heavy: run it alone, in the background.
@@ -30,6 +32,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -132,6 +135,7 @@ def finetune_args(model: Path, out: Path, a: argparse.Namespace) -> list[str]:
         "--checkpoint.every_steps", "1",
         "--checkpoint.keep", "2",
         "--watch.enabled", "false",
+        *shlex.split(a.finetune_args),
     ]  # fmt: skip
 
 
@@ -362,7 +366,7 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
         "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "bitsandbytes": bitsandbytes.__version__,
-        "steps": a.steps, "seq_len": a.seq, "small": a.small,
+        "steps": a.steps, "seq_len": a.seq, "small": a.small, "finetune_args": a.finetune_args,
         "loadavg_at_start": os.getloadavg(),
         "shapes": {},
     }  # fmt: skip
@@ -405,6 +409,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "streamed 16-bit export",
     )
     p.add_argument("--small", action="store_true", help="small-width shapes (CI smoke)")
+    p.add_argument(
+        "--finetune-args",
+        default="",
+        help="more finetune flags, e.g. '--lora.dropout 0' for an MoE shape (olmoe-1b-7b)",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq", type=int, default=64, help="data.max_length")
     p.add_argument("--out", help="default: benchmarks/results/scale-<date>.json")
