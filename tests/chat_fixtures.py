@@ -193,6 +193,45 @@ LLAMA3_SPECIALS = (
 )
 
 
+MISTRAL_SPECIALS = (
+    "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+    "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[ARGS]",
+)  # fmt: skip
+#: Mistral's chat template, cut to its shape (v3: Mistral-7B-Instruct-v0.3, Nemo): the
+#: tools before the last user turn, ``[INST]...[/INST]``, an assistant's calls as
+#: ``[TOOL_CALLS]`` and a JSON list (v11, ``CALLS_V11``: ``[TOOL_CALLS]name[ARGS]{...}``
+#: each), tool results in ``[TOOL_RESULTS]``.
+MISTRAL_TEMPLATE = """\
+{{- bos_token }}
+{%- for m in messages %}
+{%- if m.role == 'user' %}
+{%- if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{{- '[INST]' + m.content + '[/INST]' }}
+{%- elif m.role == 'assistant' and m.tool_calls %}CALLS{{ eos_token }}
+{%- elif m.role == 'assistant' %}{{ m.content + eos_token }}
+{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}
+"""
+CALLS_V3 = (
+    "[TOOL_CALLS][{%- for c in m.tool_calls %}{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}{{ ', ' if not loop.last }}{%- endfor %}]"
+)
+CALLS_V11 = (
+    "{%- for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]"
+    "{{ c.function.arguments | tojson }}{%- endfor %}"
+)
+
+
+def mistral_tokenizer(v11: bool = False) -> Any:
+    """A tokenizer with Mistral's control tokens and chat template (v3, or v11's calls)."""
+    tok = build_tokenizer()
+    tok.add_tokens(list(MISTRAL_SPECIALS), special_tokens=True)
+    tok.bos_token, tok.eos_token = "<s>", "</s>"
+    tok.chat_template = MISTRAL_TEMPLATE.replace("CALLS", CALLS_V11 if v11 else CALLS_V3)
+    return tok
+
+
 def plain_tokenizer() -> Any:
     """The built-in tiny model's tokenizer: no chat template, adds BOS itself (Llama-like)."""
     return model_tokenizer()

@@ -10,9 +10,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from openai.types.chat import ChatCompletion
 
-from chat_fixtures import WEATHER_TOOL, chatml_tokenizer, llama3_tokenizer, save_tokenizer
+from chat_fixtures import (
+    WEATHER_TOOL,
+    chatml_tokenizer,
+    llama3_tokenizer,
+    mistral_tokenizer,
+    save_tokenizer,
+)
 from shoestring.hf import load_tokenizer
 from shoestring.infer.batchapi import LineError, Request, parse_line
 from shoestring.infer.decode import Generated
@@ -173,6 +180,49 @@ def test_llama3_json_calls_are_read_with_our_template() -> None:
             "name": "get_weather",
             "arguments": '{"city":"Oslo"}',
         }
+    for cid in ("text", "broken"):
+        finish, msg = _message(lines[cid])
+        assert finish == "stop" and "tool_calls" not in msg and msg["content"], cid
+
+
+@pytest.mark.parametrize("v11", [False, True])
+def test_mistral_calls_are_read_with_our_template(v11: bool) -> None:
+    """Mistral's calls (transformers ships no template for them): ``[TOOL_CALLS]`` and a
+    JSON list of calls (v3), or ``[TOOL_CALLS]name[ARGS]{...}`` for each call (v11);
+    one call or two, text before a call, text alone, and a broken call read as text."""
+    tok = mistral_tokenizer(v11)
+    syntax = find_syntax(tok, "mistral")
+    assert syntax is not None and ("v11" in syntax.source) == v11
+    weather, clock = ("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "CET"})
+
+    def calls(*each: tuple[str, dict[str, Any]]) -> str:
+        if v11:
+            return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in each)
+        return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in each])
+
+    lines = _answers(
+        tok,
+        "mistral",
+        {
+            "one": (calls(weather), {}),
+            "two": (calls(weather, clock), {}),
+            "said": ("Let me check. " + calls(weather), {}),
+            "text": ("It is sunny in Oslo.", {}),
+            "broken": (calls(weather)[:-6], {}),
+        },
+    )
+    finish, msg = _message(lines["one"])
+    assert finish == "tool_calls" and msg["content"] is None
+    assert [c["function"] for c in msg["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city":"Oslo"}'}
+    ]
+    finish, msg = _message(lines["two"])
+    assert finish == "tool_calls"
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "get_time"]
+    assert msg["tool_calls"][1]["function"]["arguments"] == '{"tz":"CET"}'
+    finish, msg = _message(lines["said"])
+    assert finish == "tool_calls" and msg["content"] == "Let me check."
+    assert msg["tool_calls"][0]["function"]["name"] == "get_weather"
     for cid in ("text", "broken"):
         finish, msg = _message(lines[cid])
         assert finish == "stop" and "tool_calls" not in msg and msg["content"], cid

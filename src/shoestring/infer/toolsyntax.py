@@ -11,7 +11,10 @@ transformers 5.13), driven by the model's *response template*:
 * the template ``transformers serve`` falls back on for the model's ``model_type``
   (the Qwen 2/2.5/3, Qwen 3.5 and Gemma 4 families), else
 * for a Llama whose chat template is Llama 3's (headers ``<|start_header_id|>``), our
-  template of Llama 3.1's JSON calls (:data:`LLAMA3_JSON`: transformers ships none).
+  template of Llama 3.1's JSON calls (:data:`LLAMA3_JSON`: transformers ships none);
+  for a Mistral whose chat template writes ``[TOOL_CALLS]``, ours of its JSON-list
+  calls (:data:`MISTRAL_JSON_LIST`) or, where the template writes ``[ARGS]``, of its
+  v11 calls (:data:`MISTRAL_ARGS`).
 
 A model with neither has no known syntax, and its ``"auto"`` lines are refused
 (``"required"`` and a named function need none: their answers are held to JSON).
@@ -54,6 +57,52 @@ LLAMA3_JSON: dict[str, Any] = {
 }
 
 
+#: Where a Mistral assistant turn starts: after the user's ``[/INST]``, or after the
+#: results of the tools it called.
+_MISTRAL_ANCHORS = ["[/INST]", "[/TOOL_RESULTS]"]
+_MISTRAL_TEXT = {"close_pattern": r"\s*(?:</s>|(?=\[TOOL_CALLS\]))", "content": "text"}
+#: Mistral's calls as its v3 chat templates ask for them (Mistral-7B-Instruct-v0.3,
+#: Mistral-Nemo, Mistral-Small-3.1): ``[TOOL_CALLS]`` and one JSON list of
+#: ``{"name": ..., "arguments": {...}}``, ended by ``</s>``.
+MISTRAL_JSON_LIST: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": _MISTRAL_ANCHORS,
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*\[TOOL_CALLS\]\s*",
+            "close_pattern": r"\s*</s>",
+            "content": "json",
+            "transform_each": True,  # each element's keys are the placeholders
+            "transform": {
+                "type": "function",
+                "function": {"name": "{name}", "arguments": "{arguments}"},
+            },
+        },
+        "content": _MISTRAL_TEXT,
+    },
+}
+#: Mistral's calls as its v11+ chat templates ask for them (Mistral-Small-3.2,
+#: Magistral, Devstral): ``[TOOL_CALLS]name[ARGS]{...}`` for each call, ended by ``</s>``.
+MISTRAL_ARGS: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": _MISTRAL_ANCHORS,
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*\[TOOL_CALLS\](?P<name>[^\[\]\s]+)\[ARGS\]",
+            "close_pattern": r"\s*(?:</s>|(?=\[TOOL_CALLS\]))",
+            "repeats": True,
+            "content": "json",
+            "transform": {
+                "type": "function",
+                "function": {"name": "{name}", "arguments": "{content}"},
+            },
+        },
+        "content": _MISTRAL_TEXT,
+    },
+}
+MISTRAL_TYPES = ("mistral", "mistral3", "ministral", "ministral3")
+
+
 @dataclass(frozen=True)
 class ToolSyntax:
     """A model family's tool-call syntax: a transformers ``response_template``."""
@@ -84,8 +133,14 @@ def find_syntax(tok: Any, model_type: str | None) -> ToolSyntax | None:
     if served is not None:
         return ToolSyntax(served, f"transformers serve's template for model type {model_type!r}")
     template = getattr(tok, "chat_template", None)
-    if model_type == "llama" and isinstance(template, str) and "<|start_header_id|>" in template:
+    if not isinstance(template, str):
+        return None
+    if model_type == "llama" and "<|start_header_id|>" in template:
         return ToolSyntax(LLAMA3_JSON, "shoestring's template of Llama 3.1's JSON tool calls")
+    if model_type in MISTRAL_TYPES and "[TOOL_CALLS]" in template:
+        if "[ARGS]" in template:
+            return ToolSyntax(MISTRAL_ARGS, "shoestring's template of Mistral's v11 tool calls")
+        return ToolSyntax(MISTRAL_JSON_LIST, "shoestring's template of Mistral's JSON tool calls")
     return None
 
 
