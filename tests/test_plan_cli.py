@@ -246,6 +246,34 @@ def test_preflight_warns_instead_when_not_enforced(cache_dir: Path) -> None:
     assert preflight(load(FinetuneConfig, None, ["--plan.gpu", "none"]), d) is None
 
 
+def test_a_mixture_of_experts_is_refused_by_the_plan_and_not_checked_before_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Qwen3-30B-A3B's shape: the planner models dense decoders, and counting this one as
+    its attention and embeddings (about 1.3 B of its 30 B parameters) would say it fits
+    anywhere. ``plan`` refuses it by name; finetune's pre-flight warns and lets it start
+    (found at real size: an OLMoE-1B-7B QLoRA planned at 1.96 GiB was killed at 23.8 GB)."""
+    from shoestring.plan.check import preflight
+
+    d = tmp_path / "qwen3-moe"
+    d.mkdir()
+    config = {
+        "model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "vocab_size": 151936,
+    }  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config))
+    r = plan_cli("--model", str(d), "--method", "qlora")
+    assert r.returncode == 2, r.stdout
+    assert (
+        "--model: " in r.stderr and "a mixture-of-experts model (128 experts a layer)" in r.stderr
+    )
+    with caplog.at_level("WARNING", "shoestring.plan"):
+        assert preflight(load(FinetuneConfig, None, ["--plan.gpu", "T4"]), d) is None
+    assert "does not model mixture-of-experts" in caplog.text
+
+
 def test_memory_levers_from_a_config_and_flags(tmp_path: Path) -> None:
     """train.loss_chunk_tokens and train.offload_activations reach the plan from a finetune
     config (flags override them). On the Llama-3-8B shape at 2048 tokens, chunking takes

@@ -82,8 +82,33 @@ class Arch:
         return self.layers * per_layer + self.hidden + emb * (1 if self.tie_embeddings else 2)
 
 
+#: The keys a mixture-of-experts config counts its routed experts by (Qwen2/3-MoE and
+#: OLMoE; Mixtral and gpt-oss; DeepSeek).
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def experts_of(cfg: Mapping[str, Any]) -> int:
+    """How many routed experts an MoE layer of this config has (0: a dense model)."""
+    counts = [int(cfg.get(k) or 0) for k in EXPERT_KEYS]
+    return max(counts) if max(counts) > 1 else 0
+
+
+class MixtureOfExperts(ValueError):
+    """A config the planner does not model: its experts are in none of its figures."""
+
+
 def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
-    """An :class:`Arch` from a Hugging Face ``config.json`` dict."""
+    """An :class:`Arch` from a Hugging Face ``config.json`` dict; a mixture-of-experts
+    config is refused (:class:`MixtureOfExperts`): counting it as the dense model its
+    attention describes would leave out nearly all its weights."""
+    experts = experts_of(cfg)
+    if experts:
+        raise MixtureOfExperts(
+            f"{name}: a mixture-of-experts model ({experts} experts a layer); the planner "
+            "models dense decoders only, and would leave its experts out of every figure "
+            "(their weights stay in the compute dtype: bitsandbytes quantizes Linear "
+            "layers, and transformers 5 holds the experts as fused parameters)"
+        )
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

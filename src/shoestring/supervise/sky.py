@@ -244,7 +244,10 @@ def cheapest_fitting(
     from shoestring.plan.estimate import make_plan
     from shoestring.plan.workload import arch_for, workload_from_config
 
-    arch = arch_for(ft.model.path, "model.path", hub)
+    try:
+        arch = arch_for(ft.model.path, "model.path", hub)
+    except ConfigError as e:  # e.g. a mixture of experts, which the plan cannot size
+        raise ConfigError(f"{e}; name the GPUs to launch on (--gpu, repeated for more)") from None
     fitting = []
     for gpu in CATALOG.values():
         workload, _steps = workload_from_config(ft, arch, 1, device="cuda", gpu=gpu)
