@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -199,6 +199,15 @@ def aliased(doc: Mapping[str, Any], refs: dict[str, TensorRef]) -> dict[str, Ten
     return out
 
 
+class StaticInput(NamedTuple):
+    """A static input qparam stored beside a weight: its name, shape, and the dtype it
+    computes in (None: the compute dtype; NVFP4's global scale keeps float32)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+
+
 @dataclass(frozen=True)
 class CtWeight:
     """One stored weight: its model key, dense shape, group, and per parameter how many
@@ -208,8 +217,7 @@ class CtWeight:
     shape: tuple[int, ...]
     group: Group
     rows_per: tuple[tuple[str, int], ...]
-    # its module's static input qparams: name, shape, dtype (None: the compute dtype)
-    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype | None], ...] = ()
+    inputs: tuple[StaticInput, ...] = ()  # its module's static input qparams
 
     @property
     def module(self) -> str:
@@ -244,13 +252,14 @@ class StoredCt(ByUnit[CtWeight]):
             parts = [
                 engine.refs[f"{w.module}.{p}"].renamed(f"{k}::{p}")
                 for k, w in weights[i].items()
-                for p in [*(p for p, _ in w.rows_per), *(p for p, _, _ in w.inputs)]
+                for p in [*(p for p, _ in w.rows_per), *(q.name for q in w.inputs)]
             ]
             engine.replace_refs(i, [r for r in unit.refs if r.key not in mine] + parts)
             for w in weights[i].values():
                 module = unit.params[w.key][0]
-                for p, _, own in w.inputs:
-                    engine.add_param(i, f"{w.module}.{p}", module, p, own_dtype=own is not None)
+                for q in w.inputs:
+                    own = q.dtype is not None
+                    engine.add_param(i, f"{w.module}.{q.name}", module, q.name, own_dtype=own)
                 if w.group.scheme.input_activations is not None:
                     module.register_forward_pre_hook(InputQuant(w.group.scheme.input_activations))
         return cls(weights)
@@ -260,17 +269,17 @@ class StoredCt(ByUnit[CtWeight]):
         its ``prepare`` makes in the compute dtype, model key -> shape."""
         out = super().shapes(i)
         for w in self.weights.get(i, {}).values():
-            out.update({f"{w.module}.{p}": s for p, s, d in w.inputs if d is None})
+            out.update({f"{w.module}.{q.name}": q.shape for q in w.inputs if q.dtype is None})
         return out
 
     def kept(self, i: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What unit ``i``'s ``prepare`` makes in a dtype of its own (an NVFP4 input's
         float32 global scale), model key -> shape and dtype."""
         return {
-            f"{w.module}.{p}": (s, d)
+            f"{w.module}.{q.name}": (q.shape, q.dtype)
             for w in self.weights.get(i, {}).values()
-            for p, s, d in w.inputs
-            if d is not None
+            for q in w.inputs
+            if q.dtype is not None
         }
 
     def temps(self, i: int, dtype: torch.dtype) -> int:
@@ -291,10 +300,10 @@ class StoredCt(ByUnit[CtWeight]):
                 out[key] = decompress(
                     w, parts, slot.buffer(generic_key(key), w.shape, dtype, device)
                 )
-                for p, shape, own in w.inputs:  # copied: no prepared tensor holds raw bytes
-                    name = f"{w.module}.{p}"
-                    buf = slot.buffer(generic_key(name), shape, own or dtype, device)
-                    out[name] = buf.copy_(t[f"{key}::{p}"])
+                for q in w.inputs:  # copied: no prepared tensor holds the raw bytes
+                    name = f"{w.module}.{q.name}"
+                    buf = slot.buffer(generic_key(name), q.shape, q.dtype or dtype, device)
+                    out[name] = buf.copy_(t[f"{key}::{q.name}"])
             return out
 
         return prepare
@@ -381,9 +390,7 @@ def _weight(refs: Mapping[str, TensorRef], key: str, shape: tuple[int, ...], g: 
     return CtWeight(key, shape, g, tuple(rows_per), _static_inputs(refs, module, g))
 
 
-def _static_inputs(
-    refs: Mapping[str, TensorRef], module: str, g: Group
-) -> tuple[tuple[str, tuple[int, ...], torch.dtype | None], ...]:
+def _static_inputs(refs: Mapping[str, TensorRef], module: str, g: Group) -> tuple[StaticInput, ...]:
     """The static input qparams of ``module`` its group's scheme stores: a static
     scheme's ``input_scale`` (in the compute dtype, as compressed-tensors makes it),
     NVFP4's float32 ``input_global_scale``; none when inputs are not quantized or their
@@ -401,4 +408,4 @@ def _static_inputs(
             f"--model (model.path): {module} has no {module}.{name}, which its static "
             f"input quantization ({g.name}.input_activations) stores"
         )
-    return ((name, tuple(ref.shape), dtype),)
+    return (StaticInput(name, tuple(ref.shape), dtype),)
