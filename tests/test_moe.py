@@ -87,6 +87,30 @@ def test_the_merged_export_of_an_moe_is_peft_merge_in_the_stored_layout(
         assert torch.equal(loaded(ids).logits, peft_merged.eval()(ids).logits)
 
 
+def test_lora_on_the_experts_without_gradient_checkpointing_is_warned_before_loading(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """peft forms each adapted expert stack whole in the forward and autograd keeps it:
+    at real size that was the difference between killed and training. The check on the
+    model's skeleton (no weight read) says so, and names the remedy; not when it is on,
+    nor for an adapter on the attention only."""
+    from shoestring.config import load
+    from shoestring.train.config import FinetuneConfig
+    from shoestring.train.model import check_fused_base
+
+    moe = build_random_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=64)  # fmt: skip
+    attention = ["--lora.target_modules", "q_proj,k_proj,v_proj,o_proj"]
+    said = []
+    for flags in ([], ["--model.gradient_checkpointing", "true"], attention):
+        cfg = load(FinetuneConfig, None, ["--lora.dropout", "0", *flags])
+        caplog.clear()
+        with caplog.at_level("WARNING", "shoestring.finetune"):
+            check_fused_base(moe, cfg.model, cfg.lora)
+        said.append("--model.gradient_checkpointing true" in caplog.text)
+    assert said == [True, False, False]
+
+
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
 

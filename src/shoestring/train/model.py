@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from shoestring.config import ConfigError
 from shoestring.hf import StoredQuantization, bnb_stored, quant_method, quiet_hf
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.train.config import LoraSection, ModelConfig
+
+log = logging.getLogger("shoestring.finetune")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -346,7 +349,21 @@ def check_fused_base(model_dir: Path, model_cfg: ModelConfig, lora: LoraSection)
         return
     dtype = model_cfg.dtype if model_cfg.dtype in _DTYPES else "float32"  # shapes only
     skeleton = empty_base_model(model_dir, replace(model_cfg, dtype=dtype))
-    apply_lora(skeleton, lora, seed=0, gradient_checkpointing=False)
+    adapted = apply_lora(skeleton, lora, seed=0, gradient_checkpointing=False)
+    if not model_cfg.gradient_checkpointing and _adapts_parameters(adapted):
+        log.warning(
+            "LoRA on fused experts: each forward forms every adapted expert stack whole "
+            "(peft's W + BA) and autograd keeps it for the backward, a layer's worth per "
+            "layer; --model.gradient_checkpointing true keeps one layer's (an OLMoE-1B-7B "
+            "shape on 24 GB: killed at 23.9 GB without it, 18.4 GB with it; benchmarks/README.md)"
+        )
+
+
+def _adapts_parameters(model: Any) -> bool:
+    """Whether peft put a ``ParamWrapper`` (LoRA on a parameter) anywhere in ``model``."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return any(isinstance(m, ParamWrapper) for m in model.modules())
 
 
 def trainable_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
