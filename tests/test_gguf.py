@@ -46,6 +46,20 @@ def _greedy(model: Any, ids: list[int]) -> list[int]:
     return [int(t) for t in out[0, len(ids) :]]
 
 
+def _reads_back(model: Any, tok: Any, path: Path, kind: str, greedy: bool = True) -> Any:
+    """The GGUF loads in transformers with ``tok``'s tokens, ``model``'s logits within
+    ``kind``'s tolerance and (``greedy``) its greedy tokens; returns its tokenizer."""
+    loaded, gtok = _load_gguf(path)
+    for text in PROMPTS:
+        ids = tok(text)["input_ids"]
+        assert gtok(text)["input_ids"] == ids
+        ref, got = _logits(model, ids), _logits(loaded, ids)
+        assert (got - ref).abs().max() <= TOLERANCE[kind][0] * ref.abs().max()
+        if greedy:
+            assert _greedy(loaded, ids) == _greedy(model, ids)
+    return gtok
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any, Any]:
     from transformers import AutoTokenizer
@@ -113,12 +127,7 @@ def test_a_tied_qwen2_with_biases_exports_and_loads(tmp_path: Path) -> None:
     path = export_gguf(model, tok, tmp_path / "gguf", "q8_0", d.name)
     names = {t.name for t in gguf.GGUFReader(path).tensors}
     assert "output.weight" not in names and "blk.0.attn_q.bias" in names  # tied; biases kept
-    loaded, gtok = _load_gguf(path)
-    for text in PROMPTS:
-        ids = tok(text)["input_ids"]
-        assert gtok(text)["input_ids"] == ids
-        ref, got = _logits(model, ids), _logits(loaded, ids)
-        assert (got - ref).abs().max() <= TOLERANCE["q8_0"][0] * ref.abs().max()
+    gtok = _reads_back(model, tok, path, "q8_0", greedy=False)
     assert gtok.chat_template == tok.chat_template
     assert 'PARAMETER stop "<|im_end|>"' in (path.parent / "Modelfile").read_text()
 
@@ -141,13 +150,7 @@ def test_a_qwen3_with_q_and_k_norms_exports_and_loads(tmp_path: Path) -> None:
     q_norm = model.get_base_model().model.layers[1].self_attn.q_norm.weight.detach()
     stored = torch.from_numpy(tensors["blk.1.attn_q_norm.weight"].data.astype("float32"))
     assert torch.equal(stored, q_norm) and not torch.equal(q_norm, torch.ones_like(q_norm))
-    loaded, gtok = _load_gguf(path)
-    for text in PROMPTS:
-        ids = tok(text)["input_ids"]
-        assert gtok(text)["input_ids"] == ids
-        ref, got = _logits(model, ids), _logits(loaded, ids)
-        assert (got - ref).abs().max() <= TOLERANCE["f16"][0] * ref.abs().max()
-        assert _greedy(loaded, ids) == _greedy(model, ids)
+    _reads_back(model, tok, path, "f16")
 
 
 def test_a_qwen3_moe_exports_its_adapted_experts_stacked_and_loads(tmp_path: Path) -> None:
@@ -174,12 +177,7 @@ def test_a_qwen3_moe_exports_its_adapted_experts_stacked_and_loads(tmp_path: Pat
     up = merged.model.layers[1].mlp.experts.gate_up_proj.detach()[:, 768:]
     stored = torch.from_numpy(tensors["blk.1.ffn_up_exps.weight"].data.astype("float32"))
     assert torch.equal(stored, up.half().float())  # the merged up half, expert by expert
-    loaded, gtok = _load_gguf(path)
-    for text in PROMPTS:
-        ids = tok(text)["input_ids"]
-        ref, got = _logits(model, ids), _logits(loaded, ids)
-        assert (got - ref).abs().max() <= TOLERANCE["f16"][0] * ref.abs().max()
-        assert _greedy(loaded, ids) == _greedy(model, ids)
+    _reads_back(model, tok, path, "f16")
 
 
 #: Llama 3.1's RoPE scaling with a context small enough for the tiny head_dim (32) to

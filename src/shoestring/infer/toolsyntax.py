@@ -60,46 +60,43 @@ LLAMA3_JSON: dict[str, Any] = {
 #: Where a Mistral assistant turn starts: after the user's ``[/INST]``, or after the
 #: results of the tools it called.
 _MISTRAL_ANCHORS = ["[/INST]", "[/TOOL_RESULTS]"]
-_MISTRAL_TEXT = {"close_pattern": r"\s*(?:</s>|(?=\[TOOL_CALLS\]))", "content": "text"}
+
+
+def _mistral(calls: dict[str, Any]) -> dict[str, Any]:
+    """A Mistral response template: ``calls`` read as tool calls, text up to ``</s>`` or
+    the first ``[TOOL_CALLS]``."""
+    text = {"close_pattern": r"\s*(?:</s>|(?=\[TOOL_CALLS\]))", "content": "text"}
+    return {
+        "defaults": {"role": "assistant"},
+        "start_anchor": _MISTRAL_ANCHORS,
+        "fields": {"tool_calls": {"content": "json", **calls}, "content": text},
+    }
+
+
 #: Mistral's calls as its v3 chat templates ask for them (Mistral-7B-Instruct-v0.3,
 #: Mistral-Nemo, Mistral-Small-3.1): ``[TOOL_CALLS]`` and one JSON list of
 #: ``{"name": ..., "arguments": {...}}``, ended by ``</s>``.
-MISTRAL_JSON_LIST: dict[str, Any] = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": _MISTRAL_ANCHORS,
-    "fields": {
-        "tool_calls": {
-            "open_pattern": r"\s*\[TOOL_CALLS\]\s*",
-            "close_pattern": r"\s*</s>",
-            "content": "json",
-            "transform_each": True,  # each element's keys are the placeholders
-            "transform": {
-                "type": "function",
-                "function": {"name": "{name}", "arguments": "{arguments}"},
-            },
+MISTRAL_JSON_LIST = _mistral(
+    {
+        "open_pattern": r"\s*\[TOOL_CALLS\]\s*",
+        "close_pattern": r"\s*</s>",
+        "transform_each": True,  # each element's keys are the placeholders
+        "transform": {
+            "type": "function",
+            "function": {"name": "{name}", "arguments": "{arguments}"},
         },
-        "content": _MISTRAL_TEXT,
-    },
-}
+    }
+)
 #: Mistral's calls as its v11+ chat templates ask for them (Mistral-Small-3.2,
 #: Magistral, Devstral): ``[TOOL_CALLS]name[ARGS]{...}`` for each call, ended by ``</s>``.
-MISTRAL_ARGS: dict[str, Any] = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": _MISTRAL_ANCHORS,
-    "fields": {
-        "tool_calls": {
-            "open_pattern": r"\s*\[TOOL_CALLS\](?P<name>[^\[\]\s]+)\[ARGS\]",
-            "close_pattern": r"\s*(?:</s>|(?=\[TOOL_CALLS\]))",
-            "repeats": True,
-            "content": "json",
-            "transform": {
-                "type": "function",
-                "function": {"name": "{name}", "arguments": "{content}"},
-            },
-        },
-        "content": _MISTRAL_TEXT,
-    },
-}
+MISTRAL_ARGS = _mistral(
+    {
+        "open_pattern": r"\s*\[TOOL_CALLS\](?P<name>[^\[\]\s]+)\[ARGS\]",
+        "close_pattern": r"\s*(?:</s>|(?=\[TOOL_CALLS\]))",
+        "repeats": True,
+        "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+    }
+)
 MISTRAL_TYPES = ("mistral", "mistral3", "ministral", "ministral3")
 
 
