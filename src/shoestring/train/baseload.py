@@ -17,6 +17,7 @@ from shoestring.train.model import (
     require_bitsandbytes,
     stored_quantization,
 )
+from shoestring.train.nf4experts import QuantizedExperts
 from shoestring.train.onereader import share_quant_states
 from shoestring.train.qbase import QBASE_DIR, QuantizedBaseCache, QuantKey, timing
 from shoestring.train.run import Run
@@ -51,6 +52,8 @@ def load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> L
         return _receive_base(cfg, run, model_dir)
     read_before = _disk_read_bytes()
     loaded = _load_base(cfg, run, model_dir, base_fp)
+    if (experts := QuantizedExperts.of(loaded.model)) is not None:
+        loaded.fields.update(experts.fields())
     # Memory-mapped safetensors are read on first touch, inside whatever touches them
     # first (bitsandbytes' quantizer, for a quantized load): the bytes say how much came
     # from the disk rather than the page cache.
@@ -105,7 +108,9 @@ def _load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> 
         "read_s": round(time.perf_counter() - t0 - quantize_s, 3),
         "quantize_s": round(quantize_s, 3),
     }
-    if cache is not None and key is not None and run.strategy.rank == 0:
+    if QuantizedExperts.of(model) is not None:  # not in save_pretrained's 4-bit format
+        fields["qbase_skipped"] = "NF4 experts"
+    elif cache is not None and key is not None and run.strategy.rank == 0:
         t_save = time.perf_counter()
         cache.store(model, key)
         fields.update(qbase_saved=key.name, save_s=round(time.perf_counter() - t_save, 3))

@@ -10,8 +10,9 @@ back), added in place into the dense weight exactly as peft's ``Linear.merge`` d
 on a dense base. So the result is bitwise what ``merge_and_unload`` gives on the
 dequantized base. A parameter peft adapts directly (its ``ParamWrapper``: an MoE
 layer's fused experts, its router) gets ``get_delta_weight`` added as
-``ParamWrapper.merge`` adds it. A quantized linear without an adapter is dequantized;
-every other tensor passes through unchanged. Tensors transformers fused or renamed as
+``ParamWrapper.merge`` adds it (to the dequantized stack where the experts are held in
+NF4, :mod:`.nf4experts`). A quantized linear or expert stack without an adapter is
+dequantized; every other tensor passes through unchanged. Tensors transformers fused or renamed as
 it loaded them are written back under their stored names (:mod:`.storednames`).
 
 Tensors are listed by their plain checkpoint names (a LoRA layer stands for its base
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from shoestring.stwriter import TensorSpec
+from shoestring.train.nf4experts import stacks_of
 from shoestring.train.storednames import FormTensor, in_stored_names
 
 #: A ``torch.nn.Linear`` or a bitsandbytes ``Linear4bit``/``Linear8bitLt`` (untyped).
@@ -133,10 +135,21 @@ def merged_parameter(
 ) -> torch.Tensor:
     """A fused parameter (an MoE layer's experts) with each adapter's delta added, as
     peft's ``ParamWrapper.merge`` does it (``param += get_delta_weight``), in a new tensor."""
-    weight = tally.note(wrapper.get_param().detach().to(dtype, copy=True))
+    weight = dense_param(wrapper.get_base_layer(), wrapper.parameter_name, dtype, tally)
     for adapter in adapters:
         weight += tally.note(wrapper.get_delta_weight(adapter))
     return weight
+
+
+def dense_param(
+    module: torch.nn.Module, name: str, dtype: torch.dtype, tally: LargestTensor
+) -> torch.Tensor:
+    """A parameter as dense values in ``dtype``, in a new tensor: NF4 experts
+    (:mod:`.nf4experts`) dequantized, the very values trained against."""
+    stack = stacks_of(module).get(name)
+    if stack is None:
+        return tally.note(getattr(module, name).detach().to(dtype, copy=True))
+    return tally.note(tally.note(stack.dense()).to(dtype))
 
 
 @dataclass(frozen=True)
@@ -240,16 +253,20 @@ def _param_wrappers(wrapper: Any) -> tuple[dict[str, Any], torch.nn.Module]:
 
 
 def _add_adapted_params(plan: MergePlan, name: str, wrapper: Any) -> None:
-    """A module with LoRA on its parameters (an MoE layer's fused experts): each adapted
-    parameter merged (:func:`merged_parameter`), the rest as stored."""
+    """A module with LoRA on its parameters (an MoE layer's fused experts), or with NF4
+    experts: each adapted parameter merged (:func:`merged_parameter`), each other NF4
+    one dequantized, the rest as stored."""
     wrappers, base = _param_wrappers(wrapper)
     forms: dict[str, FormTensor] = {}
     for pname, p in base.named_parameters(recurse=False):
-        if pname not in wrappers:
+        if pname in wrappers:
+            check_mergeable(wrappers[pname], plan.adapters)
+            forms[pname] = _merged_form(wrappers[pname], plan)
+        elif pname in stacks_of(base):
+            forms[pname] = _dequantized_form(base, pname, plan)
+        else:
             plan.add_stored(f"{name}{pname}", p)
             continue
-        check_mergeable(wrappers[pname], plan.adapters)
-        forms[pname] = _merged_form(wrappers[pname], plan)
         plan.seen.add(id(p))
         plan.add(f"{name}{pname}", tuple(p.shape), plan.dtype, forms[pname])
     _add_buffers(plan, name, base)
@@ -258,6 +275,10 @@ def _add_adapted_params(plan: MergePlan, name: str, wrapper: Any) -> None:
 
 def _merged_form(wrapper: Any, plan: MergePlan) -> FormTensor:
     return lambda: merged_parameter(wrapper, plan.adapters, plan.dtype, plan.largest)
+
+
+def _dequantized_form(module: torch.nn.Module, pname: str, plan: MergePlan) -> FormTensor:
+    return lambda: dense_param(module, pname, plan.dtype, plan.largest)
 
 
 def _add_plain(plan: MergePlan, name: str, module: torch.nn.Module) -> None:
@@ -285,6 +306,7 @@ def _refuse(plan: MergePlan, name: str, module: torch.nn.Module) -> None:
 _HANDLERS: dict[str, Callable[[MergePlan, str, Any], None]] = {
     "adapted": _add_adapted,
     "adapted parameters": _add_adapted_params,
+    "nf4 experts": _add_adapted_params,
     "quantized": _add_quantized,
     "plain": _add_plain,
     "other peft": _refuse,
@@ -297,6 +319,8 @@ def _kind(module: torch.nn.Module) -> str:
 
     if isinstance(module, ParamWrapper):
         return "adapted parameters"
+    if stacks_of(module):
+        return "nf4 experts"
     if isinstance(module, LoraLayer):
         return "adapted"
     if type(module).__module__.startswith("peft."):

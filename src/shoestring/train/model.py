@@ -14,6 +14,7 @@ from shoestring.config import ConfigError
 from shoestring.hf import StoredQuantization, bnb_stored, quant_method, quiet_hf
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.train.config import LoraSection, ModelConfig
+from shoestring.train.nf4experts import quantize_experts
 
 log = logging.getLogger("shoestring.finetune")
 
@@ -128,9 +129,13 @@ def _from_pretrained_kwargs(cfg: ModelConfig, device: str, on_device: bool) -> d
     return kwargs
 
 
-def _frozen(model: Any, quantized: bool, model_dir: Path) -> Any:
-    """Ready for adapters: no KV cache, nothing trainable, one 4-bit format; named after
-    ``model_dir`` (the adapter's ``base_model_name_or_path``), wherever it was read from."""
+def _frozen(model: Any, quantized: bool, model_dir: Path, experts: bool = False) -> Any:
+    """Ready for adapters: no KV cache, nothing trainable, one 4-bit format, ``experts``:
+    fused MoE experts in NF4 too (bitsandbytes' quantizer leaves them 16-bit:
+    :mod:`.nf4experts`); named after ``model_dir`` (the adapter's
+    ``base_model_name_or_path``), wherever it was read from."""
+    if experts:
+        quantize_experts(model)
     model.config.use_cache = False
     model.config._name_or_path = str(model_dir)
     model.name_or_path = str(model_dir)
@@ -162,7 +167,7 @@ def load_base_model(
                 "On CPU, 4-bit layer widths must be multiples of 64."
             ) from e
         raise
-    return _frozen(model, qcfg is not None, model_dir)
+    return _frozen(model, qcfg is not None, model_dir, experts=quantize == "nf4")
 
 
 def load_prequantized(saved_dir: Path, model_dir: Path, cfg: ModelConfig, device: str) -> Any:
@@ -173,7 +178,7 @@ def load_prequantized(saved_dir: Path, model_dir: Path, cfg: ModelConfig, device
     quiet_hf()
     kwargs = _from_pretrained_kwargs(cfg, device, True)
     model = AutoModelForCausalLM.from_pretrained(str(saved_dir), **kwargs)
-    return _frozen(model, True, model_dir)
+    return _frozen(model, True, model_dir, experts=stored_quantization(saved_dir) == "nf4")
 
 
 def empty_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none") -> Any:
@@ -285,6 +290,8 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
     """Wrap ``model`` with fresh LoRA adapters; their init depends only on ``seed``."""
     from peft import LoraConfig, get_peft_model
 
+    from shoestring.train.nf4lora import factor_expert_lora
+
     targets: Any = cfg.target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
@@ -303,6 +310,7 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
             peft_model = get_peft_model(model, lcfg)
         except ValueError as e:
             raise ConfigError(_refused_lora(e, cfg)) from e
+    factor_expert_lora(peft_model)  # LoRA on NF4 experts: per routed expert, factored
     if gradient_checkpointing:
         peft_model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -339,7 +347,9 @@ def fuses_parameters(model_dir: Path) -> bool:
     return any(isinstance(t, WeightConverter) for t in mapping or ())
 
 
-def check_fused_base(model_dir: Path, model_cfg: ModelConfig, lora: LoraSection) -> None:
+def check_fused_base(
+    model_dir: Path, model_cfg: ModelConfig, lora: LoraSection, strategy: str = "ddp"
+) -> None:
     """For a model whose stored tensors are fused as it loads (:func:`fuses_parameters`):
     put the adapters on its skeleton (the meta device: no weight read), so a
     configuration peft refuses is refused in seconds, before the base loads and before
@@ -347,10 +357,18 @@ def check_fused_base(model_dir: Path, model_cfg: ModelConfig, lora: LoraSection)
     names: :mod:`shoestring.train.storednames`.)"""
     if not fuses_parameters(model_dir):
         return
+    if lora.quantize == "nf4" and strategy == "fsdp":
+        raise ConfigError(
+            f"distributed.strategy: fsdp does not shard {model_dir}'s experts in NF4 (with "
+            "lora.quantize nf4 they are held as bitsandbytes NF4 matrices per expert, not "
+            "parameters FSDP2 can shard); use ddp (each rank holds the 4-bit base) or "
+            "lora.quantize none"
+        )
     dtype = model_cfg.dtype if model_cfg.dtype in _DTYPES else "float32"  # shapes only
     skeleton = empty_base_model(model_dir, replace(model_cfg, dtype=dtype))
     adapted = apply_lora(skeleton, lora, seed=0, gradient_checkpointing=False)
-    if not model_cfg.gradient_checkpointing and _adapts_parameters(adapted):
+    nf4 = lora.quantize == "nf4"  # NF4 experts: LoRA per routed expert, factored
+    if not nf4 and not model_cfg.gradient_checkpointing and _adapts_parameters(adapted):
         log.warning(
             "LoRA on fused experts: each forward forms every adapted expert stack whole "
             "(peft's W + BA) and autograd keeps it for the backward, a layer's worth per "

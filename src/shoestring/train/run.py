@@ -93,7 +93,7 @@ class Inputs:
         model = resolve_base(cfg.model, hub or HubAccess(cache_dir))
         if model is not None:
             check_stored_quantization(model.path, cfg.lora.quantize)
-            check_fused_base(model.path, cfg.model, cfg.lora)
+            check_fused_base(model.path, cfg.model, cfg.lora, cfg.distributed.strategy)
         if cfg.export.gguf != "none":
             from shoestring.train.ggufexport import check_exportable
 

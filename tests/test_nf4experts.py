@@ -1,0 +1,186 @@
+"""QLoRA of a mixture-of-experts base with its fused experts in NF4 (bitsandbytes'
+quantizer leaves transformers 5's 3-D expert parameters in 16 bits).
+
+The model computes what the same model with those experts dequantized computes under
+transformers' own eager experts loop and peft's own expert LoRA; only routed experts
+are read; the CLI trains it, resumes it bit-exactly and exports the merged model as
+peft merges onto the dequantized base."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import CLI, FAST, read_events, state_digest
+from shoestring.cli import main
+from shoestring.infer.fixtures import build_random_model
+from shoestring.train.config import ModelConfig
+from shoestring.train.nf4experts import QuantizedExperts, is_placeholder, stacks_of
+
+pytest.importorskip("bitsandbytes")
+
+ARCHS: dict[str, dict[str, Any]] = {
+    # [experts, out, in], SiLU gate and up concatenated
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    # [experts, in, out], biases, interleaved clamped gate
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32, sliding_window=8,
+                    context=131072, layer_types=["sliding_attention", "full_attention"] * 2),
+}  # fmt: skip
+
+
+def _moe(root: Path, arch: str) -> Path:
+    return build_random_model(root / arch, arch, init_std=0.05, **ARCHS[arch])
+
+
+def _load(model_dir: Path, quantize: str = "nf4") -> Any:
+    from shoestring.train.model import load_base_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = ModelConfig(path=str(model_dir), dtype="float32", attn_implementation="eager")
+        return load_base_model(model_dir, cfg, quantize)
+
+
+def dequantize_experts(model: Any) -> Any:
+    """The reference: each NF4 stack back as a dense parameter of its values, run by
+    transformers' eager experts loop."""
+    for module in model.modules():
+        for name, stack in stacks_of(module).items():
+            setattr(module, name, torch.nn.Parameter(stack.dense(), requires_grad=False))
+        module.__dict__.pop("nf4_stacks", None)
+    model.set_experts_implementation("eager")
+    return model
+
+
+def _with_lora(model: Any) -> Any:
+    """LoRA on the attention and on both expert parameters (peft's ``all-linear`` maps
+    the experts of the Mixtral and Qwen-MoE families only), A and B random; on NF4
+    experts, factored as ``apply_lora`` does."""
+    from peft import LoraConfig, get_peft_model
+
+    from shoestring.train.model import trainable_parameters
+    from shoestring.train.nf4lora import factor_expert_lora
+
+    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["gate_up_proj", "down_proj"])  # fmt: skip
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(1)
+        peft_model = get_peft_model(model, lora)
+        factor_expert_lora(peft_model)
+        for p in trainable_parameters(peft_model).values():
+            p.normal_(0.0, 0.05)
+    return peft_model
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_nf4_experts_compute_the_dequantized_model_with_peft_lora(
+    arch: str, tmp_path: Path
+) -> None:
+    from shoestring.train.nf4lora import FactoredExperts
+
+    torch.set_num_threads(1)
+    model_dir = _moe(tmp_path, arch)
+    ours, ref = _load(model_dir), dequantize_experts(_load(model_dir))
+    experts = QuantizedExperts.of(ours)
+    assert experts is not None and experts.modules == 4
+    assert experts.bytes_nf4 < 0.16 * experts.bytes_16bit  # fp32 base: 4.1 bits of 32
+    stacked = [getattr(m, n) for m in ours.modules() for n in stacks_of(m)]
+    assert stacked and all(is_placeholder(p) and p.untyped_storage().nbytes() == 4 for p in stacked)
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the base: the same kernels' values, the same order of sums
+        assert torch.equal(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+    ours, ref = _with_lora(ours), _with_lora(ref)
+    assert sum(isinstance(m, FactoredExperts) for m in ours.modules()) == 4
+    assert not any(isinstance(m, FactoredExperts) for m in ref.modules())  # peft's own
+    got, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    got.loss.backward()
+    want.loss.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    expert_grads = [n for n in grads if ".experts." in n]
+    assert len(expert_grads) == 16  # A and B of two parameters in four layers
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_only_the_experts_tokens_are_routed_to_are_read(tmp_path: Path) -> None:
+    """An expert no token goes to is never dequantized: poisoned, it changes nothing;
+    poisoned while routed to, it does."""
+    experts = _load(_moe(tmp_path, "qwen3_moe")).model.layers[0].mlp.experts
+    x = torch.randn(6, 128)
+    routes = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 1], [2, 1], [1, 0]])
+    weights = torch.full((6, 2), 0.5)
+    clean = experts(x, routes, weights)
+    for stack in stacks_of(experts).values():
+        stack.states[3].state2.absmax.fill_(float("nan"))  # expert 3: never routed to
+    assert torch.equal(experts(x, routes, weights), clean)
+    stacks_of(experts)["down_proj"].states[2].state2.absmax.fill_(float("nan"))
+    assert torch.isnan(experts(x, routes, weights)).any()
+
+
+def test_qlora_of_an_moe_base_resumes_exactly_and_exports_as_peft_merges_it(
+    cli: CLI, tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the CLI: the load event says what was quantized; a run SIGKILLed right
+    after its step-4 checkpoint and rerun ends in the state of an uninterrupted one; the
+    merged export is, bitwise, peft's merge of the adapter onto the dequantized base."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
+    model_dir = _moe(tmp_path, "qwen3_moe")
+    args = [*FAST, "--model.path", str(model_dir), "--lora.dropout", "0", "--train.max_steps",
+            "8", "--lora.quantize", "nf4", "--data.eval", ""]  # fmt: skip
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    killed = cli.start(cut, *args, env={"SHOESTRING_FAULTS": "ckpt.after_rename@1:kill"})
+    torch.set_num_threads(1)
+    assert main(["finetune", "--output_dir", str(ref), *args, "--export.merged"]) == 0
+    assert killed.wait(timeout=300) != 0
+    resumed = cli.run(cut, *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [e["from_step"] for e in read_events(cut) if e["event"] == "resume"] == [4]
+    assert state_digest(cut, 8) == state_digest(ref, 8)
+    load = next(e for e in read_events(ref) if e["event"] == "load" and e["phase"] == "model")
+    assert load["nf4_experts"] == 4 and load["qbase_skipped"] == "NF4 experts"
+    assert load["nf4_expert_bytes"] < 0.16 * load["nf4_expert_bytes_16bit"]
+    adapter = load_file(str(ref / "final" / "adapter_model.safetensors"))
+    expert_b = [k for k in adapter if ".mlp.experts." in k and ".lora_B." in k]
+    assert expert_b and all(bool(adapter[k].ne(0).any()) for k in expert_b)
+
+    base = dequantize_experts(_load(model_dir)).dequantize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_merged = PeftModel.from_pretrained(base, str(ref / "final")).merge_and_unload()
+    peft_merged.save_pretrained(str(tmp_path / "peft-merged"))
+    ours, theirs = (
+        {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        for d in (ref / "merged", tmp_path / "peft-merged")
+    )
+    assert ours.keys() == theirs.keys()
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in ours  # the stored layout
+    for k, v in theirs.items():
+        assert torch.equal(ours[k], v), k
+
+
+def test_fsdp_is_refused_and_no_checkpointing_warning_for_nf4_experts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NF4 experts are not parameters FSDP2 could shard: refused by name before loading.
+    peft's whole-stack forms, which made gradient checkpointing a must, are not made."""
+    from shoestring.config import ConfigError, load
+    from shoestring.train.config import FinetuneConfig
+    from shoestring.train.model import check_fused_base
+
+    moe = _moe(tmp_path, "qwen3_moe")
+    cfg = load(FinetuneConfig, None, ["--lora.dropout", "0", "--lora.quantize", "nf4"])
+    with pytest.raises(ConfigError, match="distributed.strategy: fsdp"):
+        check_fused_base(moe, cfg.model, cfg.lora, "fsdp")
+    with caplog.at_level("WARNING", "shoestring.finetune"):
+        check_fused_base(moe, cfg.model, cfg.lora, "ddp")
+    assert "gradient_checkpointing" not in caplog.text
