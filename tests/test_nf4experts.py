@@ -184,3 +184,30 @@ def test_fsdp_is_refused_and_no_checkpointing_warning_for_nf4_experts(
     with caplog.at_level("WARNING", "shoestring.finetune"):
         check_fused_base(moe, cfg.model, cfg.lora, "ddp")
     assert "gradient_checkpointing" not in caplog.text
+
+
+def test_experts_are_quantized_as_transformers_loads_them(tmp_path: Path) -> None:
+    """The loader's hook leaves nothing for the pass after the load, and quantizes each
+    expert to the very bytes the pass after the load gives."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from shoestring.train.nf4experts import quantize_experts, quantized_as_loaded
+
+    model_dir = _moe(tmp_path, "qwen3_moe")
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                           bnb_4bit_use_double_quant=True)  # fmt: skip
+    with quantized_as_loaded():
+        hooked = AutoModelForCausalLM.from_pretrained(str(model_dir), quantization_config=q)
+    assert quantize_experts(hooked) == 0  # all 8 were quantized while loading
+    after = AutoModelForCausalLM.from_pretrained(str(model_dir), quantization_config=q)
+    assert not any(stacks_of(m) for m in after.modules())  # the hook is gone after its block
+    assert quantize_experts(after) == 8
+    pairs = [(stacks_of(a), stacks_of(b)) for a, b in zip(hooked.modules(), after.modules())]
+    pairs = [(a, b) for a, b in pairs if a]
+    assert len(pairs) == 4
+    for a, b in pairs:
+        for name in a:
+            assert torch.equal(a[name].packed, b[name].packed)
+            assert all(
+                torch.equal(x.absmax, y.absmax) for x, y in zip(a[name].states, b[name].states)
+            )

@@ -119,7 +119,7 @@ def _release_memory() -> None:
     next job measures the process's RSS as its runtime share of the same budget."""
     import gc
 
-    from shoestring.infer.engine import trim_heap
+    from shoestring.heap import trim_heap
 
     gc.collect()
     trim_heap()

@@ -23,7 +23,7 @@ import torch
 
 from shoestring.config import ConfigError
 from shoestring.dircommit import commit_dir, staging_dir
-from shoestring.infer.engine import trim_heap
+from shoestring.heap import trim_heap
 
 #: The copy's manifest: ``{"source": ..., ...}``, written last.
 META = "meta.json"

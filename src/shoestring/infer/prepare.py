@@ -20,6 +20,7 @@ import torch
 
 from shoestring.checkpoint.faults import FaultPlan
 from shoestring.config import ConfigError, to_flat
+from shoestring.heap import steady_memory
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.infer.adapter import LoraDelta
 from shoestring.infer.budget import Planner, predicted_plan, real_plan
@@ -27,7 +28,7 @@ from shoestring.infer.codecs import Scheme
 from shoestring.infer.config import LATER_KEY_DEFAULTS, OUTPUT_KEYS, InferConfig
 from shoestring.infer.decoded import decoded_bytes, decodes, layer_units
 from shoestring.infer.dtype import compute_dtype
-from shoestring.infer.engine import StreamingCausalLM, read_config_json, steady_memory, stored_dtype
+from shoestring.infer.engine import StreamingCausalLM, read_config_json, stored_dtype
 from shoestring.infer.inputs import Input, read_input
 from shoestring.infer.layercopy import kept_copy
 from shoestring.infer.ledger import Pinned, RunRecord

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import replace
@@ -14,7 +15,7 @@ from shoestring.config import ConfigError
 from shoestring.hf import StoredQuantization, bnb_stored, quant_method, quiet_hf
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.train.config import LoraSection, ModelConfig
-from shoestring.train.nf4experts import quantize_experts
+from shoestring.train.nf4experts import quantize_experts, quantized_as_loaded
 
 log = logging.getLogger("shoestring.finetune")
 
@@ -158,8 +159,10 @@ def load_base_model(
     kwargs = _from_pretrained_kwargs(cfg, device, qcfg is not None)
     if qcfg is not None:
         kwargs["quantization_config"] = qcfg
+    loading = quantized_as_loaded() if quantize == "nf4" else contextlib.nullcontext()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+        with loading:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except RuntimeError as e:
         if qcfg is not None and "shape" in str(e):  # bnb CPU kernels need widths % 64 == 0
             raise ConfigError(
@@ -177,8 +180,10 @@ def load_prequantized(saved_dir: Path, model_dir: Path, cfg: ModelConfig, device
 
     quiet_hf()
     kwargs = _from_pretrained_kwargs(cfg, device, True)
-    model = AutoModelForCausalLM.from_pretrained(str(saved_dir), **kwargs)
-    return _frozen(model, True, model_dir, experts=stored_quantization(saved_dir) == "nf4")
+    nf4 = stored_quantization(saved_dir) == "nf4"
+    with quantized_as_loaded() if nf4 else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(str(saved_dir), **kwargs)
+    return _frozen(model, True, model_dir, experts=nf4)
 
 
 def empty_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none") -> Any:

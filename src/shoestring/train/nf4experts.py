@@ -23,6 +23,7 @@ whole stack, dequantized, every call (:class:`FactoredExperts`).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,21 +160,53 @@ class QuantizedExperts:
 
 
 def quantize_experts(model: nn.Module) -> int:
-    """Quantize every fused experts module of ``model`` to NF4, one module at a time (its
-    16-bit weights freed before the next), and route its forward through
-    :func:`routed_forward`. The number of modules quantized."""
-    modules = [m for m in model.modules() if is_fused_experts(m) and not stacks_of(m)]
-    for module in modules:
-        stacks = {}
-        for name in _PROJECTIONS:
-            param = getattr(module, name, None)
-            if isinstance(param, torch.Tensor) and param.ndim == 3:
-                stacks[name] = ExpertStack.quantize(param.detach(), bool(module.is_transposed))
-                setattr(module, name, _placeholder(param))
-        module.__dict__["nf4_stacks"] = stacks  # not a buffer: kept out of state_dict
-    if modules:
+    """Quantize every fused expert parameter of ``model`` still in 16/32 bits to NF4, a
+    module at a time (its wide weights freed before the next), and route the experts'
+    forward through :func:`routed_forward`. The number of parameters quantized here
+    (those :func:`quantized_as_loaded` caught are already done)."""
+    n = 0
+    for module in model.modules():
+        if is_fused_experts(module):
+            for name in _PROJECTIONS:
+                n += _quantize_param(module, name)
+    if any(stacks_of(m) for m in model.modules()):
         _route(model)
-    return len(modules)
+    return n
+
+
+def _quantize_param(module: nn.Module, name: str) -> int:
+    param = getattr(module, name, None)
+    if not isinstance(param, torch.Tensor) or param.ndim != 3 or is_placeholder(param):
+        return 0
+    stack = ExpertStack.quantize(param.detach(), bool(getattr(module, "is_transposed", False)))
+    module.__dict__.setdefault("nf4_stacks", {})[name] = stack  # not a buffer: not saved
+    setattr(module, name, _placeholder(param))
+    return 1
+
+
+@contextmanager
+def quantized_as_loaded() -> Iterator[None]:
+    """Within (around ``from_pretrained``): each fused expert parameter is quantized as
+    transformers' loader sets it, so the 16-bit experts never all exist at once (the
+    load peaks at the NF4 model plus a layer, not at the 16-bit model). The loader's
+    own ``set_param_for_module`` does the setting and its bookkeeping first; whatever
+    it does not pass this way is quantized after the load by :func:`quantize_experts`."""
+    import transformers.core_model_loading as loading
+
+    original = loading.set_param_for_module
+
+    def set_then_quantize(model: Any, target_name: str, value: Any, *args: Any) -> None:
+        original(model, target_name, value, *args)
+        path, _, name = target_name.rpartition(".")
+        module = model.get_submodule(path) if path else model
+        if name in _PROJECTIONS and is_fused_experts(module):
+            _quantize_param(module, name)
+
+    loading.set_param_for_module = set_then_quantize  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        loading.set_param_for_module = original
 
 
 def _placeholder(param: torch.Tensor) -> nn.Parameter:
@@ -181,7 +214,9 @@ def _placeholder(param: torch.Tensor) -> nn.Parameter:
     by, in one element of memory (a stride-0 view; never read: the forward reads the
     NF4 stack)."""
     one = torch.zeros((), dtype=param.dtype, device=param.device)
-    return nn.Parameter(one.expand(param.shape), requires_grad=False)
+    held = nn.Parameter(one.expand(param.shape), requires_grad=False)
+    held._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers: loaded
+    return held
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
