@@ -105,9 +105,8 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
     if experts:
         raise MixtureOfExperts(
             f"{name}: a mixture-of-experts model ({experts} experts a layer); the planner "
-            "models dense decoders only, and would leave its experts out of every figure "
-            "(their weights stay in the compute dtype: bitsandbytes quantizes Linear "
-            "layers, and transformers 5 holds the experts as fused parameters)"
+            "models dense decoders only, and would leave its experts (nearly all its "
+            "weights) out of every figure; measured MoE runs: benchmarks/README.md"
         )
     try:
         heads = int(cfg["num_attention_heads"])
