@@ -92,13 +92,16 @@ def test_nf4_experts_compute_the_dequantized_model_with_peft_lora(
     assert stacked and all(is_placeholder(p) and p.untyped_storage().nbytes() == 4 for p in stacked)
     ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the base: the same kernels' values, the same order of sums
-        assert torch.equal(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
+        base_logits = ours(input_ids=ids).logits
+        assert torch.equal(base_logits, ref(input_ids=ids).logits)
 
     ours, ref = _with_lora(ours), _with_lora(ref)
     assert sum(isinstance(m, FactoredExperts) for m in ours.modules()) == 4
     assert not any(isinstance(m, FactoredExperts) for m in ref.modules())  # peft's own
     got, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), ours.disable_adapter():  # a DPO reference: the base, exactly
+        assert torch.equal(ours(input_ids=ids).logits, base_logits)
     got.loss.backward()
     want.loss.backward()
     grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
@@ -211,3 +214,27 @@ def test_experts_are_quantized_as_transformers_loads_them(tmp_path: Path) -> Non
             assert all(
                 torch.equal(x.absmax, y.absmax) for x, y in zip(a[name].states, b[name].states)
             )
+
+
+def test_gradient_checkpointing_recomputes_the_routed_experts_to_the_same_gradients(
+    tmp_path: Path,
+) -> None:
+    """With checkpointing the experts' forward runs again in the backward (factors handed
+    down again): every adapter gradient equals the run without it."""
+    torch.set_num_threads(1)
+    model_dir = _moe(tmp_path, "qwen3_moe")
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        model = _with_lora(_load(model_dir))
+        if checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            model.enable_input_require_grads()
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and any(".experts." in n for n in grads[0])
+    for name, g in grads[0].items():
+        assert g is not None and torch.equal(g, grads[1][name]), name

@@ -15,9 +15,15 @@ matmul is bitsandbytes' ``matmul_4bit``, which dequantizes inside the kernel and
 in the backward, so no dequantized weight is kept for the backward.
 
 LoRA on the experts stays peft's (``ParamWrapper``, its adapter files unchanged), but
-computed in factored form per routed expert, ``x W_e^T + s (x B_e^T... )`` as
-``(x @ rhs_e^T) @ lhs_e^T``: peft's own forward would form ``W + s·lhs@rhs`` for the
-whole stack, dequantized, every call (:class:`FactoredExperts`).
+computed in factored form per routed expert: with peft's factors (delta
+``s·lhs@rhs``), ``x @ W_e^T + s·((x @ rhs_e^T) @ lhs_e^T)``, where peft's own forward
+would form ``W + s·lhs@rhs`` for the whole stack, dequantized, every call
+(:class:`shoestring.train.nf4lora.FactoredExperts`).
+
+The experts' placeholders and the forward's registration are the only state outside
+the stacks: a stride-0 parameter where each 16-bit stack was, and the name
+:data:`IMPLEMENTATION` in transformers' registry of experts forwards (its documented
+extension point, registered once per process, used by the models that select it).
 """
 
 from __future__ import annotations
