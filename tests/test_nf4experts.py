@@ -238,3 +238,30 @@ def test_gradient_checkpointing_recomputes_the_routed_experts_to_the_same_gradie
     assert grads[0].keys() == grads[1].keys() and any(".experts." in n for n in grads[0])
     for name, g in grads[0].items():
         assert g is not None and torch.equal(g, grads[1][name]), name
+
+
+def test_gpt_oss_experts_train_in_nf4_through_lora_target_parameters(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """peft's ``all-linear`` does not reach gpt-oss's experts; ``lora.target_parameters``
+    does: they train in NF4 (transposed, with biases) through the CLI, and the adapter
+    names them as peft does."""
+    import json
+
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
+    torch.set_num_threads(1)
+    model_dir = _moe(tmp_path, "gpt_oss")
+    out = tmp_path / "run"
+    args = [*FAST, "--model.path", str(model_dir), "--lora.dropout", "0", "--train.max_steps",
+            "3", "--lora.quantize", "nf4", "--model.attn_implementation", "eager",
+            "--lora.target_parameters", "gate_up_proj,down_proj", "--data.eval", ""]  # fmt: skip
+    assert main(["finetune", "--output_dir", str(out), *args]) == 0
+    load = next(e for e in read_events(out) if e["event"] == "load" and e["phase"] == "model")
+    assert load["nf4_experts"] == 4
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert {"gate_up_proj", "down_proj"} <= set(config["target_parameters"])
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    expert_b = [k for k in adapter if ".mlp.experts." in k and ".lora_B." in k]
+    assert len(expert_b) == 8 and all(bool(adapter[k].ne(0).any()) for k in expert_b)

@@ -416,6 +416,13 @@ class LoraSection:
     alpha: float = knob(32.0, "LoRA scaling numerator (scale = alpha / r).", check=positive)
     dropout: float = knob(0.05, "Dropout on the LoRA input.", check=unit_interval)
     target_modules: list[str] = knob(["all-linear"], "Module names to adapt, or ['all-linear'].")
+    target_parameters: list[str] = knob(
+        [],
+        "Parameters to adapt directly (peft's target_parameters, matched by name or "
+        "suffix): a mixture-of-experts layer's fused experts, e.g. [gate_up_proj, "
+        "down_proj], where 'all-linear' does not reach them (gpt-oss; peft maps the "
+        "experts of the Mixtral and Qwen-MoE families itself). Takes lora.dropout 0.",
+    )
     quantize: Quantize = knob(
         "none",
         "Load the frozen base quantized by bitsandbytes (QLoRA): 'nf4' is 4-bit "

@@ -306,6 +306,7 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
         lora_alpha=alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
+        target_parameters=list(cfg.target_parameters) or None,
         task_type="CAUSAL_LM",
         bias="none",
     )
