@@ -265,3 +265,22 @@ def test_gpt_oss_experts_train_in_nf4_through_lora_target_parameters(
     adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
     expert_b = [k for k in adapter if ".mlp.experts." in k and ".lora_B." in k]
     assert len(expert_b) == 8 and all(bool(adapter[k].ne(0).any()) for k in expert_b)
+
+
+def test_a_gguf_of_nf4_experts_reads_back_as_the_adapted_model(tmp_path: Path) -> None:
+    """The GGUF export of a QLoRA with NF4 experts (Qwen3-MoE, adapters on the experts):
+    each layer's experts stacked from the dequantized stacks plus peft's deltas, and the
+    file reads back in transformers as the in-memory adapted model (f16's tolerance)."""
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from gguf_fixtures import tiny_model_dir
+    from shoestring.train.ggufexport import export_gguf
+    from test_gguf import _reads_back
+
+    d = tiny_model_dir(tmp_path / "tiny-qwen3-moe", "qwen3_moe")
+    model = _with_lora(_load(d)).eval()
+    assert QuantizedExperts.of(model) is not None
+    tok = AutoTokenizer.from_pretrained(d)
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name)
+    _reads_back(model, tok, path, "f16")
