@@ -189,6 +189,10 @@ def test_fsdp_is_refused_and_no_checkpointing_warning_for_nf4_experts(
     assert "gradient_checkpointing" not in caplog.text
 
 
+def _path_of(model: Any, module: Any) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
 def test_experts_are_quantized_as_transformers_loads_them(tmp_path: Path) -> None:
     """The loader's hook leaves nothing for the pass after the load, and quantizes each
     expert to the very bytes the pass after the load gives."""
@@ -208,9 +212,17 @@ def test_experts_are_quantized_as_transformers_loads_them(tmp_path: Path) -> Non
     pairs = [(stacks_of(a), stacks_of(b)) for a, b in zip(hooked.modules(), after.modules())]
     pairs = [(a, b) for a, b in pairs if a]
     assert len(pairs) == 4
-    for a, b in pairs:
+    plain = AutoModelForCausalLM.from_pretrained(str(model_dir))  # the stored weights
+    for module, (a, b) in zip([m for m in after.modules() if stacks_of(m)], pairs, strict=True):
         for name in a:
             assert torch.equal(a[name].packed, b[name].packed)
+            # NF4 of the stored weights, within its rounding: not any bytes that match
+            stored = plain.get_submodule(_path_of(after, module)).get_parameter(name)
+            dense = a[name].dense()
+            assert (
+                torch.nn.functional.cosine_similarity(dense.flatten(), stored.flatten(), 0) > 0.99
+            )
+            assert (dense - stored).abs().max() <= 0.15 * stored.abs().max()
             assert all(
                 torch.equal(x.absmax, y.absmax) for x, y in zip(a[name].states, b[name].states)
             )

@@ -57,16 +57,16 @@ class ExpertStack:
     def quantize(cls, param: torch.Tensor, transposed: bool) -> ExpertStack:
         import bitsandbytes.functional as F
 
-        experts = param.shape[0]
-        rows, states = [], []
-        for e in range(experts):
+        experts, size = param.shape[0], param[0].numel()
+        packed = torch.empty((experts, (size + 1) // 2), dtype=torch.uint8, device=param.device)
+        states = []
+        for e in range(experts):  # each straight into its row: no per-expert copy to free
             w = param[e].t() if transposed else param[e]
-            q, state = F.quantize_4bit(
-                w.contiguous(), blocksize=_BLOCKSIZE, compress_statistics=True, quant_type="nf4"
-            )
-            rows.append(q.view(-1))
+            _, state = F.quantize_4bit(
+                w.contiguous(), out=packed[e].view(-1, 1), blocksize=_BLOCKSIZE,
+                compress_statistics=True, quant_type="nf4",
+            )  # fmt: skip
             states.append(state)
-        packed = torch.stack(rows)
         return cls(packed, tuple(states), param.shape, param.dtype, transposed)
 
     def matmul(self, x: torch.Tensor, e: int) -> torch.Tensor:
