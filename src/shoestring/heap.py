@@ -9,10 +9,12 @@ no tensor holds.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -58,6 +60,34 @@ def steady_memory() -> None:
     libc = _libc_with_malloc_trim()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
+#: glibc's ceiling for its dynamic mmap threshold (64-bit): where its defaults settle.
+MMAP_THRESHOLD_MAX = 32 << 20
+
+
+@contextlib.contextmanager
+def unmapped_when_freed() -> Iterator[None]:
+    """Within: blocks from :data:`MMAP_THRESHOLD` up are mappings of their own, returned
+    to the OS when freed; after: the threshold at :data:`MMAP_THRESHOLD_MAX`, where
+    glibc's dynamic one settles, and the heap trimmed (elsewhere a no-op).
+
+    For a load that passes a model through blocks of a few MB (a 16-bit expert read,
+    stacked, quantized, freed; the NF4 scales kept between them): with glibc's
+    defaults its peak varied from 7.1 to 11.5 GB between identical runs at an
+    OLMoE-1B-7B shape, once 24 GB (killed). The steps after keep glibc's usual
+    behaviour: the threshold fixed at 4 MB made them 2x slower
+    (``benchmarks/results/moe-heap-olmoe-1b-7b-2026-12-07.txt``)."""
+    libc = _libc_with_malloc_trim()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if mallopt is not None:
+            mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+        trim_heap()
 
 
 @functools.cache

@@ -11,6 +11,7 @@ what was saved.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from shoestring.config import to_flat
-from shoestring.heap import trim_heap
+from shoestring.heap import unmapped_when_freed
 from shoestring.hf import fingerprint, load_tokenizer
 from shoestring.secrets import redact
 from shoestring.train.baseload import load_base
@@ -112,13 +113,12 @@ def _learner(
 ) -> Learner:
     check_family(cfg.train.kernels, model_dir)  # a family liger cannot patch: before loading
     t0 = time.perf_counter()
-    loaded = load_base(cfg, run, model_dir, base_fp)
+    # On a CPU the load's blocks go back to the OS as they are freed, and what is left
+    # is trimmed; the steps keep glibc's usual threshold (shoestring.heap).
+    on_cpu = run.strategy.device.type == "cpu"
+    with unmapped_when_freed() if on_cpu else contextlib.nullcontext():
+        loaded = load_base(cfg, run, model_dir, base_fp)
     seconds = round(time.perf_counter() - t0, 3)
-    if run.strategy.device.type == "cpu":
-        # What the load freed (NF4 experts: 1.5 GB of quantizer transients at an
-        # OLMoE-1B-7B shape) back to the OS; the steps keep glibc's defaults, which
-        # were 2x faster there than a fixed mmap threshold (benchmarks/README.md).
-        trim_heap()
     if cfg.train.kernels != "none":
         run.events.emit("kernels", **apply_kernels(cfg.train.kernels, loaded.model))
     model = apply_lora(loaded.model, cfg.lora, cfg.train.seed, cfg.model.gradient_checkpointing)
