@@ -26,6 +26,9 @@ pytest.importorskip("bitsandbytes")
 ARCHS: dict[str, dict[str, Any]] = {
     # [experts, out, in], SiLU gate and up concatenated
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    # the same layout; Mixtral's and OLMoE's own routers (OLMoE: q/k norms over all heads)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     # [experts, in, out], biases, interleaved clamped gate
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=32, sliding_window=8,
                     context=131072, layer_types=["sliding_attention", "full_attention"] * 2),
