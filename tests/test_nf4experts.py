@@ -299,3 +299,26 @@ def test_a_gguf_of_nf4_experts_reads_back_as_the_adapted_model(tmp_path: Path) -
     tok = AutoTokenizer.from_pretrained(d)
     path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name)
     _reads_back(model, tok, path, "f16")
+
+
+def test_all_linear_that_leaves_experts_bare_is_said_with_the_knob(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpt-oss's experts are out of ``all-linear``'s reach in peft: the run says so and
+    names ``lora.target_parameters``; not once they are targeted, nor for Qwen3-MoE,
+    whose experts peft maps itself."""
+    from shoestring.train.config import LoraSection
+    from shoestring.train.model import apply_lora
+
+    said = []
+    for arch, parameters in (("gpt_oss", []), ("gpt_oss", ["gate_up_proj", "down_proj"]),
+                             ("qwen3_moe", [])):  # fmt: skip
+        model_dir = tmp_path / arch
+        if not model_dir.exists():
+            _moe(tmp_path, arch)
+        lora = LoraSection(dropout=0.0, target_parameters=parameters)
+        caplog.clear()
+        with caplog.at_level("WARNING", "shoestring.finetune"):
+            apply_lora(_load(model_dir, "none"), lora, seed=0, gradient_checkpointing=False)
+        said.append("--lora.target_parameters gate_up_proj,down_proj" in caplog.text)
+    assert said == [True, False, False]

@@ -317,12 +317,34 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
         except ValueError as e:
             raise ConfigError(_refused_lora(e, cfg)) from e
     factor_expert_lora(peft_model)  # LoRA on NF4 experts: per routed expert, factored
+    _warn_unadapted_experts(peft_model, cfg)
     if gradient_checkpointing:
         peft_model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
         )
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+def _warn_unadapted_experts(model: Any, cfg: LoraSection) -> None:
+    """``all-linear`` leaves an MoE's fused experts without adapters where peft does not
+    map them (it maps the Mixtral and Qwen-MoE families): said, with the knob."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from shoestring.train.nf4experts import is_fused_experts
+
+    if cfg.target_parameters or cfg.target_modules != ["all-linear"]:
+        return
+    adapted = {id(m.get_base_layer()) for m in model.modules() if isinstance(m, ParamWrapper)}
+    bare = [m for m in model.modules() if is_fused_experts(m) and id(m) not in adapted]
+    if bare:
+        log.warning(
+            "lora.target_modules all-linear puts no adapter on this model's %d fused "
+            "expert modules (%s; peft maps the experts of the Mixtral and Qwen-MoE "
+            "families only): --lora.target_parameters gate_up_proj,down_proj adapts them",
+            len(bare),
+            type(bare[0]).__name__,
+        )
 
 
 def _refused_lora(e: ValueError, cfg: LoraSection) -> str:
