@@ -232,15 +232,25 @@ def test_experts_are_quantized_as_transformers_loads_them(tmp_path: Path) -> Non
 
 
 def test_gradient_checkpointing_recomputes_the_routed_experts_to_the_same_gradients(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With checkpointing the experts' forward runs again in the backward (factors handed
     down again): every adapter gradient equals the run without it."""
+    from shoestring.train.nf4experts import ExpertStack
+
     torch.set_num_threads(1)
     model_dir = _moe(tmp_path, "qwen3_moe")
     ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    grads = []
+    grads, matmuls = [], []
+    original = ExpertStack.matmul
+
+    def counted(self: ExpertStack, x: torch.Tensor, e: int) -> torch.Tensor:
+        matmuls[-1] += 1
+        return original(self, x, e)
+
+    monkeypatch.setattr(ExpertStack, "matmul", counted)
     for checkpointing in (False, True):
+        matmuls.append(0)
         model = _with_lora(_load(model_dir))
         if checkpointing:
             model.gradient_checkpointing_enable(
@@ -250,6 +260,7 @@ def test_gradient_checkpointing_recomputes_the_routed_experts_to_the_same_gradie
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert matmuls[1] == 2 * matmuls[0] > 0  # checkpointed: every expert forward runs twice
     assert grads[0].keys() == grads[1].keys() and any(".experts." in n for n in grads[0])
     for name, g in grads[0].items():
         assert g is not None and torch.equal(g, grads[1][name]), name

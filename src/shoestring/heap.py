@@ -57,9 +57,7 @@ def steady_memory() -> None:
     """
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
-    libc = _libc_with_malloc_trim()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    _mmap_threshold(MMAP_THRESHOLD)
 
 
 #: glibc's ceiling for its dynamic mmap threshold (64-bit): where its defaults settle.
@@ -78,16 +76,19 @@ def unmapped_when_freed() -> Iterator[None]:
     OLMoE-1B-7B shape, once 24 GB (killed). The steps after keep glibc's usual
     behaviour: the threshold fixed at 4 MB made them 2x slower
     (``benchmarks/results/moe-heap-olmoe-1b-7b-2026-12-07.txt``)."""
-    libc = _libc_with_malloc_trim()
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    _mmap_threshold(MMAP_THRESHOLD)
     try:
         yield
     finally:
-        if mallopt is not None:
-            mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+        _mmap_threshold(MMAP_THRESHOLD_MAX)
         trim_heap()
+
+
+def _mmap_threshold(nbytes: int) -> None:
+    """glibc's mmap threshold fixed at ``nbytes`` (elsewhere a no-op)."""
+    libc = _libc_with_malloc_trim()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(_M_MMAP_THRESHOLD, nbytes)
 
 
 @functools.cache

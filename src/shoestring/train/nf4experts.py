@@ -239,7 +239,7 @@ def _route(model: nn.Module) -> None:
 
 
 def routed_forward(
-    self: nn.Module,
+    self: Any,
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -248,8 +248,7 @@ def routed_forward(
     """transformers' eager experts loop (expert by expert, ascending, ``index_add_``)
     on the NF4 stacks, with LoRA deltas added in factored form."""
     out = torch.zeros_like(hidden_states)
-    num_experts = int(getattr(self, "num_experts", top_k_index.max().item() + 1))
-    for e, tokens, slot in _routed(top_k_index, num_experts):
+    for e, tokens, slot in _routed(top_k_index, int(self.num_experts)):
         y = _expert(self, hidden_states[tokens], e, lora or {})
         y = y * top_k_weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
