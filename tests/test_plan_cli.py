@@ -246,32 +246,79 @@ def test_preflight_warns_instead_when_not_enforced(cache_dir: Path) -> None:
     assert preflight(load(FinetuneConfig, None, ["--plan.gpu", "none"]), d) is None
 
 
-def test_a_mixture_of_experts_is_refused_by_the_plan_and_not_checked_before_training(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "vocab_size": 151936, "norm_topk_prob": True,
+}  # fmt: skip
+
+
+def test_a_mixture_of_experts_is_planned_with_its_experts_and_checked_before_training(
+    tmp_path: Path,
 ) -> None:
-    """Qwen3-30B-A3B's shape: the planner models dense decoders, and counting this one as
-    its attention and embeddings (about 1.3 B of its 30 B parameters) would say it fits
-    anywhere. ``plan`` refuses it by name; finetune's pre-flight warns and lets it start
-    (found at real size: an OLMoE-1B-7B QLoRA planned at 1.96 GiB was killed at 23.8 GB)."""
+    """Qwen3-30B-A3B's shape: its 128 experts a layer are 29.0 B of its 30.5 B
+    parameters. Counted as the dense model its attention describes, it would have fit
+    anywhere (an OLMoE-1B-7B QLoRA once planned at 1.96 GiB was killed at 23.8 GB).
+    peft's all-linear puts LoRA on every expert (r·128 per parameter: about 1 B trainable
+    parameters at r=16), which an L4 cannot hold; the plan says so and advises LoRA on
+    the attention, which fits an L4 with the experts in NF4 (not a T4). Its compute
+    counts the 8 experts a token is routed to, not all 128."""
     from shoestring.plan.check import preflight
 
     d = tmp_path / "qwen3-moe"
     d.mkdir()
-    config = {
-        "model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
-        "head_dim": 128, "vocab_size": 151936,
-    }  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
-    r = plan_cli("--model", str(d), "--method", "qlora")
-    assert r.returncode == 2, r.stdout
-    assert (
-        "--model: " in r.stderr and "a mixture-of-experts model (128 experts a layer)" in r.stderr
-    )
-    with caplog.at_level("WARNING", "shoestring.plan"):
-        assert preflight(load(FinetuneConfig, None, ["--plan.gpu", "T4"]), d) is None
-    assert "does not model mixture-of-experts" in caplog.text
+    (d / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    attention = "q_proj,k_proj,v_proj,o_proj"
+    plans = {}
+    for name, flags in (
+        ("all-linear", ["--gpu", "L4"]),
+        ("attention", ["--gpu", "L4", "--targets", attention]),
+        ("T4", ["--gpu", "T4", "--targets", attention]),
+        ("16-bit", ["--gpu", "H100", "--method", "lora", "--targets", attention]),
+    ):
+        r = plan_cli("--model", str(d), "--method", "qlora", *flags, "--json")
+        plans[name] = json.loads(r.stdout)
+        assert r.returncode == (0 if plans[name]["fits"] else 1), r.stderr
+    expert_params = 48 * 128 * 3 * 2048 * 768
+    lora_params = 48 * 128 * (32 * (2048 + 1536) + 16 * (768 + 2048)) + 48 * 16 * (2048 + 128)
+    whole = plans["all-linear"]
+    assert whole["breakdown"]["weights"] > expert_params // 2  # 4 bits each, at least
+    assert whole["breakdown"]["adapters"] > 4 * lora_params  # fp32, beside the attention's
+    assert not whole["fits"] and whole["advice"][0]["change"].startswith("LoRA on the attention")
+    assert whole["advice"][0]["fits"]
+    assert plans["attention"]["fits"] and not plans["T4"]["fits"]
+    assert plans["16-bit"]["breakdown"]["weights"] > 2 * expert_params
+    active = 2 * 48 * (8 * 3 * 2048 * 768 + 2 * 2048 * 4096 + 2 * 2048 * 512)
+    assert plans["attention"]["flops_per_token"] < 4 * active  # not 30 B parameters' worth
+
+    over = ["--plan.gpu", "T4", "--lora.quantize", "nf4", "--lora.dropout", "0",
+            "--lora.target_modules", f"[{attention}]", "--model.gradient_checkpointing", "true"]  # fmt: skip
+    with pytest.raises(ConfigError, match="per GPU"):
+        preflight(load(FinetuneConfig, None, over), d)
+    fine = preflight(load(FinetuneConfig, None, ["--plan.gpu", "L4", *over[2:]]), d)
+    assert fine is not None and fine.fits
+
+
+def test_an_moe_the_planner_does_not_model_is_refused_by_name(tmp_path: Path) -> None:
+    """Qwen2-MoE adds a shared expert to every layer; DeepSeek-V3 has dense first layers
+    and its own attention: the planner names what it models instead of guessing."""
+    for family, extra in (("qwen2_moe", {"shared_expert_intermediate_size": 5632}),
+                          ("deepseek_v3", {"n_routed_experts": 256})):  # fmt: skip
+        d = tmp_path / family
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "model_type": family, **extra}))
+        r = plan_cli("--model", str(d), "--method", "qlora")
+        assert r.returncode == 2, r.stdout
+        assert (
+            f"({family}, " in r.stderr
+            and "the planner models mixtral, olmoe, qwen3_moe" in r.stderr
+        )
+    d = tmp_path / "sparse-step"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "mlp_only_layers": [0, 1]}))
+    r = plan_cli("--model", str(d))
+    assert r.returncode == 2 and "some layers are dense" in r.stderr
 
 
 def test_memory_levers_from_a_config_and_flags(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """Model shapes the planner needs, from a ``config.json`` or a built-in preset.
 
-Only decoder-only Llama-style models (Llama, Mistral, Qwen2, Gemma-like shapes)
-are described: RMSNorm, rotary attention with grouped KV heads, a gated (SwiGLU)
-MLP. That covers the popular 7B-8B models people fine-tune on small GPUs.
+Decoder-only Llama-style models (Llama, Mistral, Qwen2/3, Gemma-like shapes):
+RMSNorm, rotary attention with grouped KV heads, a gated (SwiGLU) MLP. That covers
+the popular 7B-8B models people fine-tune on small GPUs. Three mixture-of-experts
+families share that attention and replace every MLP by routed SwiGLU experts
+(:class:`Experts`): Mixtral, Qwen3-MoE and OLMoE.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shoestring.hf import bnb_stored
+
+#: RMSNorm of the queries and keys before RoPE: per head (Qwen3), over all heads (OLMoE).
+QkNorm = Literal["none", "head", "all"]
 
 #: The Linear layers of a Llama-style decoder layer, in forward order.
 LINEARS: tuple[str, ...] = (
@@ -25,6 +30,29 @@ LINEARS: tuple[str, ...] = (
     "up_proj",
     "down_proj",
 )
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts that replace the MLP of every decoder layer (transformers 5
+    holds them fused: ``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]``), and the
+    router's ``[E, H]`` weight."""
+
+    count: int
+    top_k: int
+    intermediate: int  # one expert's
+    renormalized: bool  # the top-k weights are divided by their sum
+    fp32_weights: bool = False  # the top-k weights stay fp32 (Mixtral), not the dtype
+
+    def param_shapes(self, hidden: int) -> dict[str, tuple[int, int]]:
+        """``{parameter: (in_features, out_features)}`` of one expert's matrices."""
+        return {
+            "gate_up_proj": (hidden, 2 * self.intermediate),
+            "down_proj": (self.intermediate, hidden),
+        }
+
+    def params_per_layer(self, hidden: int) -> int:
+        return self.count * (3 * hidden * self.intermediate + hidden)
 
 
 @dataclass(frozen=True)
@@ -44,24 +72,29 @@ class Arch:
     mlp_bias: bool = False
     checkpoint_itemsize: int = 2  # bytes per weight as stored (bf16/fp16; fp32: 4)
     prequantized: str = "none"  # a bitsandbytes checkpoint (*-bnb-4bit): nf4 | int8
+    qk_norm: QkNorm = "none"
+    experts: Experts | None = None  # a mixture of experts: no dense MLP linears
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """``{name: (in_features, out_features)}`` for one decoder layer."""
+        """``{name: (in_features, out_features)}`` of the ``nn.Linear`` layers of one
+        decoder layer (an MoE layer's experts are not among them)."""
         h, f, q, kv = (
             self.hidden,
             self.intermediate,
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
         )
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, f),
-            "up_proj": (h, f),
-            "down_proj": (f, h),
-        }
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if self.experts:
+            return attention
+        return {**attention, "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+    @property
+    def qk_norm_width(self) -> int:
+        """Weights of the q and k norms of one layer."""
+        if self.qk_norm == "head":
+            return 2 * self.head_dim
+        return (self.heads + self.kv_heads) * self.head_dim if self.qk_norm == "all" else 0
 
     def linear_bias(self, name: str) -> bool:
         if name in ("q_proj", "k_proj", "v_proj"):
@@ -77,9 +110,20 @@ class Arch:
                 for n, (i, o) in self.linear_shapes().items()
             )
             + 2 * self.hidden
+            + self.qk_norm_width
+            + (self.experts.params_per_layer(self.hidden) if self.experts else 0)
         )
         emb = self.vocab * self.hidden
         return self.layers * per_layer + self.hidden + emb * (1 if self.tie_embeddings else 2)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token is computed with: a mixture of experts counts its top-k."""
+        x = self.experts
+        if x is None:
+            return self.params
+        idle = (x.count - x.top_k) * 3 * self.hidden * x.intermediate
+        return self.params - self.layers * idle
 
 
 #: The keys a mixture-of-experts config counts its routed experts by (Qwen2/3-MoE and
@@ -94,20 +138,52 @@ def experts_of(cfg: Mapping[str, Any]) -> int:
 
 
 class MixtureOfExperts(ValueError):
-    """A config the planner does not model: its experts are in none of its figures."""
+    """A mixture-of-experts config the planner does not model."""
+
+
+#: The mixture-of-experts families modelled: the key of one expert's intermediate size,
+#: and their routers (softmax, top-k, renormalized always or by ``norm_topk_prob``; the
+#: weights left in fp32 or cast to the dtype).
+MOE_FAMILIES: dict[str, tuple[str, bool | None, bool]] = {
+    "mixtral": ("intermediate_size", True, True),
+    "qwen3_moe": ("moe_intermediate_size", None, False),
+    "olmoe": ("intermediate_size", None, False),
+}
+#: Attention with q/k RMSNorm: per head, or over all heads' features.
+QK_NORMS: dict[str, QkNorm] = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}
+
+
+def _experts(cfg: Mapping[str, Any], name: str) -> Experts | None:
+    count = experts_of(cfg)
+    if not count:
+        return None
+    family = str(cfg.get("model_type") or "")
+    if family not in MOE_FAMILIES:
+        raise MixtureOfExperts(
+            f"{name}: a mixture-of-experts model ({family or 'no model_type'}, {count} experts "
+            f"a layer); the planner models {', '.join(sorted(MOE_FAMILIES))}, whose every "
+            "layer routes to SwiGLU experts without a shared expert"
+        )
+    sparse_step = int(cfg.get("decoder_sparse_step") or 1)
+    if cfg.get("mlp_only_layers") or sparse_step != 1:
+        raise MixtureOfExperts(
+            f"{name}: mlp_only_layers / decoder_sparse_step {sparse_step}: some layers are "
+            "dense; the planner models a mixture of experts whose every layer is sparse"
+        )
+    key, renormalized, fp32_weights = MOE_FAMILIES[family]
+    return Experts(
+        count=count,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate=int(cfg[key]),
+        renormalized=bool(cfg.get("norm_topk_prob")) if renormalized is None else renormalized,
+        fp32_weights=fp32_weights,
+    )
 
 
 def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
     """An :class:`Arch` from a Hugging Face ``config.json`` dict; a mixture-of-experts
-    config is refused (:class:`MixtureOfExperts`): counting it as the dense model its
-    attention describes would leave out nearly all its weights."""
-    experts = experts_of(cfg)
-    if experts:
-        raise MixtureOfExperts(
-            f"{name}: a mixture-of-experts model ({experts} experts a layer); the planner "
-            "models dense decoders only, and would leave its experts (nearly all its "
-            "weights) out of every figure; measured MoE runs: benchmarks/README.md"
-        )
+    family outside :data:`MOE_FAMILIES` is refused (:class:`MixtureOfExperts`): counting
+    it as the dense model its attention describes would leave out its experts."""
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -127,6 +203,8 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             if str(cfg.get("torch_dtype") or cfg.get("dtype") or "") == "float32"
             else 2,
             prequantized=bnb_stored(cfg),
+            qk_norm=QK_NORMS.get(str(cfg.get("model_type") or ""), "none"),
+            experts=_experts(cfg, name),
         )
     except KeyError as e:
         raise ValueError(

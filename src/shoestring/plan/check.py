@@ -9,7 +9,6 @@ from typing import Any
 
 from shoestring.config import ConfigError
 from shoestring.gpus import GPU, GiB, detect_gpu_name, find_gpu
-from shoestring.plan.arch import experts_of
 from shoestring.plan.estimate import Plan, Schedule, make_plan
 from shoestring.plan.workload import arch_for, workload_from_config
 from shoestring.train.config import FinetuneConfig
@@ -39,16 +38,6 @@ def target_gpu(spec: str) -> GPU | None:
     )
 
 
-def moe_model(model_dir: Path) -> bool:
-    """Whether ``model_dir``'s config is a mixture of experts (:func:`.arch.experts_of`)."""
-    import json
-
-    try:
-        return bool(experts_of(json.loads((model_dir / "config.json").read_text())))
-    except (OSError, ValueError):  # no readable config: arch_for says so, in its turn
-        return False
-
-
 def preflight(cfg: FinetuneConfig, model_dir: Path, world_size: int = 1) -> Plan | None:
     """Plan ``cfg`` (resolved: concrete device and dtype) for its GPU; raise
     :class:`ConfigError` with the plan's advice when it will not fit and ``plan.enforce``
@@ -57,12 +46,6 @@ def preflight(cfg: FinetuneConfig, model_dir: Path, world_size: int = 1) -> Plan
         return None  # training on the CPU: no GPU to fit
     gpu = target_gpu(cfg.plan.gpu)
     if gpu is None:
-        return None
-    if moe_model(model_dir):
-        log.warning(
-            "no pre-flight memory check: the planner does not model mixture-of-experts "
-            "models (their experts stay in the compute dtype, beside the 4-bit attention)"
-        )
         return None
     arch = arch_for(str(model_dir), "model.path")
     workload, steps = workload_from_config(cfg, arch, world_size, device="cuda", gpu=gpu)

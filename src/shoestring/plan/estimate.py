@@ -218,8 +218,10 @@ def flops_per_token(w: Workload) -> float:
     4N (full); recompute adds a forward of the layers under checkpointing. Causal
     attention adds 2·L·s·d_q forward (twice that backward); chunked cross-entropy
     recomputes the head's forward; DPO's reference pass is one more forward."""
-    a = w.arch
+    a, x = w.arch, w.arch.experts
     layer_lin = sum(i * o for i, o in a.linear_shapes().values())
+    if x is not None:  # the router, and each token's top-k experts
+        layer_lin += x.count * a.hidden + x.top_k * 3 * a.hidden * x.intermediate
     n_layers = a.layers * layer_lin
     head = a.vocab * a.hidden
     attn = 2 * a.layers * w.seq_len * a.heads * a.head_dim
@@ -246,8 +248,17 @@ def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
         out.append(
             ("QLoRA: 4-bit NF4 base (lora.quantize: nf4)", {"method": "qlora", "quantize": "nf4"})
         )
-    if w.optimizer == "adamw" and w.method == "full":
+    if w.optimizer == "adamw" and (w.method == "full" or w.expert_lora):
         out.append(("8-bit AdamW (train.optimizer: adamw8bit)", {"optimizer": "adamw8bit"}))
+    if w.expert_lora:  # LoRA on every expert: r·E per parameter, often most of the state
+        attention = tuple(t for t in w.lora_targets if t in w.arch.linear_shapes())
+        out.append(
+            (
+                f"LoRA on the attention only (lora.target_modules: [{', '.join(attention)}], "
+                "no lora.target_parameters)",
+                {"lora_targets": attention, "lora_parameters": ()},
+            )
+        )
     if w.lora_dropout > 0 and w.method != "full":
         out.append(
             ("lora.dropout 0 (no per-module dropout masks and copies)", {"lora_dropout": 0.0})
@@ -267,7 +278,12 @@ def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
                 {"loss_chunk_tokens": ADVISED_CHUNK},
             )
         )
-    if w.parallelism == "ddp" and w.quant != "int8" and w.optimizer == "adamw":
+    if (
+        w.parallelism == "ddp"
+        and w.quant != "int8"
+        and w.optimizer == "adamw"
+        and not w.arch.experts
+    ):
         out.append(
             (
                 "shard instead of replicating (distributed.strategy: fsdp)",

@@ -13,19 +13,29 @@ from typing import Any
 import torch
 
 
+def _state_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """A bitsandbytes QuantState's tensors, its nested (double-quantization) state's too."""
+    for s in (state, getattr(state, "state2", None)):
+        if s is None:
+            continue
+        for name in ("absmax", "code", "offset"):
+            v = getattr(s, name, None)
+            if torch.is_tensor(v):
+                yield v
+
+
 def _quant_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """Tensors bitsandbytes keeps beside a quantized weight (not parameters or buffers)."""
+    """Tensors bitsandbytes keeps beside a quantized weight (not parameters or buffers),
+    and NF4 expert stacks (``shoestring.train.nf4experts``: kept outside the parameters)."""
     for m in module.modules():
+        for stack in getattr(m, "nf4_stacks", {}).values():
+            yield stack.packed
+            for state in stack.states:
+                yield from _state_tensors(state)
         w = getattr(m, "weight", None)
         qs = getattr(w, "quant_state", None)
         if qs is not None:
-            for s in (qs, getattr(qs, "state2", None)):
-                if s is None:
-                    continue
-                for name in ("absmax", "code", "offset"):
-                    v = getattr(s, name, None)
-                    if torch.is_tensor(v):
-                        yield v
+            yield from _state_tensors(qs)
         # LLM.int8: the row scales live on the weight until the first forward, then
         # move to the module's MatmulLtState (CB there is the weight's own storage).
         for holder in (w, getattr(m, "state", None)):
@@ -55,6 +65,9 @@ def model_bytes(model: torch.nn.Module) -> dict[str, int]:
         count(p, "trainable" if p.requires_grad else "frozen")
     for b in model.buffers():
         count(b, "frozen")
+    for m in model.modules():  # NF4 experts' packed weights: the weights, as Linear4bit's
+        for stack in getattr(m, "nf4_stacks", {}).values():
+            count(stack.packed, "frozen")
     for q in _quant_tensors(model):
         count(q, "quant_state")
     return out

@@ -87,6 +87,8 @@ class Workload:
     #: ``train.kernels``: 'liger' fuses the head and the loss (no whole logits), SwiGLU
     #: (the SiLU output is recomputed) and RMSNorm (its input saved in its own dtype).
     kernels: Kernels = "none"
+    #: ``lora.target_parameters``: an MoE's fused expert parameters adapted at ``lora_r``.
+    lora_parameters: tuple[str, ...] = ()
 
     @property
     def quant(self) -> Quantize:
@@ -100,7 +102,35 @@ class Workload:
 
     @property
     def adapted(self) -> tuple[str, ...]:
-        return () if self.method == "full" else self.lora_targets
+        """The adapted ``nn.Linear`` layers (an MoE layer's experts are not among them)."""
+        shapes = self.arch.linear_shapes()
+        return () if self.method == "full" else tuple(t for t in self.lora_targets if t in shapes)
+
+    @property
+    def expert_lora(self) -> tuple[tuple[str, int], ...]:
+        """An MoE's adapted expert parameters and their ranks, as peft maps the v4 names
+        of its experts (``gate_proj`` + ``up_proj`` -> ``gate_up_proj`` at twice the rank,
+        ``down_proj``) and adds ``lora.target_parameters`` at ``lora_r``."""
+        if self.arch.experts is None or self.method == "full":
+            return ()
+        ranks = {p: self.lora_r for p in self.lora_parameters}
+        if {"gate_proj", "up_proj"} <= set(self.lora_targets):
+            ranks["gate_up_proj"] = 2 * self.lora_r
+        if "down_proj" in self.lora_targets:
+            ranks["down_proj"] = self.lora_r
+        return tuple(sorted(ranks.items()))
+
+    @property
+    def router_lora(self) -> int:
+        """LoRA rank on an MoE's router weight: peft's ``all-linear`` adapts it (0: frozen)."""
+        every = self.arch.experts is not None and set(LINEARS) <= set(self.lora_targets)
+        return self.lora_r if every and self.method != "full" else 0
+
+    @property
+    def nf4_experts(self) -> bool:
+        """An MoE's experts held in NF4 (``shoestring.train.nf4experts``) and computed
+        per routed expert; otherwise in ``dtype``, run by transformers' grouped matmul."""
+        return self.arch.experts is not None and self.quant == "nf4"
 
     @property
     def fused(self) -> bool:
@@ -141,16 +171,52 @@ def weight_bytes(w: Workload) -> dict[str, int]:
             lin += a.layers * n * e
         if a.linear_bias(name):
             lin += a.layers * o * e
+    experts, expert_state = _expert_weight_bytes(w)
     emb = a.vocab * a.hidden * (1 if a.tie_embeddings else 2) * e
-    norms = (2 * a.layers + 1) * a.hidden * e
+    norms = (2 * a.layers + 1) * a.hidden * e + a.layers * a.qk_norm_width * e
     rotary = 2 * (a.head_dim // 2) * 4  # inv_freq + original_inv_freq, fp32
     return {
-        "linear": lin,
-        "quant_state": quant,
+        "linear": lin + experts,
+        "quant_state": quant + expert_state,
         "embeddings": emb,
         "norms": norms,
         "buffers": rotary,
     }
+
+
+def _expert_weight_bytes(w: Workload) -> tuple[int, int]:
+    """An MoE's experts and routers: (weights, quantization state). NF4 experts are
+    quantized one expert's matrix at a time, always double-quantized, and leave a
+    one-element placeholder where each fused parameter was."""
+    a, x, e = w.arch, w.arch.experts, w.e
+    if x is None:
+        return 0, 0
+    stored = state = 0
+    for i, o in x.param_shapes(a.hidden).values():
+        n = i * o
+        if w.nf4_experts:
+            stored += x.count * ((n + 1) // 2) + e
+            state += x.count * (_nf4_bytes(n, double_quant=True) - (n + 1) // 2)
+        else:
+            stored += x.count * n * e
+    return a.layers * (stored + x.count * a.hidden * e), a.layers * state
+
+
+def _expert_trainable(w: Workload) -> list[int]:
+    """One MoE layer's LoRA tensors on the experts (``[r·E, in]`` and ``[out, r·E]``, as
+    peft's ``ParamWrapper`` holds them) and on the router."""
+    a, x = w.arch, w.arch.experts
+    if x is None:
+        return []
+    shapes = x.param_shapes(a.hidden)
+    sizes = [
+        n
+        for p, r in w.expert_lora
+        for n in (r * x.count * shapes[p][0], r * x.count * shapes[p][1])
+    ]
+    if w.router_lora:
+        sizes += [w.router_lora * a.hidden, w.router_lora * x.count]
+    return sizes
 
 
 def trainable_tensors(w: Workload) -> list[int]:
@@ -166,12 +232,10 @@ def trainable_tensors(w: Workload) -> list[int]:
             sizes += [a.hidden, a.hidden]
         return sizes + [a.hidden]
     shapes = a.linear_shapes()
-    return [
-        n
-        for _ in range(a.layers)
-        for t in w.lora_targets
-        for n in (w.lora_r * shapes[t][0], w.lora_r * shapes[t][1])
-    ]
+    per_layer = [
+        n for t in w.adapted for n in (w.lora_r * shapes[t][0], w.lora_r * shapes[t][1])
+    ] + _expert_trainable(w)
+    return per_layer * a.layers
 
 
 def adapter_bytes(w: Workload) -> int:
@@ -276,6 +340,7 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
     q = _linear(w, t, "q_proj", n_rg, shared, "attn_in", a.hidden, T)
     k = _linear(w, t, "k_proj", n_rg, shared, "attn_in", a.hidden, T)
     v = _linear(w, t, "v_proj", n_rg, shared, "attn_in", a.hidden, T)
+    _qk_norm_saved(w, t, q, k, T)
     if q or k:
         rope[0] = True  # cos/sin are saved once for the whole model
     attn_rg = q or k or v
@@ -294,6 +359,79 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
     o = _linear(w, t, "o_proj", attn_rg, shared, "o_in", qd, T)
     s_rg = s_rg or o
     n_rg = _norm(w, t, s_rg, T)
+    mlp = _experts_saved if a.experts else _mlp_saved
+    return mlp(w, t, n_rg, shared, T) or s_rg
+
+
+def _router_saved(w: Workload, t: _Tally, n_rg: bool, T: int) -> bool:
+    """The router: ``F.linear`` to E logits (with LoRA, peft forms the weight and the
+    input is saved), a fp32 softmax, top-k, renormalized; returns whether the top-k
+    weights require grad."""
+    a, e, x = w.arch, w.e, w.arch.experts
+    assert x is not None
+    if w.router_lora:
+        t.add("router", T * a.hidden * e + x.count * a.hidden * e)
+    if not (n_rg or w.router_lora):
+        return False
+    t.add("router", T * x.count * 4 + T * x.top_k * 8)  # softmax output, top-k indices
+    if x.renormalized:  # the in-place division saves its result and the fp32 sums
+        t.add("router", T * x.top_k * 4 + T * 4)
+    return True
+
+
+def _experts_saved(w: Workload, t: _Tally, n_rg: bool, shared: set[str], T: int) -> bool:
+    """An MoE block: the router, then each token's top-k experts (``T·k`` rows in all);
+    returns whether its output requires grad. NF4 experts run per routed expert with the
+    LoRA factored; 16-bit ones run transformers' grouped matmul on weights peft forms."""
+    a, e, x = w.arch, w.e, w.arch.experts
+    assert x is not None
+    R = T * x.top_k
+    weighted = _router_saved(w, t, n_rg, T)
+    ranks = dict(w.expert_lora)
+    if not (n_rg or ranks or weighted):
+        return False
+    shapes = x.param_shapes(a.hidden)
+    for p, r in ranks.items():
+        i, o = shapes[p]
+        t.add("experts", x.count * r * (i + o) * e)  # the factors, cast to the dtype
+        if w.nf4_experts:
+            t.add("experts", R * r * e)  # x @ rhs_e^T, saved by @ lhs_e^T
+        else:
+            t.add("experts", x.count * i * o * e)  # the formed W + s·lhs@rhs
+    h_rg = n_rg or "gate_up_proj" in ranks
+    if "gate_up_proj" in ranks:
+        t.add("experts", R * a.hidden * e)  # the routed rows
+    if h_rg:
+        t.add("experts", R * 3 * x.intermediate * e)  # gate|up, and silu(gate)
+    if "down_proj" in ranks:
+        t.add("experts", R * x.intermediate * e)  # silu(gate)·up
+    y_rg = h_rg or "down_proj" in ranks
+    if weighted:
+        t.add("experts", R * a.hidden * e)  # each expert's output, times its weight
+    if y_rg:
+        t.add("experts", R * (4 if x.fp32_weights else e))  # the weights
+    if w.nf4_experts:
+        t.add("experts", R * 16 + (R * a.hidden * e if y_rg or weighted else 0))
+    else:  # the rows' order, its inverse and the sort, and the experts' offsets
+        t.add("experts", R * 3 * 8 + x.count * 4)
+    return y_rg or weighted
+
+
+def _qk_norm_saved(w: Workload, t: _Tally, q_rg: bool, k_rg: bool, T: int) -> None:
+    """Qwen3's and OLMoE's q/k RMSNorm: each saves its fp32 input and its rsqrt (one a
+    head, or one a token over all heads)."""
+    a = w.arch
+    if a.qk_norm == "none":
+        return
+    per_head = a.qk_norm == "head"
+    for rg, heads in ((q_rg, a.heads), (k_rg, a.kv_heads)):
+        if rg:
+            t.add("attention", T * heads * a.head_dim * 4 + T * (heads if per_head else 1) * 4)
+
+
+def _mlp_saved(w: Workload, t: _Tally, n_rg: bool, shared: set[str], T: int) -> bool:
+    """A dense SwiGLU MLP; returns whether its output requires grad."""
+    a, e = w.arch, w.e
     g = _linear(w, t, "gate_proj", n_rg, shared, "mlp_in", a.hidden, T)
     u = _linear(w, t, "up_proj", n_rg, shared, "mlp_in", a.hidden, T)
     f = a.intermediate
@@ -303,8 +441,7 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
         t.add("mlp", T * f * e)  # silu output, for d(product)/d(up)
     if g:
         t.add("mlp", T * f * e)  # up output, for d(product)/d(silu)
-    d = _linear(w, t, "down_proj", g or u, shared, "down_in", f, T)
-    return s_rg or d
+    return _linear(w, t, "down_proj", g or u, shared, "down_in", f, T)
 
 
 def _head(w: Workload, t: _Tally, T: int) -> None:
@@ -343,8 +480,12 @@ def _logits(w: Workload, T: int) -> int:
         # and the log-softmax gradient live together.
         peak = T * a.vocab * (e + 8)
     if w.quant != "none":
-        # bitsandbytes dequantizes one weight at a time to the compute dtype.
-        peak += max(i * o for i, o in a.linear_shapes().values()) * e
+        # bitsandbytes dequantizes one weight at a time to the compute dtype (NF4
+        # experts: one expert's matrix).
+        shapes = [*a.linear_shapes().values()]
+        if w.nf4_experts and a.experts:
+            shapes += a.experts.param_shapes(a.hidden).values()
+        peak += max(i * o for i, o in shapes) * e
     return peak
 
 

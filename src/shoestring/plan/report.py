@@ -8,6 +8,7 @@ from typing import Any
 
 from shoestring.gpus import GiB
 from shoestring.plan.estimate import Plan
+from shoestring.plan.memory import Workload
 from shoestring.plan.sharding import HostRAM
 
 _LABELS = {
@@ -89,6 +90,21 @@ def to_json(plan: Plan) -> str:
     return json.dumps(to_dict(plan), indent=2, sort_keys=True)
 
 
+def _experts_lora(w: Workload) -> str:
+    """An MoE's adapted experts and router, and how its experts are held."""
+    x = w.arch.experts
+    if x is None:
+        return ""
+    held = "NF4" if w.nf4_experts else w.dtype
+    adapted = [f"{p} r={r}" for p, r in w.expert_lora] + (
+        [f"router r={w.router_lora}"] if w.router_lora else []
+    )
+    return (
+        f"; {x.count} experts a layer ({x.top_k} a token) in {held}"
+        f"{', LoRA on ' + ', '.join(adapted) if adapted else ', no LoRA'}"
+    )
+
+
 def _header(plan: Plan) -> list[str]:
     w, g = plan.workload, plan.gpu
     a = w.arch
@@ -97,8 +113,8 @@ def _header(plan: Plan) -> list[str]:
     return [
         f"model    {a.name}: {a.params / 1e9:.2f}B params, {a.layers} layers, hidden {a.hidden}, "
         f"vocab {a.vocab}",
-        f"method   {method}, r={w.lora_r} on {','.join(w.adapted) or '-'}, dtype {w.dtype}"
-        f"{precision}, optimizer {w.optimizer}"
+        f"method   {method}, r={w.lora_r} on {','.join(w.adapted) or '-'}{_experts_lora(w)}, "
+        f"dtype {w.dtype}{precision}, optimizer {w.optimizer}"
         if w.method != "full"
         else f"method   full fine-tuning, dtype {w.dtype}{precision}, optimizer {w.optimizer}",
         f"batch    micro-batch {w.micro_batch} x seq {w.seq_len}, accumulation {w.grad_accum}, "

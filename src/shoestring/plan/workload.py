@@ -97,6 +97,7 @@ def workload_from_config(
         quantize=quantize,
         lora_r=cfg.lora.r,
         lora_targets=_targets(cfg.lora.target_modules, "lora.target_modules"),
+        lora_parameters=tuple(cfg.lora.target_parameters),
         lora_dropout=cfg.lora.dropout,
         seq_len=seq_len,
         micro_batch=mb * sequences,
@@ -118,6 +119,7 @@ def workload_from_config(
         kernels=t.kernels,
         **numerics_fields(n),
     )
+    check_experts(w)
     return w, t.max_steps
 
 
@@ -226,9 +228,10 @@ def _base_workload(req: PlanRequest, hub: HubAccess | None) -> Resolved:
     if not req.model:
         raise ConfigError("plan: give --model (a preset, model dir or config.json) or --config")
     n = resolve_numerics(cfg.model, cfg.train, device, _gpu_bf16(gpu))
-    w = Workload(
-        arch=arch_for(req.model, "--model", hub), gradient_checkpointing=True, **numerics_fields(n)
-    )
+    arch = arch_for(req.model, "--model", hub)
+    w = Workload(arch=arch, gradient_checkpointing=True, **numerics_fields(n))
+    if arch.experts is not None:  # peft's LoRA on fused experts refuses dropout
+        w = replace(w, lora_dropout=0.0)
     return Resolved(w, 1000, gpu)
 
 
@@ -306,8 +309,38 @@ def _per_host(req: PlanRequest) -> int:
     return per
 
 
+def check_experts(w: Workload) -> None:
+    """What the planner does not model of a mixture of experts, or peft refuses."""
+    if w.arch.experts is None:
+        return
+    fused = {"gate_proj", "up_proj"} & set(w.lora_targets)
+    if len(fused) == 1:
+        raise ConfigError(
+            f"lora.target_modules: {fused.pop()} without its other half: peft adapts an "
+            "MoE's gate and up projections together, as the one fused gate_up_proj"
+        )
+    unknown = set(w.lora_parameters) - {"gate_up_proj", "down_proj"}
+    if unknown:
+        raise ConfigError(
+            f"lora.target_parameters: the planner models the experts' gate_up_proj and "
+            f"down_proj; got {', '.join(sorted(unknown))}"
+        )
+    if w.expert_lora and w.lora_dropout > 0:
+        raise ConfigError(
+            f"lora.dropout: {w.lora_dropout}; peft's LoRA on fused experts "
+            f"({', '.join(p for p, _ in w.expert_lora)}) refuses dropout: set it to 0"
+        )
+    if w.method == "full" or w.parallelism == "fsdp":
+        raise ConfigError(
+            f"{'--method full' if w.method == 'full' else '--strategy fsdp'}: the planner "
+            f"models a mixture of experts ({w.arch.name}) under LoRA/QLoRA in one process "
+            "or DDP"
+        )
+
+
 def check_layout(w: Workload) -> None:
     """What the trainer refuses for this layout (``train/strategy.py``), refused here."""
+    check_experts(w)
     fsdp = w.parallelism == "fsdp"
     if w.parallelism != "single" and w.device == "cpu":
         raise ConfigError(
