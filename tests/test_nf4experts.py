@@ -8,6 +8,7 @@ peft merges onto the dequantized base."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -153,7 +154,7 @@ def test_qlora_of_an_moe_base_resumes_exactly_and_exports_as_peft_merges_it(
     assert [e["from_step"] for e in read_events(cut) if e["event"] == "resume"] == [4]
     assert state_digest(cut, 8) == state_digest(ref, 8)
     load = next(e for e in read_events(ref) if e["event"] == "load" and e["phase"] == "model")
-    assert load["nf4_experts"] == 4 and load["qbase_skipped"] == "NF4 experts"
+    assert load["nf4_experts"] == 4 and "qbase_skipped" not in load
     assert load["nf4_expert_bytes"] < 0.16 * load["nf4_expert_bytes_16bit"]
     adapter = load_file(str(ref / "final" / "adapter_model.safetensors"))
     expert_b = [k for k in adapter if ".mlp.experts." in k and ".lora_B." in k]
@@ -172,6 +173,41 @@ def test_qlora_of_an_moe_base_resumes_exactly_and_exports_as_peft_merges_it(
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in ours  # the stored layout
     for k, v in theirs.items():
         assert torch.equal(ours[k], v), k
+
+
+def test_a_restart_reads_the_nf4_experts_from_the_quantized_base_cache(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first run saves the quantized base with its NF4 experts (one more file, sealed
+    in the manifest with the rest); the next reads it instead of quantizing, holds the
+    same stacks and trains to the same bytes."""
+    import shutil
+
+    from shoestring.train.nf4stored import EXPERTS_FILE
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for child in cache_dir.iterdir():  # the tokenizer and built-in model, not the qbase
+        if child.name.startswith("tiny-"):
+            shutil.copytree(child, cache / child.name)
+    monkeypatch.setenv("SHOESTRING_CACHE", str(cache))
+    model_dir = _moe(tmp_path, "olmoe")
+    args = [*FAST, "--model.path", str(model_dir), "--lora.dropout", "0", "--train.max_steps",
+            "3", "--lora.quantize", "nf4", "--data.eval", ""]  # fmt: skip
+    torch.set_num_threads(1)
+    loads = []
+    for run in ("a", "b"):
+        assert main(["finetune", "--output_dir", str(tmp_path / run), *args]) == 0
+        events = read_events(tmp_path / run)
+        loads.append(next(e for e in events if e["event"] == "load" and e["phase"] == "model"))
+    (entry,) = [p for p in (cache / "qbase").iterdir() if not p.name.startswith(".")]
+    assert loads[0]["source"] == "model_dir" and loads[0]["qbase_saved"] == entry.name
+    assert loads[1]["source"] == "qbase-local" and loads[1]["quantize_s"] == 0.0
+    for field in ("nf4_experts", "nf4_expert_params", "nf4_expert_bytes"):
+        assert loads[1][field] == loads[0][field], field
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert EXPERTS_FILE in manifest["files"]  # sealed and sha256-verified with the rest
+    assert state_digest(tmp_path / "b", 3) == state_digest(tmp_path / "a", 3)
 
 
 def test_fsdp_is_refused_and_no_checkpointing_warning_for_nf4_experts(

@@ -10,6 +10,7 @@ token's top-k experts make ``T·k`` rows in all."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,23 @@ def test_moe_static_bytes_and_saved_activations_match_the_tensors(
     _within(M.grad_bytes(w), grad_bytes(model), STATIC_TOL, "gradients")
     _within(M.optimizer_bytes(w), optimizer_bytes(opt), STATIC_TOL, "optimizer")
     _within(M.activation_bytes(w).saved, measured, ACTIVATION_TOL, "activations")
+
+
+def test_a_dense_qwen3s_per_head_qk_norms_are_counted(tmp_path: Path) -> None:
+    """Qwen3 (dense) normalizes each head's queries and keys as Qwen3-MoE does: fp32
+    copies of q and k and their rsqrt are saved per layer, beside the dense MLP."""
+    torch.set_num_threads(1)
+    model_dir = build_random_model(tmp_path / "qwen3", "qwen3", hidden=128, ffn=256, layers=2,
+                                   heads=4, kv_heads=2, head_dim=32)  # fmt: skip
+    model = _adapted(model_dir, "nf4", ["all-linear"], [])
+    ids = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    model.train()
+    measured = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids))
+    w = _workload(model_dir, "nf4", ["all-linear"], [], seq_len=40, micro_batch=2,
+                  gradient_checkpointing=False, padded=False)  # fmt: skip
+    assert w.arch.qk_norm == "head" and w.arch.experts is None
+    _within(M.activation_bytes(w).saved, measured, ACTIVATION_TOL, "activations")
+    plain = replace(w, arch=replace(w.arch, qk_norm="none"))
+    assert M.activation_bytes(plain).saved < measured * (1 - 10 * ACTIVATION_TOL)
+    _within(sum(M.weight_bytes(w).values()) - M.weight_bytes(w)["quant_state"],
+            model_bytes(model)["frozen"], STATIC_TOL, "weights")  # fmt: skip

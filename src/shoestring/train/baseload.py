@@ -108,9 +108,7 @@ def _load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> 
         "read_s": round(time.perf_counter() - t0 - quantize_s, 3),
         "quantize_s": round(quantize_s, 3),
     }
-    if QuantizedExperts.of(model) is not None:  # not in save_pretrained's 4-bit format
-        fields["qbase_skipped"] = "NF4 experts"
-    elif cache is not None and key is not None and run.strategy.rank == 0:
+    if cache is not None and key is not None and run.strategy.rank == 0:
         t_save = time.perf_counter()
         cache.store(model, key)
         fields.update(qbase_saved=key.name, save_s=round(time.perf_counter() - t_save, 3))

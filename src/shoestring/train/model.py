@@ -16,6 +16,7 @@ from shoestring.hf import StoredQuantization, bnb_stored, quant_method, quiet_hf
 from shoestring.hub import HubAccess, ModelRef, resolve
 from shoestring.train.config import LoraSection, ModelConfig
 from shoestring.train.nf4experts import quantize_experts, quantized_as_loaded
+from shoestring.train.nf4stored import stacks_restored
 
 log = logging.getLogger("shoestring.finetune")
 
@@ -181,7 +182,7 @@ def load_prequantized(saved_dir: Path, model_dir: Path, cfg: ModelConfig, device
     quiet_hf()
     kwargs = _from_pretrained_kwargs(cfg, device, True)
     nf4 = stored_quantization(saved_dir) == "nf4"
-    with quantized_as_loaded() if nf4 else contextlib.nullcontext():
+    with quantized_as_loaded() if nf4 else contextlib.nullcontext(), stacks_restored(saved_dir):
         model = AutoModelForCausalLM.from_pretrained(str(saved_dir), **kwargs)
     return _frozen(model, True, model_dir, experts=nf4)
 

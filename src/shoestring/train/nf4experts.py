@@ -185,9 +185,15 @@ def _quantize_param(module: nn.Module, name: str) -> int:
     if not isinstance(param, torch.Tensor) or param.ndim != 3 or is_placeholder(param):
         return 0
     stack = ExpertStack.quantize(param.detach(), bool(getattr(module, "is_transposed", False)))
-    module.__dict__.setdefault("nf4_stacks", {})[name] = stack  # not a buffer: not saved
-    setattr(module, name, _placeholder(param))
+    install_stack(module, name, stack)
     return 1
+
+
+def install_stack(module: nn.Module, name: str, stack: ExpertStack) -> None:
+    """``stack`` as ``module``'s parameter ``name``: kept in the module's ``__dict__`` (not
+    a buffer: not in ``state_dict``), its placeholder where the parameter was."""
+    module.__dict__.setdefault("nf4_stacks", {})[name] = stack
+    setattr(module, name, _placeholder(stack.shape, stack.dtype, stack.packed.device))
 
 
 @contextmanager
@@ -215,12 +221,12 @@ def quantized_as_loaded() -> Iterator[None]:
         loading.set_param_for_module = original
 
 
-def _placeholder(param: torch.Tensor) -> nn.Parameter:
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     """Where the 16-bit stack was: its shape, dtype and device, for peft to size adapters
     by, in one element of memory (a stride-0 view; never read: the forward reads the
     NF4 stack)."""
-    one = torch.zeros((), dtype=param.dtype, device=param.device)
-    held = nn.Parameter(one.expand(param.shape), requires_grad=False)
+    one = torch.zeros((), dtype=dtype, device=device)
+    held = nn.Parameter(one.expand(shape), requires_grad=False)
     held._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers: loaded
     return held
 

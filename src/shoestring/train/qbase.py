@@ -3,7 +3,8 @@
 Loading a 7B base and quantizing it to nf4 takes minutes on a small machine, and
 every restart after a preemption paid it again. The first load saves the
 quantized model with bitsandbytes' own 4-bit serialization (``save_pretrained``
-of the quantized model: packed weights plus quant states), committed with the
+of the quantized model: packed weights plus quant states; an MoE's NF4 experts in
+one more file, :mod:`.nf4stored`), committed with the
 checkpoint protocol (files durable, ``manifest.json`` with every file's size and
 sha256 written last, then a rename), under ``<cache>/qbase/<key>`` and, when
 ``checkpoint.storage`` is set, beside the checkpoints in ``<storage>/qbase/<key>``
@@ -36,6 +37,7 @@ from shoestring.checkpoint import CorruptCheckpoint, RemoteStore, verify_dir
 from shoestring.checkpoint.local import prune_quarantined, quarantine, seal
 from shoestring.checkpoint.manifest import MANIFEST, Manifest
 from shoestring.dircommit import staging_dir
+from shoestring.train.nf4stored import save_quantized
 
 QBASE_DIR = "qbase"
 KIND = "quantized-base"
@@ -161,7 +163,7 @@ class QuantizedBaseCache:
 
     def _commit(self, model: Any, key: QuantKey) -> tuple[Path, Manifest]:
         with staging_dir(self.root, key.name) as tmp:
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            save_quantized(model, tmp)
             for p in tmp.iterdir():  # data files durable before the manifest
                 with open(p, "rb+") as f:
                     os.fsync(f.fileno())
