@@ -213,6 +213,13 @@ def attempt_figures(events: list[dict[str, Any]], rss: RssSampler) -> dict[str, 
     if run_start is not None:
         res["peak_rss_anon_load_bytes"] = rss.peak(0, run_start)
         res["peak_rss_anon_steps_bytes"] = rss.peak(run_start)
+        # A checkpoint's write serializes its staged copy in the background: the steps'
+        # peak away from those windows, and the staging bytes each checkpoint holds.
+        writes = [(e["ts"] - (e.get("background_ms") or 0) / 1e3 - 1.0, e["ts"] + 1.0)
+                  for e in cks]  # fmt: skip
+        quiet = [b for t, b in rss.samples
+                 if t >= run_start and not any(a <= t <= z for a, z in writes)]  # fmt: skip
+        res["peak_rss_anon_steps_outside_writes_bytes"] = max(quiet, default=None)
     resume = [e for e in mine if e["event"] == "resume"]
     if resume:
         res["resumed_from"] = resume[0].get("from_step")

@@ -300,9 +300,14 @@ def test_a_mixture_of_experts_is_planned_with_its_experts_and_checked_before_tra
     assert fine is not None and fine.fits
 
 
-def test_an_moe_the_planner_does_not_model_is_refused_by_name(tmp_path: Path) -> None:
+def test_an_moe_the_planner_does_not_model_is_refused_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Qwen2-MoE adds a shared expert to every layer; DeepSeek-V3 has dense first layers
-    and its own attention: the planner names what it models instead of guessing."""
+    and its own attention: the planner names what it models instead of guessing.
+    finetune's pre-flight warns and lets such a run start (the trainer runs them)."""
+    from shoestring.plan.check import preflight
+
     for family, extra in (("qwen2_moe", {"shared_expert_intermediate_size": 5632}),
                           ("deepseek_v3", {"n_routed_experts": 256})):  # fmt: skip
         d = tmp_path / family
@@ -319,6 +324,20 @@ def test_an_moe_the_planner_does_not_model_is_refused_by_name(tmp_path: Path) ->
     (d / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "mlp_only_layers": [0, 1]}))
     r = plan_cli("--model", str(d))
     assert r.returncode == 2 and "some layers are dense" in r.stderr
+    with caplog.at_level("WARNING", "shoestring.plan"):
+        assert preflight(load(FinetuneConfig, None, ["--plan.gpu", "T4"]), d) is None
+        assert (
+            preflight(load(FinetuneConfig, None, ["--plan.gpu", "T4"]), tmp_path / "qwen2_moe")
+            is None
+        )
+    assert caplog.text.count("no pre-flight memory check") == 2 and "qwen2_moe" in caplog.text
+    ok = tmp_path / "qwen3-moe"
+    ok.mkdir()
+    (ok / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    sharded = ["--plan.gpu", "T4", "--distributed.strategy", "fsdp", "--lora.dropout", "0"]
+    with caplog.at_level("WARNING", "shoestring.plan"):
+        assert preflight(load(FinetuneConfig, None, sharded), ok, world_size=2) is None
+    assert "--strategy fsdp: the planner models a mixture of experts" in caplog.text
 
 
 def test_memory_levers_from_a_config_and_flags(tmp_path: Path) -> None:

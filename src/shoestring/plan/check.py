@@ -10,7 +10,7 @@ from typing import Any
 from shoestring.config import ConfigError
 from shoestring.gpus import GPU, GiB, detect_gpu_name, find_gpu
 from shoestring.plan.estimate import Plan, Schedule, make_plan
-from shoestring.plan.workload import arch_for, workload_from_config
+from shoestring.plan.workload import NotModelled, arch_for, workload_from_config
 from shoestring.train.config import FinetuneConfig
 
 log = logging.getLogger("shoestring.plan")
@@ -47,8 +47,12 @@ def preflight(cfg: FinetuneConfig, model_dir: Path, world_size: int = 1) -> Plan
     gpu = target_gpu(cfg.plan.gpu)
     if gpu is None:
         return None
-    arch = arch_for(str(model_dir), "model.path")
-    workload, steps = workload_from_config(cfg, arch, world_size, device="cuda", gpu=gpu)
+    try:
+        arch = arch_for(str(model_dir), "model.path")
+        workload, steps = workload_from_config(cfg, arch, world_size, device="cuda", gpu=gpu)
+    except NotModelled as e:  # the trainer runs what the planner cannot size
+        log.warning("no pre-flight memory check: %s", e)
+        return None
     plan = make_plan(workload, gpu, Schedule(steps=steps))
     if plan.fits:
         return plan

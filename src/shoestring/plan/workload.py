@@ -9,7 +9,14 @@ from typing import Any, cast
 from shoestring.config import ConfigError, load
 from shoestring.gpus import GPU, find_gpu
 from shoestring.hub import HubAccess, looks_remote, resolve
-from shoestring.plan.arch import LINEARS, PRESETS, Arch, from_hf_config, load_arch
+from shoestring.plan.arch import (
+    LINEARS,
+    PRESETS,
+    Arch,
+    MixtureOfExperts,
+    from_hf_config,
+    load_arch,
+)
 from shoestring.plan.memory import Method, Parallelism, Workload
 from shoestring.train.config import (
     ComputeDtype,
@@ -20,6 +27,10 @@ from shoestring.train.config import (
     device_kind,
     resolve_numerics,
 )
+
+
+class NotModelled(ConfigError):
+    """A model or layout the planner does not size (the trainer may still run it)."""
 
 
 def builtin_arch() -> Arch:
@@ -41,6 +52,8 @@ def arch_for(path: str, where: str, hub: HubAccess | None = None) -> Arch:
         path = str(resolve(path, hub, key=where, want="config").path)
     try:
         return load_arch(path)
+    except MixtureOfExperts as e:
+        raise NotModelled(f"{where}: {e}") from None
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
 
@@ -331,7 +344,7 @@ def check_experts(w: Workload) -> None:
             f"({', '.join(p for p, _ in w.expert_lora)}) refuses dropout: set it to 0"
         )
     if w.method == "full" or w.parallelism == "fsdp":
-        raise ConfigError(
+        raise NotModelled(
             f"{'--method full' if w.method == 'full' else '--strategy fsdp'}: the planner "
             f"models a mixture of experts ({w.arch.name}) under LoRA/QLoRA in one process "
             "or DDP"
