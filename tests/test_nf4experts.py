@@ -183,6 +183,8 @@ def test_a_restart_reads_the_nf4_experts_from_the_quantized_base_cache(
     same stacks and trains to the same bytes."""
     import shutil
 
+    from safetensors import safe_open
+
     from shoestring.train.nf4stored import EXPERTS_FILE
 
     cache = tmp_path / "cache"
@@ -207,6 +209,9 @@ def test_a_restart_reads_the_nf4_experts_from_the_quantized_base_cache(
         assert loads[1][field] == loads[0][field], field
     manifest = json.loads((entry / "manifest.json").read_text())
     assert EXPERTS_FILE in manifest["files"]  # sealed and sha256-verified with the rest
+    with safe_open(str(entry / "model.safetensors"), "pt") as f:  # no 16-bit experts
+        assert [k for k in f.keys() if ".experts." in k] == []
+        assert any(k.endswith("q_proj.weight") for k in f.keys())
     assert state_digest(tmp_path / "b", 3) == state_digest(tmp_path / "a", 3)
 
 

@@ -37,12 +37,28 @@ def save_quantized(model: Any, directory: Path) -> None:
     """``save_pretrained`` of a quantized base, its NF4 experts (if any) in
     :data:`EXPERTS_FILE` and not as their placeholders."""
     stacks = {f"{m}.{p}": s for m, mod in model.named_modules() for p, s in stacks_of(mod).items()}
-    if not stacks:
+    with placeholders_detached(model):
         model.save_pretrained(str(directory), safe_serialization=True)
-        return
-    weights = {k: v for k, v in model.state_dict().items() if not is_placeholder(v)}
-    model.save_pretrained(str(directory), state_dict=weights, safe_serialization=True)
-    _save_stacks(stacks, directory / EXPERTS_FILE)
+    if stacks:
+        _save_stacks(stacks, directory / EXPERTS_FILE)
+
+
+@contextmanager
+def placeholders_detached(model: nn.Module) -> Iterator[None]:
+    """Within: the modules hold no placeholder parameters, so neither the bitsandbytes
+    quantizer's state dict nor transformers' conversion back to the stored per-expert
+    layout sees them (``save_pretrained`` takes no state dict from a caller when the
+    model is quantized)."""
+    taken = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and is_placeholder(p):
+                taken.append((module, name, module._parameters.pop(name)))
+    try:
+        yield
+    finally:
+        for module, name, p in taken:
+            module._parameters[name] = p
 
 
 def _save_stacks(stacks: dict[str, ExpertStack], path: Path) -> None:
