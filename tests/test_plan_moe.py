@@ -44,25 +44,25 @@ def _model_dir(root: Path, arch: str, **extra: Any) -> Path:
 
 
 def _adapted(model_dir: Path, quantize: str, targets: list[str], parameters: list[str],
-             gc: bool = False) -> Any:  # fmt: skip
+             gc: bool = False, dtype: str = "bfloat16") -> Any:  # fmt: skip
     from shoestring.train.model import apply_lora, load_base_model
 
     lora = LoraSection(r=8, alpha=16, dropout=0.0, target_modules=targets,
                        target_parameters=parameters)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = ModelConfig(path=str(model_dir), dtype="bfloat16")
+        cfg = ModelConfig(path=str(model_dir), dtype=dtype)  # type: ignore[arg-type]
         base = load_base_model(model_dir, cfg, quantize)
         return apply_lora(base, lora, seed=0, gradient_checkpointing=gc)
 
 
 def _workload(model_dir: Path, quantize: str, targets: list[str], parameters: list[str],
               **kw: Any) -> M.Workload:  # fmt: skip
+    kw.setdefault("dtype", "bfloat16")
     return M.Workload(
         arch=load_arch(str(model_dir)),
         method="qlora" if quantize != "none" else "lora",
         quantize=quantize,  # type: ignore[arg-type]
-        dtype="bfloat16",
         lora_r=8,
         lora_dropout=0.0,
         lora_targets=LINEARS if targets == ["all-linear"] else tuple(targets),
@@ -82,6 +82,8 @@ CASES = [
     # arch, quantize, target_modules, target_parameters, extra config
     ("qwen3_moe", "nf4", ["all-linear"], [], {}),
     ("qwen3_moe", "nf4", ["all-linear"], [], {"gradient_checkpointing": True}),
+    ("qwen3_moe", "nf4", ["all-linear"], [], {"dtype": "float32"}),
+    ("olmoe", "none", ["all-linear"], [], {"dtype": "float32"}),
     ("qwen3_moe", "none", ["all-linear"], [], {"norm_topk_prob": True}),
     ("mixtral", "nf4", ["q_proj", "v_proj"], [], {}),
     ("mixtral", "none", ["q_proj", "v_proj"], ["down_proj"], {}),
@@ -105,8 +107,9 @@ def test_moe_static_bytes_and_saved_activations_match_the_tensors(
     torch.set_num_threads(1)
     extra = dict(extra)
     gc = extra.pop("gradient_checkpointing", False)
+    dtype = extra.pop("dtype", "bfloat16")
     model_dir = _model_dir(tmp_path, arch, **extra)
-    model = _adapted(model_dir, quantize, targets, parameters, gc)
+    model = _adapted(model_dir, quantize, targets, parameters, gc, dtype)
     params = trainable_parameters(model)
     opt = build_optimizer(list(params.values()), "adamw8bit", 1e-3, 0.0)
     ids = torch.randint(3, 300, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -120,7 +123,7 @@ def test_moe_static_bytes_and_saved_activations_match_the_tensors(
     opt.step()
 
     w = _workload(model_dir, quantize, targets, parameters, optimizer="adamw8bit",
-                  seq_len=48, micro_batch=2, gradient_checkpointing=gc)  # fmt: skip
+                  seq_len=48, micro_batch=2, gradient_checkpointing=gc, dtype=dtype)  # fmt: skip
     assert w.arch.experts is not None and w.nf4_experts == (quantize == "nf4")
     meas = model_bytes(model)
     wb = M.weight_bytes(w)

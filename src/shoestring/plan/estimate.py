@@ -150,6 +150,11 @@ def breakdown(w: Workload) -> tuple[dict[str, int], dict[str, int]]:
         "overhead": (CUDA_CONTEXT_BYTES if w.device == "cuda" else CPU_RUNTIME_BYTES)
         + int(FRAGMENTATION * dynamic),
     }
+    if w.device == "cpu":
+        # From the first checkpoint on, the writer keeps a host copy of what it saves (the
+        # trainable tensors and the optimizer state) to stage the next one: on a CPU run
+        # that is the same memory as training's (checkpoint/writer.py: HostBuffers).
+        parts["checkpoint_staging"] = grad_bytes(w) + optimizer_bytes(w)
     # The load's moment (weights, the runtime and one tensor stored + converted), where it
     # is higher than the steps' (a 128k vocabulary converted to float32 on a CPU).
     weights = wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"]

@@ -393,7 +393,8 @@ def _experts_saved(w: Workload, t: _Tally, n_rg: bool, shared: set[str], T: int)
     shapes = x.param_shapes(a.hidden)
     for p, r in ranks.items():
         i, o = shapes[p]
-        t.add("experts", x.count * r * (i + o) * e)  # the factors, cast to the dtype
+        if e != 4:  # the fp32 factors, cast to the dtype (in fp32: the adapters' own)
+            t.add("experts", x.count * r * (i + o) * e)
         if w.nf4_experts:
             t.add("experts", R * r * e)  # x @ rhs_e^T, saved by @ lhs_e^T
         else:

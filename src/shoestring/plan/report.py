@@ -22,6 +22,7 @@ _LABELS = {
     "workspace": "cuBLAS workspace",
     "overhead": "CUDA context + fragmentation",
     "loading_transient": "loading: beyond the steps' peak",
+    "checkpoint_staging": "checkpoint staging (host copy)",
     "gradient_buckets": "DDP gradient buckets",
     "accumulated_gradients": "unsharded grads (accumulation)",
     "gathered_weights": "all-gathered weights (transient)",

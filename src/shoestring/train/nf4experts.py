@@ -108,9 +108,16 @@ class Factors:
     """One adapter on one expert parameter: its delta is ``scaling * lhs @ rhs`` in the
     parameter's layout (peft's ``ParamWrapper.get_delta_factors``)."""
 
-    lhs: torch.Tensor  # [experts, a, r]
-    rhs: torch.Tensor  # [experts, r, b]
+    lhs: torch.Tensor | tuple[torch.Tensor, ...]  # [experts, a, r], or per expert
+    rhs: torch.Tensor | tuple[torch.Tensor, ...]  # [experts, r, b], or per expert
     scaling: float
+
+    def cast(self, dtype: torch.dtype) -> Factors:
+        """The factors in ``dtype``, split per expert once: one cast, and in backward one
+        gradient for the whole stack (indexing the stack per expert would give every
+        expert a full-size gradient of zeros but its slice)."""
+        assert isinstance(self.lhs, torch.Tensor) and isinstance(self.rhs, torch.Tensor)
+        return Factors(self.lhs.to(dtype).unbind(0), self.rhs.to(dtype).unbind(0), self.scaling)
 
     def matmul(self, x: torch.Tensor, e: int, transposed: bool) -> torch.Tensor:
         """``x`` through expert ``e``'s delta, never formed: ``x @ Δ_e^T`` (``x @ Δ_e``
@@ -254,8 +261,9 @@ def routed_forward(
     """transformers' eager experts loop (expert by expert, ascending, ``index_add_``)
     on the NF4 stacks, with LoRA deltas added in factored form."""
     out = torch.zeros_like(hidden_states)
+    cast = {p: tuple(f.cast(hidden_states.dtype) for f in fs) for p, fs in (lora or {}).items()}
     for e, tokens, slot in _routed(top_k_index, int(self.num_experts)):
-        y = _expert(self, hidden_states[tokens], e, lora or {})
+        y = _expert(self, hidden_states[tokens], e, cast)
         y = y * top_k_weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
