@@ -55,9 +55,18 @@ def steady_memory() -> None:
       slowdown). Read when oneDNN first runs, so this must come before any bf16
       matmul; set in the environment, so child processes get them too.
     """
-    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
+    bounded_primitive_cache()
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_ENTRIES))
     _mmap_threshold(MMAP_THRESHOLD)
+
+
+def bounded_primitive_cache() -> None:
+    """oneDNN's primitive cache cut to :data:`ONEDNN_CACHE_ENTRIES` unless set (read when
+    oneDNN first runs: call before any bf16 matmul). A mixture of experts multiplies a
+    new shape per expert and step; at an OLMoE-1B-7B shape a CPU QLoRA step's second
+    step then peaked at 6.1-6.2 GB instead of 8.9-9.4 GB, in 19-20 s instead of 24-26 s
+    (``benchmarks/results/moe-heap-olmoe-1b-7b-primitives-2026-12-07.txt``)."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_ENTRIES))
 
 
 #: glibc's ceiling for its dynamic mmap threshold (64-bit): where its defaults settle.

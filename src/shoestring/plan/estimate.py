@@ -431,6 +431,12 @@ def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
             f"{CPU_RUNTIME_BYTES / GiB:.2f} GiB for the process's own code and libraries "
             "(measured, in 'overhead'); time and cost are not estimated for CPUs"
         )
+        if w.arch.experts is not None:
+            notes.append(
+                "a mixture of experts on a CPU: the allocator keeps blocks the routed "
+                "tensors free; at OLMoE-1B-7B's shape the steps peaked at 1.08-1.46x this "
+                "plan (benchmarks/README.md): take it as a lower bound"
+            )
     elif w.dtype == "bfloat16" and not gpu.bf16_flops:
         notes.append(
             f"{gpu.name} has no bfloat16: use model.dtype float16 (QLoRA's authors "

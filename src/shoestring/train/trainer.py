@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shoestring.config import to_flat
-from shoestring.heap import unmapped_when_freed
+from shoestring.heap import bounded_primitive_cache, unmapped_when_freed
 from shoestring.hf import fingerprint, load_tokenizer
 from shoestring.secrets import redact
 from shoestring.train.baseload import load_base
@@ -34,6 +34,7 @@ from shoestring.train.grpostep import RolloutWorker
 from shoestring.train.kernels import apply_kernels, check_family
 from shoestring.train.learner import Learner
 from shoestring.train.model import apply_lora, resolve_model_dir
+from shoestring.train.nf4experts import is_fused_experts
 from shoestring.train.objective import SFT, Objective, make_objective
 from shoestring.train.reflogps import ReferenceJob, with_reference
 from shoestring.train.rewards import load_rewards
@@ -118,6 +119,8 @@ def _learner(
     on_cpu = run.strategy.device.type == "cpu"
     with unmapped_when_freed() if on_cpu else contextlib.nullcontext():
         loaded = load_base(cfg, run, model_dir, base_fp)
+    if on_cpu and any(is_fused_experts(m) for m in loaded.model.modules()):
+        bounded_primitive_cache()  # before the first matmul: a shape per expert and step
     seconds = round(time.perf_counter() - t0, 3)
     if cfg.train.kernels != "none":
         run.events.emit("kernels", **apply_kernels(cfg.train.kernels, loaded.model))
