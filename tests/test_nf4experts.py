@@ -215,6 +215,20 @@ def test_a_restart_reads_the_nf4_experts_from_the_quantized_base_cache(
     assert state_digest(tmp_path / "b", 3) == state_digest(tmp_path / "a", 3)
 
 
+def test_the_cache_keeps_nf4_experts_only_where_transformers_can_restore_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stacks are installed at transformers' ``_finalize_model_loading``: a version
+    without it skips caching them (a restart quantizes again) rather than failing."""
+    from transformers import PreTrainedModel
+
+    from shoestring.train.nf4stored import restorable
+
+    assert restorable()
+    monkeypatch.delattr(PreTrainedModel, "_finalize_model_loading")
+    assert not restorable()
+
+
 def test_fsdp_is_refused_and_no_checkpointing_warning_for_nf4_experts(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

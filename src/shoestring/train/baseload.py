@@ -18,6 +18,7 @@ from shoestring.train.model import (
     stored_quantization,
 )
 from shoestring.train.nf4experts import QuantizedExperts
+from shoestring.train.nf4stored import restorable
 from shoestring.train.onereader import share_quant_states
 from shoestring.train.qbase import QBASE_DIR, QuantizedBaseCache, QuantKey, timing
 from shoestring.train.run import Run
@@ -108,7 +109,11 @@ def _load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> 
         "read_s": round(time.perf_counter() - t0 - quantize_s, 3),
         "quantize_s": round(quantize_s, 3),
     }
-    if cache is not None and key is not None and run.strategy.rank == 0:
+    if cache is None or key is None or run.strategy.rank != 0:
+        return LoadedBase(model, fields)
+    if QuantizedExperts.of(model) is not None and not restorable():
+        fields["qbase_skipped"] = "NF4 experts (this transformers cannot restore them)"
+    else:
         t_save = time.perf_counter()
         cache.store(model, key)
         fields.update(qbase_saved=key.name, save_s=round(time.perf_counter() - t_save, 3))

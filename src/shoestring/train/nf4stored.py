@@ -107,6 +107,18 @@ def read_stacks(path: Path, device: torch.device) -> dict[str, ExpertStack]:
     return stacks
 
 
+#: The loader's step :func:`stacks_restored` hooks (transformers 5's ``PreTrainedModel``).
+_FINALIZE = "_finalize_model_loading"
+
+
+def restorable() -> bool:
+    """Whether this transformers has the loading step the stacks are installed at: the
+    quantized-base cache keeps NF4 experts only then (else a restart quantizes again)."""
+    from transformers import PreTrainedModel
+
+    return isinstance(PreTrainedModel.__dict__.get(_FINALIZE), staticmethod)
+
+
 @contextmanager
 def stacks_restored(saved_dir: Path) -> Iterator[None]:
     """Within (around ``from_pretrained(saved_dir)``): the NF4 stacks in ``saved_dir``'s
@@ -118,7 +130,7 @@ def stacks_restored(saved_dir: Path) -> Iterator[None]:
         return
     from transformers import PreTrainedModel
 
-    original = PreTrainedModel.__dict__["_finalize_model_loading"]
+    original = PreTrainedModel.__dict__[_FINALIZE]
 
     def finalize(model: Any, load_config: Any, loading_info: Any) -> Any:
         restored = _install(model, read_stacks(path, _loaded_device(model)))
@@ -127,11 +139,11 @@ def stacks_restored(saved_dir: Path) -> Iterator[None]:
         )
         return original.__func__(model, load_config, loading_info)
 
-    PreTrainedModel._finalize_model_loading = staticmethod(finalize)  # type: ignore[method-assign]
+    setattr(PreTrainedModel, _FINALIZE, staticmethod(finalize))
     try:
         yield
     finally:
-        PreTrainedModel._finalize_model_loading = original  # type: ignore[method-assign]
+        setattr(PreTrainedModel, _FINALIZE, original)
 
 
 def _install(model: nn.Module, stacks: dict[str, ExpertStack]) -> set[str]:
