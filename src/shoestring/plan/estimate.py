@@ -239,9 +239,17 @@ def flops_per_token(w: Workload) -> float:
     return float(fwd + bwd + recompute + reference)
 
 
-def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
+Change = tuple[str, dict[str, Any]]
+
+
+def _changes(w: Workload) -> list[Change]:
     """Memory-saving changes that keep the global batch and the data."""
-    out: list[tuple[str, dict[str, Any]]] = []
+    return _model_changes(w) + _batch_changes(w) + _placement_changes(w)
+
+
+def _model_changes(w: Workload) -> list[Change]:
+    """What is trained and how: checkpointing, a 4-bit base, the optimizer, the targets."""
+    out: list[Change] = []
     if not w.gradient_checkpointing:
         out.append(
             (
@@ -268,6 +276,12 @@ def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
         out.append(
             ("lora.dropout 0 (no per-module dropout masks and copies)", {"lora_dropout": 0.0})
         )
+    return out
+
+
+def _batch_changes(w: Workload) -> list[Change]:
+    """How a micro-batch is laid out and its loss computed."""
+    out: list[Change] = []
     if w.padded:
         out.append(
             (
@@ -283,12 +297,14 @@ def _changes(w: Workload) -> list[tuple[str, dict[str, Any]]]:
                 {"loss_chunk_tokens": ADVISED_CHUNK},
             )
         )
-    if (
-        w.parallelism == "ddp"
-        and w.quant != "int8"
-        and w.optimizer == "adamw"
-        and not w.arch.experts
-    ):
+    return out
+
+
+def _placement_changes(w: Workload) -> list[Change]:
+    """Where the state lives: sharded across ranks, or in host RAM."""
+    out: list[Change] = []
+    shardable = w.quant != "int8" and w.optimizer == "adamw" and not w.arch.experts
+    if w.parallelism == "ddp" and shardable:
         out.append(
             (
                 "shard instead of replicating (distributed.strategy: fsdp)",
