@@ -108,27 +108,37 @@ class Factors:
     """One adapter on one expert parameter: its delta is ``scaling * lhs @ rhs`` in the
     parameter's layout (peft's ``ParamWrapper.get_delta_factors``)."""
 
-    lhs: torch.Tensor | tuple[torch.Tensor, ...]  # [experts, a, r], or per expert
-    rhs: torch.Tensor | tuple[torch.Tensor, ...]  # [experts, r, b], or per expert
+    lhs: torch.Tensor  # [experts, a, r]
+    rhs: torch.Tensor  # [experts, r, b]
     scaling: float
 
-    def cast(self, dtype: torch.dtype) -> Factors:
+    def per_expert(self, dtype: torch.dtype) -> ExpertFactors:
         """The factors in ``dtype``, split per expert once: one cast, and in backward one
         gradient for the whole stack (indexing the stack per expert would give every
         expert a full-size gradient of zeros but its slice)."""
-        assert isinstance(self.lhs, torch.Tensor) and isinstance(self.rhs, torch.Tensor)
-        return Factors(self.lhs.to(dtype).unbind(0), self.rhs.to(dtype).unbind(0), self.scaling)
+        lhs, rhs = self.lhs.to(dtype).unbind(0), self.rhs.to(dtype).unbind(0)
+        return ExpertFactors(lhs, rhs, self.scaling)
+
+
+@dataclass(frozen=True)
+class ExpertFactors:
+    """:class:`Factors` cast to the activations' dtype, one pair per expert."""
+
+    lhs: tuple[torch.Tensor, ...]  # [a, r] each
+    rhs: tuple[torch.Tensor, ...]  # [r, b] each
+    scaling: float
 
     def matmul(self, x: torch.Tensor, e: int, transposed: bool) -> torch.Tensor:
         """``x`` through expert ``e``'s delta, never formed: ``x @ Δ_e^T`` (``x @ Δ_e``
         where the parameter is ``[experts, in, out]``)."""
-        lhs, rhs = self.lhs[e].to(x.dtype), self.rhs[e].to(x.dtype)
+        lhs, rhs = self.lhs[e], self.rhs[e]
         if transposed:
             return (x @ lhs) @ rhs * self.scaling
         return (x @ rhs.t()) @ lhs.t() * self.scaling
 
 
 Lora = dict[str, tuple[Factors, ...]]
+_Cast = dict[str, tuple[ExpertFactors, ...]]
 
 
 def stacks_of(module: nn.Module) -> dict[str, ExpertStack]:
@@ -261,7 +271,8 @@ def routed_forward(
     """transformers' eager experts loop (expert by expert, ascending, ``index_add_``)
     on the NF4 stacks, with LoRA deltas added in factored form."""
     out = torch.zeros_like(hidden_states)
-    cast = {p: tuple(f.cast(hidden_states.dtype) for f in fs) for p, fs in (lora or {}).items()}
+    dtype = hidden_states.dtype
+    cast = {p: tuple(f.per_expert(dtype) for f in fs) for p, fs in (lora or {}).items()}
     for e, tokens, slot in _routed(top_k_index, int(self.num_experts)):
         y = _expert(self, hidden_states[tokens], e, cast)
         y = y * top_k_weights[tokens, slot, None]
@@ -280,7 +291,7 @@ def _routed(top_k_index: torch.Tensor, num_experts: int) -> Iterator[tuple[int, 
         yield e, tokens, slot
 
 
-def _expert(self: Any, x: torch.Tensor, e: int, lora: Lora) -> torch.Tensor:
+def _expert(self: Any, x: torch.Tensor, e: int, lora: _Cast) -> torch.Tensor:
     first = "gate_up_proj" if self.has_gate else "up_proj"
     h = _project(self, first, x, e, lora)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
@@ -290,7 +301,7 @@ def _expert(self: Any, x: torch.Tensor, e: int, lora: Lora) -> torch.Tensor:
     return y
 
 
-def _project(self: Any, name: str, x: torch.Tensor, e: int, lora: Lora) -> torch.Tensor:
+def _project(self: Any, name: str, x: torch.Tensor, e: int, lora: _Cast) -> torch.Tensor:
     stack = stacks_of(self)[name]
     given = getattr(self, name)
     if is_placeholder(given):
