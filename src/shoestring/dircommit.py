@@ -80,7 +80,7 @@ def commit_dir(
     manifest: str,
     manifest_bytes: bytes,
     hook: Callable[[str], object] = _nothing,
-    write: Callable[[Path, bytes], None] = atomic_write,
+    write: Callable[[Path, bytes], object] = atomic_write,
 ) -> None:
     """Commit ``tmp`` (its data files already durable) as ``final``: the manifest
     written last (by ``write``, which must sync it) and the folder synced, then renamed

@@ -12,14 +12,16 @@ first, so a kill during retention leaves either a valid or an ignored dir.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
 from shoestring.checkpoint.manifest import (
@@ -28,7 +30,6 @@ from shoestring.checkpoint.manifest import (
     FileEntry,
     Manifest,
     read_manifest,
-    sha256_bytes,
     sha256_file,
 )
 from shoestring.dircommit import commit_dir, uncommit
@@ -47,22 +48,62 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def write_file_durably(path: Path, data: bytes | memoryview, faults: FaultPlan = NO_FAULTS) -> None:
+class Payload(Protocol):
+    """A file's content written as it is produced (:class:`~shoestring.stwriter.TensorFile`:
+    a safetensors file straight from the snapshot's tensors), never held whole."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def chunks(self) -> Iterable[bytes | memoryview]: ...
+
+
+@dataclass(frozen=True)
+class Blob:
+    """Content already in memory (a JSON document)."""
+
+    data: bytes | memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def chunks(self) -> Iterable[bytes | memoryview]:
+        return (self.data,)
+
+
+FileData = bytes | memoryview | Payload
+
+
+def write_file_durably(path: Path, data: FileData, faults: FaultPlan = NO_FAULTS) -> FileEntry:
+    """Write ``data`` to ``path`` and fsync it; its size and sha256, hashed as written.
+
+    The ``ckpt.partial_file`` fault leaves half of it, synced, then fires (a torn file)."""
+    content = Blob(data) if isinstance(data, bytes | memoryview) else data
+    partial = faults.wants("ckpt.partial_file")
+    limit = content.nbytes // 2 if partial else content.nbytes
+    digest, size = hashlib.sha256(), 0
     with open(path, "wb") as f:
-        partial = faults.wants("ckpt.partial_file")
-        f.write(data[: len(data) // 2] if partial else data)
+        for chunk in content.chunks():
+            view = memoryview(chunk).cast("B")[: limit - size]
+            f.write(view)
+            digest.update(view)
+            size += len(view)
         if partial:
             f.flush()
             os.fsync(f.fileno())
         faults.hit("ckpt.partial_file")
         f.flush()
         os.fsync(f.fileno())
+    if size != content.nbytes:
+        raise ValueError(f"{path}: wrote {size} bytes of {content.nbytes}")
+    return FileEntry(size, digest.hexdigest())
 
 
 def commit_local(
     root: Path,
     step: int,
-    files: Mapping[str, bytes | memoryview],
+    files: Mapping[str, FileData],
     meta: dict[str, Any],
     faults: FaultPlan = NO_FAULTS,
 ) -> tuple[Path, Manifest]:
@@ -73,8 +114,7 @@ def commit_local(
     try:
         entries: dict[str, FileEntry] = {}
         for name, data in files.items():
-            write_file_durably(tmp / name, data, faults)
-            entries[name] = FileEntry(len(data), sha256_bytes(data))
+            entries[name] = write_file_durably(tmp / name, data, faults)
             faults.hit("ckpt.after_file")
         return seal(tmp, root, step, meta, faults, entries)
     except BaseException:

@@ -3,7 +3,8 @@
 Copying a snapshot is the only part of a save that blocks training: tensors are
 copied to host memory or a shared-memory buffer (so later steps can mutate the
 live ones) and small JSON documents are deep-copied. Serialization — safetensors for tensors, JSON
-for the rest, never pickle — happens later, off the training thread.
+for the rest, never pickle — happens later, off the training thread, and writes the
+tensors from the snapshot itself: a save holds the state in host memory once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
+
+from shoestring.stwriter import TensorFile
 
 
 @dataclass
@@ -47,11 +50,12 @@ def make_snapshot(
     )
 
 
-def serialize(snap: Snapshot) -> dict[str, bytes]:
-    """File name → bytes. ``*.safetensors`` for tensors, ``*.json`` for documents."""
-    files: dict[str, bytes] = {}
+def serialize(snap: Snapshot) -> dict[str, TensorFile | bytes]:
+    """File name → content. ``*.safetensors`` for tensors (written from the snapshot's
+    own memory as the file is written), ``*.json`` for documents (bytes)."""
+    files: dict[str, TensorFile | bytes] = {}
     for name, tensors in sorted(snap.tensors.items()):
-        files[name] = save(dict(sorted(tensors.items())))
+        files[name] = TensorFile.of(tensors)
     for name, doc in sorted(snap.documents.items()):
         files[name] = json.dumps(doc, indent=1, sort_keys=True).encode()
     return files

@@ -16,7 +16,7 @@ Layout, committed like a checkpoint (temp dir, fsync, manifest last, rename) as
     state.json          passes done, groups, tokens, finish reasons, cache kinds
     batch.safetensors   next input ids and attention mask per micro-batch
     kv-NNN.safetensors  layer NNN's cache for every micro-batch (one file per layer:
-                        serializing takes one layer's worth of extra memory)
+                        a device cache is copied to the host a layer at a time)
 """
 
 from __future__ import annotations
@@ -33,17 +33,17 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from shoestring.checkpoint.faults import NO_FAULTS, FaultPlan
-from shoestring.checkpoint.local import seal, write_file_durably
+from shoestring.checkpoint.local import FileData, seal, write_file_durably
 from shoestring.checkpoint.manifest import (
     CorruptCheckpoint,
     FileEntry,
     read_manifest,
-    sha256_bytes,
     sha256_file,
 )
 from shoestring.infer.decode import Generated, GenState
 from shoestring.infer.engine import MicroBatch, StreamingCausalLM
 from shoestring.infer.kvcache import Int8KVLayer
+from shoestring.stwriter import TensorFile
 
 STATE = "state.json"
 BATCH = "batch.safetensors"
@@ -90,9 +90,8 @@ def save(
     entries: dict[str, FileEntry] = {}
     try:
 
-        def put(name: str, data: bytes) -> None:
-            write_file_durably(tmp / name, data, faults)
-            entries[name] = FileEntry(len(data), sha256_bytes(data))
+        def put(name: str, data: FileData) -> None:
+            entries[name] = write_file_durably(tmp / name, data, faults)
             faults.hit("ckpt.after_file")
 
         _write_state(state, n_layers, kinds, put)
@@ -104,25 +103,23 @@ def save(
 
 
 def _write_state(
-    state: GenState, n_layers: int, kinds: list[list[str]], put: Callable[[str, bytes], None]
+    state: GenState, n_layers: int, kinds: list[list[str]], put: Callable[[str, FileData], None]
 ) -> None:
     """The batch inputs, one safetensors file of K/V per layer, and the JSON document."""
-    from safetensors.torch import save as st_save
-
     ints: list[list[dict[str, int]]] = [[] for _ in state.mbs]
     inputs = {
         f"{j}.{name}": getattr(mb, name).contiguous()
         for j, mb in enumerate(state.mbs)
         for name in ("input_ids", "attention_mask")
     }
-    put(BATCH, st_save(inputs))
+    put(BATCH, TensorFile.of(inputs))
     for i in range(n_layers):
         tensors: dict[str, torch.Tensor] = {}
         for j, mb in enumerate(state.mbs):
             _, ts, extra = _layer_tensors(mb.cache.layers[i])
             tensors.update({f"{j}.{k}": t.detach().to("cpu").contiguous() for k, t in ts.items()})
             ints[j].append(extra)
-        put(f"kv-{i:03d}.safetensors", st_save(tensors))
+        put(f"kv-{i:03d}.safetensors", TensorFile.of(tensors))
     doc = {
         "step": state.step,
         "groups": state.groups,
