@@ -388,3 +388,87 @@ def test_all_linear_that_leaves_experts_bare_is_said_with_the_knob(
             apply_lora(_load(model_dir, "none"), lora, seed=0, gradient_checkpointing=False)
         said.append("--lora.target_parameters gate_up_proj,down_proj" in caplog.text)
     assert said == [True, False, False]
+
+
+def test_peft_saying_its_expert_patterns_were_ignored_is_not_repeated(tmp_path: Path) -> None:
+    """peft's ``all-linear`` gives Qwen3-MoE's ``gate_up_proj`` twice the rank through
+    rank/alpha patterns, applies them, and warns they matched nothing (it checks modules,
+    not parameters): that warning is dropped, the patterns are seen applied, and a
+    pattern warning that names nothing adapted still gets through."""
+    import warnings as w
+
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from shoestring.train.config import LoraSection
+    from shoestring.train.model import _rewarn, apply_lora
+
+    lora = LoraSection(dropout=0.0, r=8, alpha=16)
+    with w.catch_warnings(record=True) as said:
+        w.simplefilter("always")
+        model = apply_lora(_load(_moe(tmp_path, "qwen3_moe"), "none"), lora, 0, False)
+    assert not [m for m in said if "_pattern keys did not match" in str(m.message)]
+    wrappers = {m.parameter_name: m for m in model.modules() if isinstance(m, ParamWrapper)}
+    assert wrappers["gate_up_proj"].r["default"] == 16  # the pattern, applied
+    assert (
+        wrappers["gate_up_proj"].scaling["default"]
+        == 2.0
+        == wrappers["down_proj"].scaling["default"]
+    )
+
+    text = "The following alpha_pattern keys did not match any targeted module and were ignored: "
+    with w.catch_warnings(record=True) as seen:
+        w.simplefilter("always")
+        other = text + repr([r".*\.w9"]) + "."  # as peft writes it: the list's repr
+        _rewarn([w.WarningMessage(RuntimeWarning(other), RuntimeWarning, "p.py", 1)],
+                ["model.layers.0.mlp.experts.gate_up_proj"])  # fmt: skip
+    assert [str(m.message) for m in seen] == [other]
+
+
+def _resumed_with_meta(cli: CLI, out: Path, args: list[str], **meta: Any) -> Any:
+    """Rewrite the newest checkpoint's manifest meta (``None`` removes a key), then rerun."""
+    manifest_path = out / "checkpoints" / "step-00000004" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for key, value in meta.items():
+        if value is None:
+            manifest["meta"].pop(key)
+        else:
+            manifest["meta"][key] = value
+    manifest_path.write_text(json.dumps(manifest))
+    return cli.run(out, *args)
+
+
+def test_a_checkpoint_whose_base_was_held_otherwise_is_refused(
+    cli: CLI, tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every checkpoint records how its frozen base was held. One that says its experts
+    were 16-bit (as an MoE's were under this config before NF4 experts) is refused with
+    both forms named; one without the record resumes and says it could not check; other
+    library versions resume and are named in the resume event."""
+    monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
+    model_dir = _moe(tmp_path, "qwen3_moe")
+    args = [*FAST, "--model.path", str(model_dir), "--lora.dropout", "0", "--train.max_steps",
+            "4", "--lora.quantize", "nf4", "--data.eval", ""]  # fmt: skip
+    out = tmp_path / "run"
+    torch.set_num_threads(1)
+    assert main(["finetune", "--output_dir", str(out), *args]) == 0
+    meta = json.loads((out / "checkpoints" / "step-00000004" / "manifest.json").read_text())
+    layout = meta["meta"]["base_layout"]
+    assert layout["experts"] == "nf4" and "nf4" in layout["linears"].split(",")
+    assert meta["meta"]["versions"]["transformers"]
+
+    more = [*args, "--train.max_steps", "5"]
+    refused = _resumed_with_meta(cli, out, more, base_layout={**layout, "experts": "bfloat16"})
+    assert refused.returncode == 2, refused.stderr
+    assert "experts: bfloat16 -> nf4" in refused.stderr
+    assert not (out / "checkpoints" / "step-00000005").exists()
+
+    old = {"transformers": "5.0.0", "torch": "2.9.0"}
+    resumed = _resumed_with_meta(cli, out, more, base_layout=None, versions=old)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "predates the record of how its base was held" in resumed.stderr
+    (event,) = [e for e in read_events(out) if e["event"] == "resume"]
+    assert event["base_layout"] == "unrecorded"
+    assert event["versions_changed"] == {
+        "torch": f"2.9.0 -> {torch.__version__}",
+        "transformers": f"5.0.0 -> {__import__('transformers').__version__}",
+    }

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import logging
+import re
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -314,9 +317,12 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            peft_model = get_peft_model(model, lcfg)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                peft_model = get_peft_model(model, lcfg)
         except ValueError as e:
             raise ConfigError(_refused_lora(e, cfg)) from e
+    _rewarn(said, getattr(peft_model.base_model, "targeted_parameter_names", []))
     factor_expert_lora(peft_model)  # LoRA on NF4 experts: per routed expert, factored
     _warn_unadapted_experts(peft_model, cfg)
     if gradient_checkpointing:
@@ -325,6 +331,28 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
         )
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+#: peft's check of its rank/alpha patterns, which it matches against adapted modules
+#: only: the patterns its own ``all-linear`` mapping gives an MoE's fused experts
+#: (``gate_up_proj`` at twice the rank) name adapted parameters, are applied (their
+#: scaling is right), and are still said to be ignored.
+_PATTERNS_IGNORED = re.compile(
+    r"The following (rank|alpha)_pattern keys did not match any targeted module and were "
+    r"ignored: (\[.*\])\.$"
+)
+
+
+def _rewarn(said: list[warnings.WarningMessage], parameters: list[str]) -> None:
+    """Say again what peft warned while wrapping, except that its patterns were
+    ignored when each of them names an adapted parameter."""
+    for w in said:
+        m = _PATTERNS_IGNORED.match(str(w.message))
+        keys = ast.literal_eval(m.group(2)) if m else [None]
+        if not all(
+            key and any(re.match(rf"(.*\.)?({key})$", name) for name in parameters) for key in keys
+        ):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _warn_unadapted_experts(model: Any, cfg: LoraSection) -> None:

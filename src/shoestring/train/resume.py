@@ -20,6 +20,7 @@ from shoestring.config import ConfigError, to_flat
 from shoestring.events import read_tail
 from shoestring.secrets import redact
 from shoestring.train import state as S
+from shoestring.train.baselayout import changed_versions, check_layout, versions
 from shoestring.train.config import RESUME_SAFE_PREFIXES, FinetuneConfig, resume_relevant
 from shoestring.train.export import prune_exports
 from shoestring.train.trainer import Trainer
@@ -204,6 +205,7 @@ def _load(t: Trainer, choice: tuple[int, str, str]) -> tuple[S.Progress, Manifes
     path = Path(path_s)
     manifest = verify_dir(path, deep=False)  # rank 0 verified the hashes
     check_base(manifest.meta, t.base_fp, t.base_source, str(path), t.model_dir)
+    check_layout(manifest.meta, t.base_layout, str(path))
     strategy = t.run.strategy
     progress, own_rng = strategy.restore(
         path, manifest, t.learner, lambda saved: check_compatible(saved, t.cfg, str(path))
@@ -224,6 +226,7 @@ def _report(
     last = last_logged_step(rd.events, sorted(rd.attempts.glob("*.jsonl")))
     lost = max((last or 0) - progress.step, 0)
     world = t.run.strategy.world_size
+    changed = changed_versions(t.resumed_meta.get("versions"), versions())
     t.run.events.emit(
         "resume",
         from_step=progress.step,
@@ -234,8 +237,11 @@ def _report(
         from_world_size=saved_world,
         world_size=world,
         format="dcp" if sharded else "files",
+        base_layout="same" if "base_layout" in t.resumed_meta else "unrecorded",
+        versions_changed=changed,
         **S.state_digests(t.learner.wrapped, t.learner.optimizer),
     )
+    _warn_unverified(t, changed)
     log.info(
         "resumed from step %d (%s, saved by %d rank(s), now %d); %d steps redone",
         progress.step,
@@ -244,3 +250,20 @@ def _report(
         world,
         lost,
     )
+
+
+def _warn_unverified(t: Trainer, changed: dict[str, str]) -> None:
+    """What this resume could not promise: the same base form, the same libraries."""
+    if "base_layout" not in t.resumed_meta:
+        log.warning(
+            "this checkpoint predates the record of how its base was held (%s now); "
+            "if a version of shoestring that held it otherwise wrote it, the adapter "
+            "continues against other weights",
+            ", ".join(f"{k} {v}" for k, v in t.base_layout.items()) or "nothing frozen",
+        )
+    if changed:
+        log.warning(
+            "resuming under other library versions (%s): the continuation may not be "
+            "bit-identical to an uninterrupted run",
+            "; ".join(f"{k} {v}" for k, v in changed.items()),
+        )

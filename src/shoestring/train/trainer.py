@@ -24,6 +24,7 @@ from shoestring.config import to_flat
 from shoestring.heap import bounded_primitive_cache, unmapped_when_freed
 from shoestring.hf import fingerprint, load_tokenizer
 from shoestring.secrets import redact
+from shoestring.train.baselayout import base_layout, versions
 from shoestring.train.baseload import load_base
 from shoestring.train.compiled import compile_module
 from shoestring.train.config import FinetuneConfig, ResolvedConfig, config_hash, precision_of
@@ -63,6 +64,7 @@ class Trainer:
     resumed_meta: dict[str, Any] = field(default_factory=dict)  # the resumed manifest's
     tracker_ids: Callable[[], dict[str, str]] = dict  # tracker runs to continue on resume
     base_source: dict[str, str] = field(default_factory=dict)  # a Hub id's commit, a URL's digest
+    base_layout: dict[str, str] = field(default_factory=dict)  # its frozen weights' forms
     objective: Objective = field(default_factory=SFT)  # what a step minimizes
     #: ``train.compile``: the compiled view of ``learner.wrapped`` the steps call.
     compiled: torch.nn.Module | None = None
@@ -82,6 +84,8 @@ class Trainer:
             "world_size": self.run.strategy.world_size,
             "strategy": self.run.strategy.name,
             "torch": torch.__version__,
+            "versions": versions(),
+            "base_layout": self.base_layout,
             "kind": "finetune",
             **({"trackers": ids} if (ids := self.tracker_ids()) else {}),
         }
@@ -203,6 +207,7 @@ def build_trainer(cfg: ResolvedConfig, run: Run, inputs: Inputs) -> Trainer:
         redact(to_flat(cfg)),  # written into every checkpoint: no credentials
         config_hash(cfg),
         base_source=inputs.model.record() if inputs.model is not None else {},
+        base_layout=base_layout(learner.model),
         objective=objective,
         compiled=compile_module(learner.wrapped) if cfg.train.compile else None,
         rollouts=rollout_worker(cfg, data, objective, tok.pad_token_id),
