@@ -450,8 +450,9 @@ def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
         if w.arch.experts is not None:
             notes.append(
                 "a mixture of experts on a CPU: the plan counts tensors, not the heap's "
-                "holes; at OLMoE-1B-7B's shape the steps peaked at 1.09x this plan, 1.08-1.46x "
-                "before finetune capped oneDNN's primitive cache (benchmarks/README.md)"
+                "holes; at OLMoE-1B-7B's shape the steps peaked at 0.97x this plan (one run), "
+                "1.08-1.46x before finetune capped oneDNN's primitive cache and wrote "
+                "checkpoints without a serialized copy (benchmarks/README.md)"
             )
     elif w.dtype == "bfloat16" and not gpu.bf16_flops:
         notes.append(
