@@ -1,6 +1,7 @@
 """Tiny random Llama, Qwen2 and Qwen3 model dirs with byte-level BPE tokenizers trained on the
-spot (Llama 3 and Qwen2 split regexes, special tokens, chat templates), for the GGUF
-export tests and benchmark. Nothing is downloaded."""
+spot (Llama 3 and Qwen2 split regexes, special tokens, chat templates), and a Mistral with a
+SentencePiece ``tokenizer.model`` (as Llama 2 and Mistral 7B have), for the GGUF export
+tests and benchmark. Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -54,12 +55,45 @@ def bpe_tokenizer(split: str, specials: list[str], bos: str | None, eos: str, te
     )
 
 
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+    " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def spm_tokenizer(path: Path) -> Any:
+    """A SentencePiece BPE with byte fallback trained on ``CORPUS`` into
+    ``path/tokenizer.model`` (ids 0-2: ``<unk> <s> </s>``, as Llama 2 and Mistral), and
+    the transformers tokenizer it converts to, with an added special token."""
+    import io
+    import json
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=buf, vocab_size=384, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        minloglevel=2,
+    )  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.model").write_bytes(buf.getvalue())
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+              "legacy": False, "chat_template": MISTRAL_TEMPLATE}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    return tok
+
+
 def tiny_model_dir(
     path: Path, arch: str, tied: bool = False, seed: int = 0, rope: dict[str, Any] | None = None
 ) -> Path:
-    """A random ``llama`` (GQA, Llama 3 tokenizer and template), ``qwen2`` (q/k/v
-    biases, ChatML), ``qwen3`` (q/k RMS norms, ChatML) or ``qwen3_moe`` (4 experts, 2
-    a token) model dir; widths multiples of 64 (the 4-bit CPU kernels' rule).
+    """A random ``llama`` (GQA, Llama 3 tokenizer and template), ``mistral`` (GQA, a
+    SentencePiece tokenizer, [INST] template), ``qwen2`` (q/k/v biases, ChatML), ``qwen3``
+    (q/k RMS norms, ChatML) or ``qwen3_moe`` (4 experts, 2 a token) model dir; widths multiples of 64 (the 4-bit CPU kernels' rule).
     ``rope``: its ``rope_parameters`` (transformers 5's ``rope_scaling``), e.g. llama3."""
     from transformers import (
         LlamaConfig,
@@ -88,6 +122,13 @@ def tiny_model_dir(
         )
         cls, ccls = LlamaForCausalLM, LlamaConfig
         extra: dict[str, Any] = {"num_key_value_heads": 2}
+    elif arch == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        tok = spm_tokenizer(path)
+        cls, ccls = MistralForCausalLM, MistralConfig
+        # no window (7B v0.2 on); rows past the pieces and the added token: [PAD] in GGUF
+        extra = {"num_key_value_heads": 2, "sliding_window": None, "vocab_size": 448}
     else:
         tok = bpe_tokenizer(
             QWEN2_SPLIT,
@@ -113,7 +154,7 @@ def tiny_model_dir(
                       "norm_topk_prob": True}  # fmt: skip
     n = len(tok)
     cfg = ccls(
-        vocab_size=(n + 63) // 64 * 64,
+        vocab_size=extra.pop("vocab_size", (n + 63) // 64 * 64),
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,

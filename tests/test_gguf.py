@@ -153,6 +153,66 @@ def test_a_qwen3_with_q_and_k_norms_exports_and_loads(tmp_path: Path) -> None:
     _reads_back(model, tok, path, "f16")
 
 
+def _field(reader: Any, key: str) -> list[Any]:
+    """A GGUF metadata array (or one value) as Python values."""
+    f = reader.fields[key]
+    return [f.contents(i) for i in range(len(f.data))] if len(f.data) > 1 else [f.contents()]
+
+
+def test_a_mistral_with_a_sentencepiece_tokenizer_exports_and_loads(tmp_path: Path) -> None:
+    """Mistral (llama.cpp's LLAMA, q/k permuted) with a SentencePiece ``tokenizer.model``
+    (Llama 2's and Mistral 7B's kind): written as convert_hf_to_gguf writes one, every
+    piece with its score and type, the added special token CONTROL, the rows past them
+    ``[PAD<id>]``; it reads back as the adapted model, tokenizing every prompt (bytes
+    outside the pieces too) as the trained tokenizer does."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from shoestring.train.ggufexport import export_gguf
+    from shoestring.train.ggufspm import sentencepiece_model
+
+    d = tiny_model_dir(tmp_path / "tiny-mistral", "mistral")
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d)
+    spm_path = sentencepiece_model(d)
+    assert spm_path is not None and not (tmp_path / "saved" / "tokenizer.model").exists()
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name, spm_path)
+    gtok = _reads_back(model, tok, path, "f16")
+    for text in ("Ünïcode ∑ 123", "[INST] hi [/INST]"):  # byte fallback; the template's text
+        assert gtok(text)["input_ids"] == tok(text)["input_ids"]
+    assert gtok.chat_template == tok.chat_template
+
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "tokenizer.ggml.model") == ["llama"]
+    assert _field(reader, "general.architecture") == ["llama"]
+    tokens, types = (
+        _field(reader, "tokenizer.ggml.tokens"),
+        _field(reader, "tokenizer.ggml.token_type"),
+    )
+    scores = _field(reader, "tokenizer.ggml.scores")
+    sp = spm.SentencePieceProcessor(model_file=str(spm_path))
+    assert len(tokens) == len(scores) == model.config.vocab_size == 448
+    assert tokens[: sp.vocab_size()] == [sp.IdToPiece(i) for i in range(sp.vocab_size())]
+    n = sp.vocab_size()
+    assert scores[3:n] == pytest.approx([sp.GetScore(i) for i in range(3, n)])
+    T = gguf.TokenType  # <unk> <s> </s> are the tokenizer's added tokens: convert's CONTROL
+    assert [types[i] for i in (0, 1, 2, 3, 300)] == [T.CONTROL] * 3 + [T.BYTE, T.NORMAL]
+    assert scores[:3] == [-1000.0] * 3
+    added = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert (tokens[added], types[added]) == ("[TOOL_CALLS]", T.CONTROL)
+    assert (tokens[447], types[447], scores[447]) == ("[PAD447]", T.UNUSED, -10000.0)
+    assert _field(reader, "tokenizer.ggml.bos_token_id") == [1]
+    assert 'PARAMETER stop "</s>"' in (path.parent / "Modelfile").read_text()
+
+
+def test_a_mistral_with_a_sliding_window_is_refused_by_name() -> None:
+    from shoestring.train.ggufarch import check_arch
+
+    v01 = {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}
+    with pytest.raises(ConfigError, match="sliding window of 4096 tokens"):
+        check_arch(v01, "export.gguf")
+    assert check_arch({**v01, "sliding_window": None}, "export.gguf") == "mistral"
+
+
 def test_a_qwen3_moe_exports_its_adapted_experts_stacked_and_loads(tmp_path: Path) -> None:
     """Qwen3-MoE (QWEN3MOE) with LoRA on its fused experts: each layer's experts stacked
     as llama.cpp's converter stacks them (gate, up and down, each experts x rows x

@@ -106,6 +106,7 @@ def export_run(run_dir: Path, kind: GgufType, out: Path, cache_dir: Path) -> Pat
     from shoestring.hf import load_tokenizer
     from shoestring.rundir import hold
     from shoestring.train.ggufexport import check_model_dir, export_gguf, export_gguf_from
+    from shoestring.train.ggufspm import sentencepiece_model
     from shoestring.train.model import resolve_model_dir
 
     cfg = run_config(run_dir)
@@ -120,7 +121,8 @@ def export_run(run_dir: Path, kind: GgufType, out: Path, cache_dir: Path) -> Pat
                 model_dir, source.path, cfg.model, cfg.lora.quantize, tok, out, kind
             )
         model = _from_checkpoint(cfg, model_dir, source.path)
-        return export_gguf(model, load_tokenizer(model_dir), out, kind, model_dir.name)
+        tok = load_tokenizer(model_dir)
+        return export_gguf(model, tok, out, kind, model_dir.name, sentencepiece_model(model_dir))
 
 
 def run_export(cfg: ExportVerbConfig, call: Invocation) -> int:

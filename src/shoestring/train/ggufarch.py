@@ -1,4 +1,4 @@
-"""What llama.cpp expects of a Llama-, Qwen2- or Qwen3-family GGUF (Qwen3-MoE too), as its
+"""What llama.cpp expects of a Llama-, Mistral-, Qwen2- or Qwen3-family GGUF (Qwen3-MoE too), as its
 ``convert_hf_to_gguf.py`` writes one: the architecture's hyperparameter keys, each
 tensor's GGUF name (gguf's own ``TensorNameMap``), an MoE layer's experts stacked per
 projection (transformers' fused ``gate_up_proj`` split into gate and up), the q/k row
@@ -38,6 +38,7 @@ GGUF_HINT = "needs the gguf package: pip install 'shoestring[gguf]'"
 #: permuted (``LlamaModel.modify_tensors`` in convert_hf_to_gguf.py).
 ARCHS: dict[str, tuple[str, bool]] = {
     "llama": ("LLAMA", True),
+    "mistral": ("LLAMA", True),  # convert registers MistralForCausalLM as a LlamaModel
     "qwen2": ("QWEN2", False),
     "qwen3": ("QWEN3", False),  # Qwen2's, with q/k norms and no biases
     "qwen3_moe": ("QWEN3MOE", False),  # Qwen3's attention, every MLP a mixture of experts
@@ -46,6 +47,7 @@ ARCHS: dict[str, tuple[str, bool]] = {
 #: keys; linear: ``rope.scaling.type``/``factor``; llama3: the ``rope_freqs`` tensor).
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "llama": ("default", "linear", "llama3"),
+    "mistral": ("default", "linear"),
     "qwen2": ("default", "linear"),
     "qwen3": ("default", "linear"),
     "qwen3_moe": ("default", "linear"),
@@ -80,8 +82,8 @@ def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_arch(cfg: Mapping[str, Any], key: str) -> str:
-    """The model's ``model_type`` if llama.cpp's LLAMA/QWEN2/QWEN3/QWEN3MOE export of it is
-    ours to write."""
+    """The model's ``model_type`` if llama.cpp's LLAMA (Llama, Mistral)/QWEN2/QWEN3/QWEN3MOE
+    export of it is ours to write."""
     model_type = str(cfg.get("model_type"))
     if model_type not in ARCHS:
         raise ConfigError(
@@ -95,6 +97,7 @@ def check_arch(cfg: Mapping[str, Any], key: str) -> str:
             "(mlp_only_layers / decoder_sparse_step), which llama.cpp's QWEN3MOE does not "
             "read; not exported to GGUF"
         )
+    _check_window(cfg, model_type, key)
     rope = rope_parameters(cfg)["rope_type"]
     if rope not in ROPE_TYPES[model_type]:
         raise ConfigError(
@@ -102,6 +105,19 @@ def check_arch(cfg: Mapping[str, Any], key: str) -> str:
             f"(supported: {', '.join(ROPE_TYPES[model_type])})"
         )
     return model_type
+
+
+def _check_window(cfg: Mapping[str, Any], model_type: str, key: str) -> None:
+    """llama.cpp's LLAMA attends over the whole context: a Mistral whose attention is
+    windowed (7B v0.1: 4096 tokens) would compute another model past the window."""
+    window = cfg.get("sliding_window")
+    if model_type == "mistral" and window and int(window) < int(cfg["max_position_embeddings"]):
+        raise ConfigError(
+            f"{key}: this mistral attends through a sliding window of {window} tokens "
+            "(config.json sliding_window), which llama.cpp's LLAMA architecture does not "
+            f"apply: past {window} tokens the GGUF would compute another model; not exported "
+            "(Mistral 7B v0.2 and later have no window)"
+        )
 
 
 def head_dim(cfg: Mapping[str, Any]) -> int:
@@ -130,7 +146,7 @@ def add_hparams(writer: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
     if cfg.get("head_dim"):
         writer.add_key_length(int(cfg["head_dim"]))
         writer.add_value_length(int(cfg["head_dim"]))
-    if cfg["model_type"] == "llama":
+    if ARCHS[cfg["model_type"]][0] == "LLAMA":
         writer.add_vocab_size(int(cfg["vocab_size"]))
         writer.add_rope_dimension_count(head_dim(cfg))
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")  # as transformers 5 / Hub

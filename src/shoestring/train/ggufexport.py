@@ -39,6 +39,7 @@ from shoestring.train.ggufarch import (
     read_config,
     require_gguf,
 )
+from shoestring.train.ggufspm import build_spm_vocab, load_processor, sentencepiece_model
 from shoestring.train.ggufvocab import GgufVocab, build_vocab, check_tokenizer, read_tokenizer_json
 from shoestring.train.ollama import modelfile, stop_tokens
 
@@ -75,7 +76,10 @@ def check_exportable(cfg: FinetuneConfig, model_dir: Path | None) -> None:
 
 def check_model_dir(model_dir: Path, key: str) -> None:
     check_arch(read_config(model_dir), key)
-    check_tokenizer(read_tokenizer_json(model_dir, key), key)
+    if (spm := sentencepiece_model(model_dir)) is not None:  # llama.cpp reads it first
+        load_processor(spm, key)
+    else:
+        check_tokenizer(read_tokenizer_json(model_dir, key), key)
 
 
 def prune_temps(gguf_dir: Path) -> list[str]:
@@ -168,16 +172,20 @@ def _model_config(base: Any) -> dict[str, Any]:
     return cfg
 
 
-def _vocab(base: Any, tok: Any, scratch: Path, n_vocab: int) -> GgufVocab:
-    """The tokenizer as trained (saved, as final/ has it), read with gguf's own readers."""
+def _vocab(base: Any, tok: Any, scratch: Path, n_vocab: int, spm: Path | None) -> GgufVocab:
+    """The tokenizer as trained (saved, as final/ has it), read with gguf's own readers;
+    with the base's SentencePiece model ``spm``, its pieces and scores."""
     tok.save_pretrained(str(scratch))
     if not (scratch / "config.json").exists():  # SpecialVocab's fallback for token ids
         base.config.to_json_file(str(scratch / "config.json"))
-    return build_vocab(scratch, n_vocab)
+    return build_vocab(scratch, n_vocab) if spm is None else build_spm_vocab(spm, scratch, n_vocab)
 
 
-def export_gguf(model: Any, tok: Any, gguf_dir: Path, kind: GgufType, name: str) -> Path:
-    """``gguf_dir/<name>-<kind>.gguf`` and ``gguf_dir/Modelfile`` from a peft model."""
+def export_gguf(
+    model: Any, tok: Any, gguf_dir: Path, kind: GgufType, name: str, spm: Path | None = None
+) -> Path:
+    """``gguf_dir/<name>-<kind>.gguf`` and ``gguf_dir/Modelfile`` from a peft model;
+    ``spm``: the base's SentencePiece model (:func:`sentencepiece_model`), if it has one."""
     from shoestring.train.merge import plan_merge
 
     require_gguf(KEY)
@@ -190,7 +198,7 @@ def export_gguf(model: Any, tok: Any, gguf_dir: Path, kind: GgufType, name: str)
     tmp = gguf_dir / f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        vocab = _vocab(base, tok, tmp / "tokenizer", int(cfg["vocab_size"]))
+        vocab = _vocab(base, tok, tmp / "tokenizer", int(cfg["vocab_size"]), spm)
         file = f"{name}-{kind}.gguf"
         n = write_gguf(tmp / file, plan, cfg, vocab, kind)
         os.replace(tmp / file, gguf_dir / file)
@@ -234,7 +242,7 @@ def export_gguf_from(
 
     base = load_base_model(model_dir, model_cfg, quantize=quantize)
     model = PeftModel.from_pretrained(base, str(adapter_dir))
-    return export_gguf(model, tok, gguf_dir, kind, model_dir.name)
+    return export_gguf(model, tok, gguf_dir, kind, model_dir.name, sentencepiece_model(model_dir))
 
 
 def gguf_at_end(
@@ -251,4 +259,4 @@ def gguf_at_end(
     gguf_dir = out / GGUF_DIR
     if model is None:
         return export_gguf_from(model_dir, final, cfg.model, cfg.lora.quantize, tok, gguf_dir, kind)
-    return export_gguf(model, tok, gguf_dir, kind, model_dir.name)
+    return export_gguf(model, tok, gguf_dir, kind, model_dir.name, sentencepiece_model(model_dir))

@@ -8,9 +8,9 @@ tokens USER_DEFINED, ids the tokenizer leaves unused up to the embedding's rows
 The token list comes from gguf's ``BpeVocab``. llama.cpp names its pre-tokenizer from a
 hash of token ids; we name it from the split regex in ``tokenizer.json`` and refuse one
 we do not know, as convert_hf_to_gguf refuses an unknown hash. SentencePiece
-(``tokenizer.model``, Llama 2) tokenizers and BPE without merges (the built-in tiny
-model's byte tokenizer: llama.cpp refuses a BPE vocabulary without
-``tokenizer.ggml.merges``) are refused by name.
+(``tokenizer.model``: Llama 2, Mistral) are written by :mod:`.ggufspm`. BPE without
+merges (the built-in tiny model's byte tokenizer: llama.cpp refuses a BPE vocabulary
+without ``tokenizer.ggml.merges``) is refused by name.
 """
 
 from __future__ import annotations
@@ -99,12 +99,19 @@ class GgufVocab:
     tokens: list[str]
     types: list[int]
     special: gguf.SpecialVocab
+    model: str = "gpt2"  # llama.cpp's tokenizer kind: byte-level BPE; "llama": SentencePiece
+    scores: list[float] | None = None  # SentencePiece's, which order its merges
+    add_space_prefix: bool | None = None  # tokenizer_config.json's add_prefix_space, if given
 
     def add_to(self, writer: gguf.GGUFWriter) -> None:
-        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_model(self.model)
         writer.add_tokenizer_pre(self.pre)
         writer.add_token_list(self.tokens)
+        if self.scores is not None:
+            writer.add_token_scores(self.scores)
         writer.add_token_types(self.types)
+        if self.add_space_prefix is not None:
+            writer.add_add_space_prefix(self.add_space_prefix)
         self.special.add_to_gguf(writer, quiet=True)
 
     @property
