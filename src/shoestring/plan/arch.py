@@ -1,10 +1,12 @@
 """Model shapes the planner needs, from a ``config.json`` or a built-in preset.
 
-Decoder-only Llama-style models (Llama, Mistral, Qwen2/3, Gemma-like shapes):
-RMSNorm, rotary attention with grouped KV heads, a gated (SwiGLU) MLP. That covers
-the popular 7B-8B models people fine-tune on small GPUs. Three mixture-of-experts
-families share that attention and replace every MLP by routed SwiGLU experts
-(:class:`Experts`): Mixtral, Qwen3-MoE and OLMoE.
+Decoder-only Llama-style models (Llama, Mistral, Qwen2/3, Gemma 3): RMSNorm, rotary
+attention with grouped KV heads, a gated (SwiGLU, GeGLU) MLP. That covers the popular
+1B-8B models people fine-tune on small GPUs. Gemma 3's differences are modelled: its
+RMSNorm scales by (1 + weight) in fp32, four norms a layer, q/k norms, and sliding-window
+layers with their own rotary table; Gemma 2's soft-capped logits are refused by name.
+Three mixture-of-experts families share that attention and replace every MLP by routed
+SwiGLU experts (:class:`Experts`): Mixtral, Qwen3-MoE and OLMoE.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ class Arch:
     prequantized: str = "none"  # a bitsandbytes checkpoint (*-bnb-4bit): nf4 | int8
     qk_norm: QkNorm = "none"
     experts: Experts | None = None  # a mixture of experts: no dense MLP linears
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32 (Gemma)
+    sandwich_norms: bool = False  # a norm after the attention and the MLP too (Gemma 2/3)
+    window: int = 0  # the sliding window's span in tokens (0: every layer sees all)
+    sliding: tuple[bool, ...] = ()  # per layer: attends through the window
+    local_rope: bool = False  # sliding layers rotate by their own cos/sin (Gemma 3)
+    scaled_embeddings: bool = False  # the embedding scaled by a stored sqrt(hidden) (Gemma)
+    family: str = ""  # config.json's model_type ("": a preset or the built-in model)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` of the ``nn.Linear`` layers of one
@@ -88,6 +97,10 @@ class Arch:
         if self.experts:
             return attention
         return {**attention, "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+    def rope_table(self, layer: int) -> str:
+        """The rotary table layer ``layer`` rotates by."""
+        return "local" if self.local_rope and self.sliding and self.sliding[layer] else "global"
 
     @property
     def qk_norm_width(self) -> int:
@@ -109,7 +122,7 @@ class Arch:
                 i * o + (o if self.linear_bias(n) else 0)
                 for n, (i, o) in self.linear_shapes().items()
             )
-            + 2 * self.hidden
+            + (4 if self.sandwich_norms else 2) * self.hidden
             + self.qk_norm_width
             + (self.experts.params_per_layer(self.hidden) if self.experts else 0)
         )
@@ -137,7 +150,11 @@ def experts_of(cfg: Mapping[str, Any]) -> int:
     return max(counts) if max(counts) > 1 else 0
 
 
-class MixtureOfExperts(ValueError):
+class Unmodelled(ValueError):
+    """A config whose memory the planner does not model (it says why)."""
+
+
+class MixtureOfExperts(Unmodelled):
     """A mixture-of-experts config the planner does not model."""
 
 
@@ -150,7 +167,44 @@ MOE_FAMILIES: dict[str, tuple[str, bool | None, bool]] = {
     "olmoe": ("intermediate_size", None, False),
 }
 #: Attention with q/k RMSNorm: per head, or over all heads' features.
-QK_NORMS: dict[str, QkNorm] = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}
+QK_NORMS: dict[str, QkNorm] = {
+    "qwen3": "head",
+    "qwen3_moe": "head",
+    "olmoe": "all",
+    "gemma3_text": "head",
+}
+#: The families whose tensors the tests check to the byte on tiny models; any other
+#: model_type is planned as the Llama-style layer it is assumed to be, and says so.
+CHECKED_FAMILIES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"}
+)
+#: Families whose RMSNorm scales by (1 + weight), in fp32; and of those, the ones with a
+#: norm after the attention and after the MLP as well (four a layer).
+OFFSET_NORMS = frozenset({"gemma", "gemma2", "gemma3_text"})
+SANDWICH_NORMS = frozenset({"gemma2", "gemma3_text"})
+
+
+def _window(cfg: Mapping[str, Any], layers: int) -> tuple[int, tuple[bool, ...]]:
+    """The sliding window and which layers attend through it: ``layer_types`` where
+    the config lists them (Gemma 3, Qwen2/3), else every layer (Mistral v0.1)."""
+    span = int(cfg.get("sliding_window") or 0)
+    if not span or cfg.get("use_sliding_window") is False:
+        return 0, ()
+    types = cfg.get("layer_types")
+    sliding = tuple(t == "sliding_attention" for t in types) if types else (True,) * layers
+    return (span, sliding) if any(sliding) else (0, ())
+
+
+def _check_softcapping(cfg: Mapping[str, Any], name: str) -> None:
+    """Gemma 2's attention logit soft-capping makes transformers run eager attention,
+    whose saved probabilities (and the capped logits') the planner does not count."""
+    capped = [k for k in ("attn_logit_softcapping", "final_logit_softcapping") if cfg.get(k)]
+    if capped:
+        raise Unmodelled(
+            f"{name}: {', '.join(capped)} set ({cfg.get('model_type')}): soft-capped logits "
+            "run through eager attention, whose saved probabilities the planner does not "
+            "model; it models Llama, Mistral, Qwen2/3, Gemma 3 and their MoE kin"
+        )
 
 
 def _experts(cfg: Mapping[str, Any], name: str) -> Experts | None:
@@ -184,9 +238,12 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
     """An :class:`Arch` from a Hugging Face ``config.json`` dict; a mixture-of-experts
     family outside :data:`MOE_FAMILIES` is refused (:class:`MixtureOfExperts`): counting
     it as the dense model its attention describes would leave out its experts."""
+    family = str(cfg.get("model_type") or "")
+    _check_softcapping(cfg, name)
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        window, sliding = _window(cfg, int(cfg["num_hidden_layers"]))
         return Arch(
             name=name,
             hidden=hidden,
@@ -203,8 +260,15 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             if str(cfg.get("torch_dtype") or cfg.get("dtype") or "") == "float32"
             else 2,
             prequantized=bnb_stored(cfg),
-            qk_norm=QK_NORMS.get(str(cfg.get("model_type") or ""), "none"),
+            qk_norm=QK_NORMS.get(family, "none"),
             experts=_experts(cfg, name),
+            norm_offset=family in OFFSET_NORMS,
+            sandwich_norms=family in SANDWICH_NORMS,
+            window=window,
+            sliding=sliding,
+            local_rope=family == "gemma3_text",
+            scaled_embeddings=family in OFFSET_NORMS,
+            family=family,
         )
     except KeyError as e:
         raise ValueError(
@@ -273,6 +337,9 @@ PRESETS: dict[str, Arch] = {
             head_dim=256,
             vocab=256000,
             tie_embeddings=True,
+            norm_offset=True,  # Gemma's RMSNorm and embedding scale (no sandwich norms)
+            scaled_embeddings=True,
+            family="gemma",
         ),
     )
 }

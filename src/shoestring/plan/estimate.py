@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shoestring.gpus import CATALOG, GPU, GiB, MiB
+from shoestring.plan.arch import CHECKED_FAMILIES
 from shoestring.plan.memory import (
     Workload,
     activation_bytes,
@@ -435,6 +436,13 @@ def _parallel_notes(w: Workload) -> list[str]:
 
 def _notes(w: Workload, gpu: GPU) -> tuple[str, ...]:
     notes = _parallel_notes(w)
+    family = w.arch.family
+    if family and family not in CHECKED_FAMILIES:
+        notes.append(
+            f"model_type {family!r} is planned as a Llama-style layer (separate q/k/v and "
+            "gate/up projections, two RMSNorms); the tensor terms are checked to the byte "
+            f"for {', '.join(sorted(CHECKED_FAMILIES))} only"
+        )
     if w.sampled:
         notes.append(
             "GRPO: the sequences are each prompt's sampled completions (prompt up to "

@@ -173,14 +173,16 @@ def weight_bytes(w: Workload) -> dict[str, int]:
             lin += a.layers * o * e
     experts, expert_state = _expert_weight_bytes(w)
     emb = a.vocab * a.hidden * (1 if a.tie_embeddings else 2) * e
-    norms = (2 * a.layers + 1) * a.hidden * e + a.layers * a.qk_norm_width * e
-    rotary = 2 * (a.head_dim // 2) * 4  # inv_freq + original_inv_freq, fp32
+    per_layer = 4 if a.sandwich_norms else 2
+    norms = (per_layer * a.layers + 1) * a.hidden * e + a.layers * a.qk_norm_width * e
+    # inv_freq + original_inv_freq (fp32) of each rotary table; Gemma's embedding scale
+    rotary = (2 if a.local_rope else 1) * 2 * (a.head_dim // 2) * 4
     return {
         "linear": lin + experts,
         "quant_state": quant + expert_state,
         "embeddings": emb,
         "norms": norms,
-        "buffers": rotary,
+        "buffers": rotary + (e if a.scaled_embeddings else 0),
     }
 
 
@@ -320,17 +322,30 @@ def _linear(
 
 
 def _norm(w: Workload, t: _Tally, x_rg: bool, T: int) -> bool:
-    """HF RMSNorm: fp32 input and rsqrt saved; the normalized tensor too if the weight trains."""
+    """HF RMSNorm: fp32 input and rsqrt saved; the normalized tensor too if the weight
+    trains (Gemma's in fp32). Gemma's forms ``1 + weight`` in fp32 at each call, which
+    its product saves when the input requires grad."""
+    a = w.arch
     if x_rg:  # liger's RMSNorm saves its input as it comes, with the fp32 rstd
-        t.add("norms", T * w.arch.hidden * (w.e if w.fused else 4) + T * 4)
+        t.add("norms", T * a.hidden * (w.e if w.fused else 4) + T * 4)
+        if a.norm_offset:
+            t.add("norms", a.hidden * 4)
     if w.method == "full":
-        t.add("norms", T * w.arch.hidden * w.e)
+        t.add("norms", T * a.hidden * (4 if a.norm_offset else w.e))
         return True
     return x_rg
 
 
-def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
-    """One decoder layer without checkpointing; returns whether its output requires grad."""
+def _masked(w: Workload, layer: int) -> bool:
+    """Whether SDPA gets a mask in this layer: padding, or a sliding window the sequence
+    reaches (transformers drops the mask of a window longer than the sequence)."""
+    a = w.arch
+    return w.padded or (bool(a.sliding) and a.sliding[layer] and w.seq_len >= a.window)
+
+
+def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: set[str], layer: int) -> bool:
+    """Decoder layer ``layer`` without checkpointing; returns whether its output requires
+    grad. ``rope`` collects the rotary tables it uses (saved once for the model)."""
     a, e = w.arch, w.e
     b, s = w.micro_batch, w.seq_len
     T = b * s
@@ -341,26 +356,32 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: list[bool]) -> bool:
     k = _linear(w, t, "k_proj", n_rg, shared, "attn_in", a.hidden, T)
     v = _linear(w, t, "v_proj", n_rg, shared, "attn_in", a.hidden, T)
     _qk_norm_saved(w, t, q, k, T)
-    if q or k:
-        rope[0] = True  # cos/sin are saved once for the whole model
+    if q or k:  # cos/sin: the local table in Gemma 3's sliding layers
+        rope.add(a.rope_table(layer))
     attn_rg = q or k or v
+    masked = _masked(w, layer)
     if attn_rg:
         # SDPA keeps q, k, v, out and the fp32 logsumexp. With a mask, HF repeats
         # grouped KV heads into a copy (SDPA's native GQA needs mask=None).
-        repeat = w.padded and 1 < a.kv_heads < a.heads
+        repeat = masked and 1 < a.kv_heads < a.heads
         kv_saved = qd if repeat else kvd
         t.add("attention", T * (2 * qd + 2 * kv_saved) * e + b * a.heads * s * 4)
-        if w.padded:
+        if masked:
             t.add("attention", b * s * s * e)  # the mask as SDPA's float bias, per layer
     if attn_rg:
         # SDPA writes its output in (b, s, heads, dim) order, so the transpose +
         # reshape feeding o_proj is a view of the saved output: no new storage.
         shared.add("o_in")
     o = _linear(w, t, "o_proj", attn_rg, shared, "o_in", qd, T)
+    if a.sandwich_norms:  # Gemma's post-attention norm, on the attention's output
+        o = _norm(w, t, o, T)
     s_rg = s_rg or o
     n_rg = _norm(w, t, s_rg, T)
     mlp = _experts_saved if a.experts else _mlp_saved
-    return mlp(w, t, n_rg, shared, T) or s_rg
+    m_rg = mlp(w, t, n_rg, shared, T)
+    if a.sandwich_norms:  # and its post-feedforward norm
+        m_rg = _norm(w, t, m_rg, T)
+    return m_rg or s_rg
 
 
 def _router_saved(w: Workload, t: _Tally, n_rg: bool, T: int) -> bool:
@@ -419,8 +440,9 @@ def _experts_saved(w: Workload, t: _Tally, n_rg: bool, shared: set[str], T: int)
 
 
 def _qk_norm_saved(w: Workload, t: _Tally, q_rg: bool, k_rg: bool, T: int) -> None:
-    """Qwen3's and OLMoE's q/k RMSNorm: each saves its fp32 input and its rsqrt (one a
-    head, or one a token over all heads)."""
+    """Qwen3's, OLMoE's and Gemma 3's q/k RMSNorm: each saves its fp32 input and its
+    rsqrt (one a head, or one a token over all heads); the normalized tensor too when
+    the weight trains."""
     a = w.arch
     if a.qk_norm == "none":
         return
@@ -428,6 +450,10 @@ def _qk_norm_saved(w: Workload, t: _Tally, q_rg: bool, k_rg: bool, T: int) -> No
     for rg, heads in ((q_rg, a.heads), (k_rg, a.kv_heads)):
         if rg:
             t.add("attention", T * heads * a.head_dim * 4 + T * (heads if per_head else 1) * 4)
+            if a.norm_offset:  # Gemma's 1 + weight, in fp32
+                t.add("attention", a.head_dim * 4)
+        if w.method == "full":  # the normalized tensor, for the weight's gradient
+            t.add("attention", T * heads * a.head_dim * (4 if a.norm_offset else w.e))
 
 
 def _mlp_saved(w: Workload, t: _Tally, n_rg: bool, shared: set[str], T: int) -> bool:
@@ -536,32 +562,52 @@ class Activations:
         return self.device_saved + self.held + max(self.logits, self.recompute)
 
 
+def _largest_layer(w: Workload) -> tuple[_Tally, bool]:
+    """The saves of the layer that saves most (a sliding layer's mask, or a full one's)
+    and whether a layer's output requires grad: what a recompute holds."""
+    kinds = {w.arch.sliding[i]: i for i in range(len(w.arch.sliding))} or {False: 0}
+    probes = []
+    for layer in kinds.values():
+        probe = _Tally()
+        rg = _layer_saved(w, True, probe, set(), layer)
+        probes.append(probe)
+    return max(probes, key=lambda p: p.total), rg
+
+
+def _held(w: Workload) -> int:
+    """Under checkpointing, cos/sin (one pair a rotary table) and the bool 4D masks (the
+    padding one, and a reached window's) are captured by the recompute closures rather
+    than saved through autograd; they stay alive all the same."""
+    a, b, s = w.arch, w.micro_batch, w.seq_len
+    windowed = any(_masked(w, i) and a.sliding[i] for i in range(len(a.sliding)))
+    full_layers = not a.sliding or not all(a.sliding)
+    masks = int(w.padded and full_layers) + int(windowed)
+    tables = len({a.rope_table(i) for i in range(a.layers)})
+    return tables * 2 * s * a.head_dim * w.e + masks * b * s * s
+
+
 def activation_bytes(w: Workload) -> Activations:
     """Bytes saved for backward by one micro-batch, plus the backward transients."""
     a, e = w.arch, w.e
     b, s = w.micro_batch, w.seq_len
     T = b * s
     t = _Tally()
-    rope = [False]
+    rope: set[str] = set()
     full = w.method == "full"
     if full:
         t.add("embeddings", T * 8)  # token ids, for the embedding gradient
     # enable_input_require_grads makes the embedding output require grad under GC.
     s_rg = full or w.gradient_checkpointing
-    probe = _Tally()
-    per_layer_rg = _layer_saved(w, True, probe, [False])
+    probe, per_layer_rg = _largest_layer(w)
     held = 0
     if w.gradient_checkpointing:
         t.add("checkpoints", a.layers * T * a.hidden * e)  # each layer's input
-        # cos/sin and the bool 4D mask are captured by the recompute closures rather
-        # than saved through autograd; they stay alive all the same.
-        held = 2 * s * a.head_dim * e + (b * s * s if w.padded else 0)
+        held = _held(w)
         s_rg = s_rg or per_layer_rg
     else:
-        for _ in range(a.layers):
-            s_rg = _layer_saved(w, s_rg, t, rope)
-    if rope[0]:
-        t.add("attention", 2 * s * a.head_dim * e)  # cos, sin
+        for layer in range(a.layers):
+            s_rg = _layer_saved(w, s_rg, t, rope, layer)
+    t.add("attention", len(rope) * 2 * s * a.head_dim * e)  # cos, sin of each table
     _norm(w, t, s_rg, T)
     _head(w, t, T)
     logits = _logits(w, T)

@@ -13,7 +13,7 @@ from shoestring.plan.arch import (
     LINEARS,
     PRESETS,
     Arch,
-    MixtureOfExperts,
+    Unmodelled,
     from_hf_config,
     load_arch,
 )
@@ -52,7 +52,7 @@ def arch_for(path: str, where: str, hub: HubAccess | None = None) -> Arch:
         path = str(resolve(path, hub, key=where, want="config").path)
     try:
         return load_arch(path)
-    except MixtureOfExperts as e:
+    except Unmodelled as e:
         raise NotModelled(f"{where}: {e}") from None
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None

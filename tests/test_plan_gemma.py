@@ -1,0 +1,184 @@
+"""The planner's Gemma 3: its tensors to the byte on tiny models, as for Llama.
+
+Gemma 3 differs from Llama where memory is counted: its RMSNorm scales by ``1 + weight``
+formed in fp32 at every call, each layer has four norms (after the attention and the MLP
+too) and per-head q/k norms, some layers attend through a sliding window (a mask, and
+the grouped KV heads repeated, once the sequence reaches the window) with their own
+rotary table, and the embedding is scaled by a stored constant. Gemma 2's soft-capped
+logits run through eager attention, which the planner refuses to guess."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shoestring.plan import memory as M
+from shoestring.plan.arch import LINEARS, Unmodelled, from_hf_config
+from shoestring.plan.measure import grad_bytes, model_bytes, optimizer_bytes, saved_activation_bytes
+from test_plan_memory import ACTIVATION_TOL, STATIC_TOL, _lora_model, _within
+
+pytest.importorskip("bitsandbytes")
+
+
+def _gemma3(tmp: Path, layers: int = 4, **kw: Any) -> tuple[Path, Any]:
+    """A tiny Gemma 3: sliding and full layers alternating, a 16-token window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    shape = dict(vocab_size=448, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
+                 max_position_embeddings=256, sliding_window=16, pad_token_id=0)  # fmt: skip
+    types = ["sliding_attention", "full_attention"] * (layers // 2)
+    cfg = Gemma3TextConfig(num_hidden_layers=layers, layer_types=types, **{**shape, **kw})
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(cfg).save_pretrained(tmp)
+    return tmp, cfg
+
+
+def _full(model_dir: Path, dtype: str, gc: bool) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model.config.use_cache = False
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.parametrize(
+    ("quantize", "optimizer", "dtype"),
+    [("none", "adamw", "float32"), ("nf4", "adamw8bit", "bfloat16"), ("int8", "adamw", "bfloat16")],
+)
+def test_gemma3_static_components_match_tensor_bytes(
+    tmp_path: Path, quantize: str, optimizer: str, dtype: str
+) -> None:
+    from shoestring.train.model import build_optimizer, trainable_parameters
+
+    torch.set_num_threads(1)
+    model_dir, cfg = _gemma3(tmp_path, layers=2, hidden_size=192, num_attention_heads=3,
+                             num_key_value_heads=1, intermediate_size=384)  # fmt: skip
+    arch = from_hf_config(cfg.to_dict())
+    assert (arch.norm_offset, arch.sandwich_norms, arch.qk_norm) == (True, True, "head")
+    model = _lora_model(model_dir, dtype, quantize, r=24, dropout=0.0, targets=["all-linear"],
+                        gc=False)  # fmt: skip
+    params = trainable_parameters(model)
+    opt = build_optimizer(list(params.values()), optimizer, 1e-3, 0.0)
+    ids = torch.randint(0, 448, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    w = M.Workload(arch=arch, method="qlora" if quantize != "none" else "lora", quantize=quantize,
+                   dtype=dtype, lora_r=24, lora_targets=LINEARS, optimizer=optimizer)  # fmt: skip
+    meas, wb = model_bytes(model), M.weight_bytes(w)
+    _within(wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"], meas["frozen"],
+            STATIC_TOL)  # fmt: skip
+    if quantize != "none":
+        _within(wb["quant_state"], meas["quant_state"], STATIC_TOL)
+    _within(M.adapter_bytes(w), meas["trainable"], STATIC_TOL)
+    _within(M.grad_bytes(w), grad_bytes(model), STATIC_TOL)
+    _within(M.optimizer_bytes(w), optimizer_bytes(opt), STATIC_TOL)
+
+
+CASES = [
+    # method, dtype, quantize, checkpointing, padded, seq: 32 reaches the 16-token window
+    ("lora", "float32", "none", False, False, 32),
+    ("lora", "bfloat16", "none", False, False, 32),
+    ("qlora", "bfloat16", "nf4", False, False, 32),
+    ("lora", "float32", "none", False, False, 8),  # shorter than the window: no mask
+    ("lora", "float32", "none", False, True, 32),
+    ("lora", "float32", "none", True, False, 32),
+    ("full", "float32", "none", False, False, 32),
+    ("full", "bfloat16", "none", False, False, 32),
+    ("full", "float32", "none", True, True, 32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_gemma3_activation_bytes_match_saved_tensors(tmp_path: Path, case: tuple[Any, ...]) -> None:
+    method, dtype, quantize, gc, padded, s = case
+    torch.set_num_threads(1)
+    model_dir, cfg = _gemma3(tmp_path)
+    if method == "full":
+        model = _full(model_dir, dtype, gc)
+    else:
+        model = _lora_model(model_dir, dtype, quantize, r=8, dropout=0.0,
+                            targets=["all-linear"], gc=gc)  # fmt: skip
+    model.train()
+    ids = torch.randint(0, 448, (2, s), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, s // 2 :] = 0
+    measured = saved_activation_bytes(
+        model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids)
+    )
+    w = M.Workload(arch=from_hf_config(cfg.to_dict()), method=method, quantize=quantize,
+                   dtype=dtype, lora_r=8, lora_dropout=0.0, seq_len=s, micro_batch=2,
+                   gradient_checkpointing=gc,
+                   padded=padded, device="cpu", lora_targets=LINEARS)  # fmt: skip
+    _within(M.activation_bytes(w).saved, measured, ACTIVATION_TOL)
+
+
+def test_qwen3_q_and_k_norms_under_full_fine_tuning(tmp_path: Path) -> None:
+    """A trained q/k norm weight also saves the normalized heads (found with Gemma 3)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=448, hidden_size=128, intermediate_size=256, head_dim=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    model = _full(tmp_path, "bfloat16", gc=False).train()
+    ids = torch.randint(0, 448, (2, 32))
+    measured = saved_activation_bytes(model, lambda: model(input_ids=ids, labels=ids))
+    w = M.Workload(arch=from_hf_config(cfg.to_dict()), method="full", dtype="bfloat16",
+                   seq_len=32, micro_batch=2, gradient_checkpointing=False, padded=False,
+                   device="cpu")  # fmt: skip
+    _within(M.activation_bytes(w).saved, measured, ACTIVATION_TOL)
+
+
+def test_gemma2_soft_capping_is_refused_by_name() -> None:
+    from transformers import Gemma2Config
+
+    with pytest.raises(Unmodelled, match="attn_logit_softcapping, final_logit_softcapping"):
+        from_hf_config(Gemma2Config().to_dict())
+
+
+def test_mistral_sliding_window_is_counted_once_the_sequence_reaches_it(tmp_path: Path) -> None:
+    """Mistral 7B v0.1's window (every layer): past it SDPA gets a mask, and the
+    grouped KV heads are repeated for it, as with padding."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=448, hidden_size=128, intermediate_size=256, head_dim=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        sliding_window=16)  # fmt: skip
+    torch.manual_seed(0)
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    torch.set_num_threads(1)
+    model = _lora_model(tmp_path, "float32", "none", r=8, dropout=0.0, targets=["all-linear"],
+                        gc=False).train()  # fmt: skip
+    arch = from_hf_config(cfg.to_dict())
+    assert arch.sliding == (True, True)
+    for s in (8, 32):
+        ids = torch.randint(0, 448, (2, s))
+        measured = saved_activation_bytes(model, lambda ids=ids: model(input_ids=ids, labels=ids))
+        w = M.Workload(arch=arch, method="lora", dtype="float32", lora_r=8, lora_dropout=0.0,
+                       seq_len=s, micro_batch=2, gradient_checkpointing=False, padded=False,
+                       device="cpu", lora_targets=LINEARS)  # fmt: skip
+        _within(M.activation_bytes(w).saved, measured, ACTIVATION_TOL)
+
+
+def test_a_family_the_tests_do_not_check_is_planned_with_a_note() -> None:
+    from transformers import Phi3Config
+
+    from shoestring.gpus import find_gpu
+    from shoestring.plan.estimate import make_plan
+
+    arch = from_hf_config(Phi3Config(pad_token_id=0).to_dict())
+    notes = make_plan(M.Workload(arch=arch), find_gpu("T4")).notes
+    assert any("model_type 'phi3' is planned as a Llama-style layer" in n for n in notes)
+    llama = from_hf_config({**Phi3Config(pad_token_id=0).to_dict(), "model_type": "llama"})
+    assert not any("Llama-style layer" in n for n in make_plan(M.Workload(arch=llama),
+                                                                find_gpu("T4")).notes)  # fmt: skip
