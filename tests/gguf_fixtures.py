@@ -61,27 +61,40 @@ MISTRAL_TEMPLATE = (
 )
 
 
-def spm_tokenizer(path: Path) -> Any:
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def spm_tokenizer(path: Path, gemma: bool = False) -> Any:
     """A SentencePiece BPE with byte fallback trained on ``CORPUS`` into
-    ``path/tokenizer.model`` (ids 0-2: ``<unk> <s> </s>``, as Llama 2 and Mistral), and
-    the transformers tokenizer it converts to, with an added special token."""
+    ``path/tokenizer.model`` (ids 0-2: ``<unk> <s> </s>``, as Llama 2 and Mistral; with
+    ``gemma``, Gemma's ``<pad> <eos> <bos> <unk>`` and turn markers, no dummy prefix),
+    and the transformers tokenizer it converts to, with an added special token."""
     import io
     import json
 
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
+    ids = (dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                bos_piece="<bos>", add_dummy_prefix=False,
+                user_defined_symbols=["<start_of_turn>", "<end_of_turn>"])
+           if gemma else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1))  # fmt: skip
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(CORPUS), model_writer=buf, vocab_size=384, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        minloglevel=2,
+        byte_fallback=True, character_coverage=1.0, minloglevel=2, **ids,
     )  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.model").write_bytes(buf.getvalue())
     config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
               "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
               "legacy": False, "chat_template": MISTRAL_TEMPLATE}  # fmt: skip
+    if gemma:
+        config |= {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "pad_token": "<pad>",
+                   "eos_token": "<end_of_turn>", "chat_template": GEMMA_TEMPLATE}  # fmt: skip
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = AutoTokenizer.from_pretrained(path)
     tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
@@ -129,6 +142,18 @@ def tiny_model_dir(
         cls, ccls = MistralForCausalLM, MistralConfig
         # no window (7B v0.2 on); rows past the pieces and the added token: [PAD] in GGUF
         extra = {"num_key_value_heads": 2, "sliding_window": None, "vocab_size": 448}
+    elif arch == "gemma3_text":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        tok = spm_tokenizer(path, gemma=True)
+        cls, ccls = Gemma3ForCausalLM, Gemma3TextConfig
+        # llama.cpp's GEMMA3: five sliding layers in six (its fixed pattern), the local
+        # rotary base 10000, q scaled by 1/sqrt(head_dim); transformers' GGUF reader
+        # takes Gemma 3's query_pre_attn_scalar default, 256: so is head_dim here
+        extra = {"num_key_value_heads": 1, "num_hidden_layers": 6, "head_dim": 256,
+                 "query_pre_attn_scalar": 256, "sliding_window": 16, "vocab_size": 448,
+                 "pad_token_id": tok.pad_token_id}  # fmt: skip
+        tied = True
     else:
         tok = bpe_tokenizer(
             QWEN2_SPLIT,
@@ -157,7 +182,7 @@ def tiny_model_dir(
         vocab_size=extra.pop("vocab_size", (n + 63) // 64 * 64),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=extra.pop("num_hidden_layers", 2),
         num_attention_heads=4,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,

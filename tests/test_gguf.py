@@ -213,6 +213,47 @@ def test_a_mistral_with_a_sliding_window_is_refused_by_name() -> None:
     assert check_arch({**v01, "sliding_window": None}, "export.gguf") == "mistral"
 
 
+def test_a_gemma3_exports_with_its_norms_shifted_and_loads(tmp_path: Path) -> None:
+    """Gemma 3 (llama.cpp's GEMMA3, 270M/1B): its norm weights stored plus one (llama.cpp
+    multiplies by them, transformers by 1 + weight), the head tied, the window in the
+    metadata, the SentencePiece tokenizer without a space prefix; it reads back as the
+    adapted model, greedy tokens and tokenization included."""
+    from transformers import AutoTokenizer
+
+    from shoestring.train.ggufexport import export_gguf
+    from shoestring.train.ggufspm import sentencepiece_model
+
+    d = tiny_model_dir(tmp_path / "tiny-gemma3", "gemma3_text")
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d)
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name, sentencepiece_model(d))
+    gtok = _reads_back(model, tok, path, "f16")
+    assert gtok("<start_of_turn>user hi")["input_ids"] == tok("<start_of_turn>user hi")["input_ids"]
+    assert gtok.chat_template == tok.chat_template
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "general.architecture") == ["gemma3"]
+    assert _field(reader, "gemma3.attention.sliding_window") == [16]
+    assert _field(reader, "tokenizer.ggml.add_space_prefix") == [False]
+    tensors = {t.name: t for t in reader.tensors}
+    assert "output.weight" not in tensors and "blk.5.post_ffw_norm.weight" in tensors
+    norm = model.get_base_model().model.layers[2].self_attn.k_norm.weight.detach()
+    stored = torch.from_numpy(tensors["blk.2.attn_k_norm.weight"].data.astype("float32"))
+    assert torch.equal(stored, norm.float() + 1) and not torch.equal(norm, torch.zeros_like(norm))
+    assert 'PARAMETER stop "<end_of_turn>"' in (path.parent / "Modelfile").read_text()
+
+
+def test_a_gemma3_llama_cpp_would_run_otherwise_is_refused_by_name() -> None:
+    from transformers import Gemma3TextConfig
+
+    from shoestring.train.ggufarch import check_arch
+
+    ok = Gemma3TextConfig(num_hidden_layers=6, head_dim=256, query_pre_attn_scalar=256)
+    assert check_arch(ok.to_dict(), "export.gguf") == "gemma3_text"
+    odd = Gemma3TextConfig(num_hidden_layers=6, head_dim=128, query_pre_attn_scalar=256,
+                           layer_types=["sliding_attention", "full_attention"] * 3)  # fmt: skip
+    with pytest.raises(ConfigError, match="layer_types .*; query_pre_attn_scalar"):
+        check_arch(odd.to_dict(), "export.gguf")
+
+
 def test_a_qwen3_moe_exports_its_adapted_experts_stacked_and_loads(tmp_path: Path) -> None:
     """Qwen3-MoE (QWEN3MOE) with LoRA on its fused experts: each layer's experts stacked
     as llama.cpp's converter stacks them (gate, up and down, each experts x rows x

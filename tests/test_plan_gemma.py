@@ -182,3 +182,21 @@ def test_a_family_the_tests_do_not_check_is_planned_with_a_note() -> None:
     llama = from_hf_config({**Phi3Config(pad_token_id=0).to_dict(), "model_type": "llama"})
     assert not any("Llama-style layer" in n for n in make_plan(M.Workload(arch=llama),
                                                                 find_gpu("T4")).notes)  # fmt: skip
+
+
+#: google/gemma-3-1b-pt's config.json as transformers 4.50 wrote it (no layer_types).
+GEMMA3_1B = {"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912,
+             "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "head_dim": 256, "vocab_size": 262144, "sliding_window": 512,
+             "sliding_window_pattern": 6, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+             "query_pre_attn_scalar": 256, "max_position_embeddings": 32768,
+             "tie_word_embeddings": True, "torch_dtype": "bfloat16"}  # fmt: skip
+
+
+def test_gemma3_1b_as_the_hub_writes_it() -> None:
+    """999,885,952 parameters (what Ollama lists for gemma3:1b as 999.89M); every sixth
+    layer attends to all, the rest through 512 tokens with the local rotary table."""
+    arch = from_hf_config(GEMMA3_1B)
+    assert arch.params == 999_885_952
+    assert [i for i, s in enumerate(arch.sliding) if not s] == [5, 11, 17, 23]
+    assert (arch.window, arch.rope_table(0), arch.rope_table(5)) == (512, "local", "global")

@@ -186,12 +186,20 @@ SANDWICH_NORMS = frozenset({"gemma2", "gemma3_text"})
 
 def _window(cfg: Mapping[str, Any], layers: int) -> tuple[int, tuple[bool, ...]]:
     """The sliding window and which layers attend through it: ``layer_types`` where
-    the config lists them (Gemma 3, Qwen2/3), else every layer (Mistral v0.1)."""
+    the config lists them (Gemma 3, Qwen2/3), or ``sliding_window_pattern`` (Gemma 3
+    before them), else every layer (Mistral v0.1)."""
     span = int(cfg.get("sliding_window") or 0)
     if not span or cfg.get("use_sliding_window") is False:
         return 0, ()
     types = cfg.get("layer_types")
-    sliding = tuple(t == "sliding_attention" for t in types) if types else (True,) * layers
+    # Gemma 3 configs written before layer_types: every n-th layer full
+    every = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 0)
+    if types:
+        sliding = tuple(t == "sliding_attention" for t in types)
+    elif every:
+        sliding = tuple((i + 1) % every != 0 for i in range(layers))
+    else:
+        sliding = (True,) * layers
     return (span, sliding) if any(sliding) else (0, ())
 
 

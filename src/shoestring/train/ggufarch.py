@@ -42,6 +42,7 @@ ARCHS: dict[str, tuple[str, bool]] = {
     "qwen2": ("QWEN2", False),
     "qwen3": ("QWEN3", False),  # Qwen2's, with q/k norms and no biases
     "qwen3_moe": ("QWEN3MOE", False),  # Qwen3's attention, every MLP a mixture of experts
+    "gemma3_text": ("GEMMA3", False),  # Gemma 3 270M/1B: NEOX rotary, norms stored + 1
 }
 #: RoPE variants written as llama.cpp's convert does, per model_type (default: no scaling
 #: keys; linear: ``rope.scaling.type``/``factor``; llama3: the ``rope_freqs`` tensor).
@@ -51,6 +52,7 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "qwen2": ("default", "linear"),
     "qwen3": ("default", "linear"),
     "qwen3_moe": ("default", "linear"),
+    "gemma3_text": ("default", "linear"),
 }
 
 
@@ -73,8 +75,11 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """transformers 5 writes ``rope_parameters``; older files ``rope_theta``/``rope_scaling``."""
+    """transformers 5 writes ``rope_parameters`` (per layer type where they differ: the
+    full-attention layers' are the model's); older files ``rope_theta``/``rope_scaling``."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if isinstance(params.get("full_attention"), Mapping):
+        params = dict(params["full_attention"])
     params.setdefault("rope_type", params.get("type", "default"))
     if "rope_theta" not in params and "rope_theta" in cfg:
         params["rope_theta"] = cfg["rope_theta"]
@@ -98,6 +103,8 @@ def check_arch(cfg: Mapping[str, Any], key: str) -> str:
             "read; not exported to GGUF"
         )
     _check_window(cfg, model_type, key)
+    if model_type == "gemma3_text":
+        check_gemma3(cfg, key)
     rope = rope_parameters(cfg)["rope_type"]
     if rope not in ROPE_TYPES[model_type]:
         raise ConfigError(
@@ -117,6 +124,41 @@ def _check_window(cfg: Mapping[str, Any], model_type: str, key: str) -> None:
             "(config.json sliding_window), which llama.cpp's LLAMA architecture does not "
             f"apply: past {window} tokens the GGUF would compute another model; not exported "
             "(Mistral 7B v0.2 and later have no window)"
+        )
+
+
+def gemma3_pattern(layers: int) -> list[str]:
+    """llama.cpp's Gemma 3 layers: every sixth attends to all, the rest through the
+    window (``set_swa_pattern(6)``, fixed in its loader, not read from the file)."""
+    return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+
+
+def _local_theta(cfg: Mapping[str, Any]) -> float:
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(local, Mapping):
+        return float(local.get("rope_theta", 10000.0))
+    return float(cfg.get("rope_local_base_freq", 10000.0))
+
+
+def check_gemma3(cfg: Mapping[str, Any], key: str) -> None:
+    """What llama.cpp's GEMMA3 fixes rather than reads: the layer pattern, the local
+    layers' rotary base (10000) and the attention scale (1/sqrt(head_dim)); a config
+    that differs would run as another model."""
+    layers, types = int(cfg["num_hidden_layers"]), cfg.get("layer_types")
+    wrong = []
+    every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    if (types and list(types) != gemma3_pattern(layers)) or int(every) != 6:
+        wrong.append("layer_types (llama.cpp: every sixth layer full, the rest sliding)")
+    if _local_theta(cfg) != 10000.0:
+        wrong.append(f"the sliding layers' rope_theta {_local_theta(cfg)} (llama.cpp: 10000)")
+    if int(cfg.get("query_pre_attn_scalar") or head_dim(cfg)) != head_dim(cfg):
+        wrong.append("query_pre_attn_scalar (llama.cpp scales by 1/sqrt(head_dim))")
+    if any(cfg.get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")):
+        wrong.append("logit soft-capping")
+    if wrong:
+        raise ConfigError(
+            f"{key}: this gemma3_text differs from what llama.cpp's GEMMA3 assumes: "
+            f"{'; '.join(wrong)}; not exported to GGUF"
         )
 
 
@@ -146,6 +188,8 @@ def add_hparams(writer: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
     if cfg.get("head_dim"):
         writer.add_key_length(int(cfg["head_dim"]))
         writer.add_value_length(int(cfg["head_dim"]))
+    if cfg["model_type"] == "gemma3_text":  # Gemma3Model.set_gguf_parameters
+        writer.add_sliding_window(int(cfg["sliding_window"]))
     if ARCHS[cfg["model_type"]][0] == "LLAMA":
         writer.add_vocab_size(int(cfg["vocab_size"]))
         writer.add_rope_dimension_count(head_dim(cfg))
@@ -165,10 +209,14 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def row_permutation(
+def row_transform(
     name: str, cfg: Mapping[str, Any]
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The permutation a LLAMA q/k projection gets (None for every other tensor)."""
+    """What a tensor goes through on its way into the file: a LLAMA q/k projection's
+    row permutation; a Gemma 3 norm weight plus one (llama.cpp multiplies by the stored
+    weight, transformers by ``1 + weight``, in fp32); None for the rest."""
+    if cfg["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+        return lambda w: w.float() + 1.0
     if not ARCHS[cfg["model_type"]][1]:
         return None
     n_head = int(cfg["num_attention_heads"])
@@ -189,7 +237,7 @@ class TensorPlan:
     name: str
     shape: tuple[int, ...]
     qtype: gguf.GGMLQuantizationType
-    permute: Callable[[torch.Tensor], torch.Tensor] | None
+    transform: Callable[[torch.Tensor], torch.Tensor] | None
     form: Callable[[], torch.Tensor] | None = None
     part: Callable[[torch.Tensor], torch.Tensor] | None = None  # of the formed tensor
 
@@ -245,8 +293,8 @@ def plan_tensors(
         if name is None:
             raise NotImplementedError(f"GGUF export: no llama.cpp name for tensor {hf_name!r}")
         qtype = tensor_type(name, part_shape, kind)
-        permute = row_permutation(hf_name, cfg)
-        out.append(TensorPlan(hf_name, name, part_shape, qtype, permute, part=part))
+        transform = row_transform(hf_name, cfg)
+        out.append(TensorPlan(hf_name, name, part_shape, qtype, transform, part=part))
     return out
 
 

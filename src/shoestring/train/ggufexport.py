@@ -19,6 +19,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ from shoestring.train.ggufarch import (
     read_config,
     require_gguf,
 )
-from shoestring.train.ggufspm import build_spm_vocab, load_processor, sentencepiece_model
+from shoestring.train.ggufspm import SPM_FILE, build_spm_vocab, load_processor, sentencepiece_model
 from shoestring.train.ggufvocab import GgufVocab, build_vocab, check_tokenizer, read_tokenizer_json
 from shoestring.train.ollama import modelfile, stop_tokens
 
@@ -75,7 +76,9 @@ def check_exportable(cfg: FinetuneConfig, model_dir: Path | None) -> None:
 
 
 def check_model_dir(model_dir: Path, key: str) -> None:
-    check_arch(read_config(model_dir), key)
+    cfg = check_arch(read_config(model_dir), key)
+    if cfg == "gemma3_text" and sentencepiece_model(model_dir) is None:
+        raise ConfigError(f"{key}: a Gemma 3 GGUF needs {model_dir / SPM_FILE}")
     if (spm := sentencepiece_model(model_dir)) is not None:  # llama.cpp reads it first
         load_processor(spm, key)
     else:
@@ -112,8 +115,8 @@ def _blocks(plan: MergePlan, t: TensorPlan) -> Iterator[Any]:
     formed = t.form() if t.form is not None else plan.forms[t.hf_name]()
     if t.part is not None:
         formed = t.part(formed)
-    if t.permute is not None:
-        formed = t.permute(formed)
+    if t.transform is not None:
+        formed = t.transform(formed)
     rows = formed.reshape(-1, formed.shape[-1]) if formed.dim() > 1 else formed.reshape(1, -1)
     step = max(1, BLOCK_BYTES // max(1, rows.shape[1] * 4))
     for block in rows.split(step):
@@ -178,6 +181,10 @@ def _vocab(base: Any, tok: Any, scratch: Path, n_vocab: int, spm: Path | None) -
     tok.save_pretrained(str(scratch))
     if not (scratch / "config.json").exists():  # SpecialVocab's fallback for token ids
         base.config.to_json_file(str(scratch / "config.json"))
+    if base.config.model_type == "gemma3_text":  # Gemma3Model.set_vocab
+        if spm is None:
+            raise ConfigError(f"{KEY}: a Gemma 3 GGUF needs the base's {SPM_FILE}")
+        return replace(build_spm_vocab(spm, scratch, n_vocab), add_space_prefix=False)
     return build_vocab(scratch, n_vocab) if spm is None else build_spm_vocab(spm, scratch, n_vocab)
 
 
