@@ -26,6 +26,14 @@ EXTRA: dict[str, dict[str, object]] = {
     "qwen2": {},
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    # sliding and full layers, each kind with its own rotary base; a stored-less
+    # embedding scale; (1 + w) norms, four a layer
+    "gemma3_text": {
+        "sliding_window": 8,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
 }
 
 

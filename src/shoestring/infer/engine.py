@@ -19,6 +19,7 @@ pass's embedding lookup.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,27 @@ def build_skeleton(model_dir: Path, dtype: torch.dtype | None = None) -> tuple[A
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
     return config, model
+
+
+def materialize_buffers(model: Any, device: torch.device) -> list[str]:
+    """The model's non-persistent buffers, which no checkpoint holds (Gemma's embedding
+    scale), made on ``device`` and set by the model's own initializer; the rotary
+    tables are the engine's own. Returns their names."""
+    made = []
+    for name, module in model.named_modules():
+        if "rotary" in name:
+            continue
+        meta = [b for b in module._non_persistent_buffers_set if _is_meta(module._buffers.get(b))]
+        for b in meta:
+            module._buffers[b] = torch.empty_like(module._buffers[b], device=device)
+            made.append(f"{name}.{b}")
+        if meta:
+            model._init_weights(module)
+    return made
+
+
+def _is_meta(t: torch.Tensor | None) -> bool:
+    return t is not None and t.is_meta
 
 
 def _decoder_layers(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
@@ -229,6 +251,7 @@ class StreamingCausalLM:
         _, self.layers = _decoder_layers(self.model, self.config.num_hidden_layers)
         rotary = getattr(base, "rotary_emb", None)
         self.rotary = type(rotary)(config=self.config).to(device) if rotary is not None else None
+        materialize_buffers(self.model, device)
         self.streamer: LayerStreamer | None = None
         # Keys whose tensors keep their dtype (see add_param); every other float is cast.
         self.own_dtype: set[str] = set()
@@ -413,8 +436,18 @@ class StreamingCausalLM:
             masks["full_attention"] = create_causal_mask(**kw)
         if "sliding_attention" in kinds:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
-        rot = self.rotary(mb.hidden, pos) if self.rotary is not None else None
-        mb.extras = {"pos": pos, "masks": masks, "rot": rot}
+        assert mb.hidden is not None  # embedded before its masks
+        mb.extras = {"pos": pos, "masks": masks, "rot": self._rotary(mb.hidden, pos, kinds)}
+
+    def _rotary(self, hidden: torch.Tensor, pos: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+        """cos/sin by layer kind: one table for all, or (Gemma 3: ``forward(x, pos,
+        layer_type)``) one per kind of layer, each with its own base."""
+        if self.rotary is None:
+            return {}
+        if "layer_type" not in inspect.signature(self.rotary.forward).parameters:
+            table = self.rotary(hidden, pos)
+            return dict.fromkeys(kinds, table)
+        return {kind: self.rotary(hidden, pos, kind) for kind in kinds}
 
     # ------------------------------------------------------------------ the pass
 
@@ -482,7 +515,7 @@ class StreamingCausalLM:
                     position_ids=mb.extras["pos"],
                     cache=mb.cache,
                     use_cache=mb.cache is not None,
-                    position_embeddings=mb.extras["rot"],
+                    position_embeddings=mb.extras["rot"].get(self._mask_kind(li)),
                 )
             for mb in order[: len(order) - len(batches)]:  # the prefixes: copied, done
                 mb.cache.layers[li].reset()
