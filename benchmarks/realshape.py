@@ -82,6 +82,12 @@ class Shape:
             **tokenizer_ids,
         )
         routed = dict(num_experts_per_tok=self.experts_per_token)
+        if self.model_type == "gemma3_text":  # its own rope (1M global, 10k local) defaults
+            head_dim = self.head_dim or self.hidden // self.heads
+            return AutoConfig.for_model(
+                "gemma3_text", **{**common, "tie_word_embeddings": True}, head_dim=head_dim,
+                query_pre_attn_scalar=head_dim, sliding_window=512, rms_norm_eps=1e-6,
+            )  # fmt: skip
         if self.model_type == "gpt_oss":  # its own rope (YaRN) defaults
             head_dim = self.head_dim or self.hidden // self.heads
             return AutoConfig.for_model(
@@ -142,6 +148,20 @@ SHAPES: dict[str, Shape] = {
         experts_per_token=4,
         head_dim=64,
         mxfp4=True,
+    ),  # fmt: skip
+    # google/gemma-3-1b-pt: 262k vocabulary (a 0.6 GB tied embedding), MQA 4/1, head_dim
+    # 256, five sliding layers (512 tokens) in six; 999,885,952 parameters, 2.0 GB
+    "gemma3-1b": Shape(
+        1152,
+        26,
+        4,
+        1,
+        6912,
+        262144,
+        32768,
+        1e6,
+        model_type="gemma3_text",
+        head_dim=256,
     ),  # fmt: skip
     # the same structures at small widths (CI smoke; widths multiples of 64)
     "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0, shard_bytes=1 << 20),
@@ -262,7 +282,8 @@ def model_tensors(config: Any) -> list[tuple[str, tuple[int, ...]]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         stored = revert_weight_conversion(model, model.state_dict())
-    return [(n, tuple(t.shape)) for n, t in stored.items()]
+    tied = getattr(config, "tie_word_embeddings", False)  # save_pretrained drops the head
+    return [(n, tuple(t.shape)) for n, t in stored.items() if not (tied and n == "lm_head.weight")]
 
 
 def _tokenizer_ids() -> tuple[Any, dict[str, int]]:
