@@ -32,6 +32,10 @@ LINEARS: tuple[str, ...] = (
     "up_proj",
     "down_proj",
 )
+#: Phi-3's fused projections (q, k and v in one; gate and up in one), and every name a
+#: target list may use (``all-linear``: those the model has).
+FUSED_LINEARS: tuple[str, ...] = ("qkv_proj", "gate_up_proj")
+ALL_LINEARS: tuple[str, ...] = LINEARS + FUSED_LINEARS
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class Arch:
     local_rope: bool = False  # sliding layers rotate by their own cos/sin (Gemma 3)
     scaled_embeddings: bool = False  # the embedding scaled by a stored sqrt(hidden) (Gemma)
     family: str = ""  # config.json's model_type ("": a preset or the built-in model)
+    fused_projections: bool = False  # qkv_proj and gate_up_proj (Phi-3, Phi-4-mini)
+    rotary_dim: int = 0  # features each head rotates (0: all; Phi-4-mini: 3/4 of them)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` of the ``nn.Linear`` layers of one
@@ -93,10 +99,18 @@ class Arch:
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
         )
+        if self.fused_projections:
+            return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * f),
+                    "down_proj": (f, h)}  # fmt: skip
         attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         if self.experts:
             return attention
         return {**attention, "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+    @property
+    def rotated(self) -> int:
+        """Features of each head that RoPE rotates (its cos/sin tables' width)."""
+        return self.rotary_dim or self.head_dim
 
     def rope_table(self, layer: int) -> str:
         """The rotary table layer ``layer`` rotates by."""
@@ -176,8 +190,11 @@ QK_NORMS: dict[str, QkNorm] = {
 #: The families whose tensors the tests check to the byte on tiny models; any other
 #: model_type is planned as the Llama-style layer it is assumed to be, and says so.
 CHECKED_FAMILIES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"}
-)
+    {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe",
+     "olmoe"}
+)  # fmt: skip
+#: Families whose projections are fused (one q/k/v linear, one gate/up linear).
+FUSED_FAMILIES = frozenset({"phi3"})
 #: Families whose RMSNorm scales by (1 + weight), in fp32; and of those, the ones with a
 #: norm after the attention and after the MLP as well (four a layer).
 OFFSET_NORMS = frozenset({"gemma", "gemma2", "gemma3_text"})
@@ -252,6 +269,7 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         window, sliding = _window(cfg, int(cfg["num_hidden_layers"]))
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
         return Arch(
             name=name,
             hidden=hidden,
@@ -259,7 +277,7 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             layers=int(cfg["num_hidden_layers"]),
             heads=heads,
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             vocab=int(cfg["vocab_size"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
@@ -277,6 +295,8 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
             local_rope=family == "gemma3_text",
             scaled_embeddings=family in OFFSET_NORMS,
             family=family,
+            fused_projections=family in FUSED_FAMILIES,
+            rotary_dim=int(head_dim * float(cfg.get("partial_rotary_factor") or 1.0)),
         )
     except KeyError as e:
         raise ValueError(

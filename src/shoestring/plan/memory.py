@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from math import ceil
 from typing import Literal
 
-from shoestring.plan.arch import LINEARS, Arch
+from shoestring.plan.arch import ALL_LINEARS, LINEARS, Arch
 from shoestring.train.config import ComputeDtype, DeviceKind, Kernels, Optimizer, Quantize
 
 Method = Literal["full", "lora", "qlora"]
@@ -55,7 +55,7 @@ class Workload:
     quantize: Quantize = "none"  # qlora implies nf4 unless int8
     dtype: ComputeDtype = "bfloat16"  # compute / base-weight dtype
     lora_r: int = 16
-    lora_targets: tuple[str, ...] = LINEARS
+    lora_targets: tuple[str, ...] = ALL_LINEARS  # those the model has are adapted
     lora_dropout: float = 0.05
     seq_len: int = 2048
     micro_batch: int = 1
@@ -176,7 +176,7 @@ def weight_bytes(w: Workload) -> dict[str, int]:
     per_layer = 4 if a.sandwich_norms else 2
     norms = (per_layer * a.layers + 1) * a.hidden * e + a.layers * a.qk_norm_width * e
     # inv_freq + original_inv_freq (fp32) of each rotary table; Gemma's embedding scale
-    rotary = (2 if a.local_rope else 1) * 2 * (a.head_dim // 2) * 4
+    rotary = (2 if a.local_rope else 1) * 2 * (a.rotated // 2) * 4
     return {
         "linear": lin + experts,
         "quant_state": quant + expert_state,
@@ -352,9 +352,12 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: set[str], layer: int)
     qd, kvd = a.heads * a.head_dim, a.kv_heads * a.head_dim
     shared: set[str] = set()
     n_rg = _norm(w, t, s_rg, T)
-    q = _linear(w, t, "q_proj", n_rg, shared, "attn_in", a.hidden, T)
-    k = _linear(w, t, "k_proj", n_rg, shared, "attn_in", a.hidden, T)
-    v = _linear(w, t, "v_proj", n_rg, shared, "attn_in", a.hidden, T)
+    if a.fused_projections:  # q, k and v are views of one output
+        q = k = v = _linear(w, t, "qkv_proj", n_rg, shared, "attn_in", a.hidden, T)
+    else:
+        q = _linear(w, t, "q_proj", n_rg, shared, "attn_in", a.hidden, T)
+        k = _linear(w, t, "k_proj", n_rg, shared, "attn_in", a.hidden, T)
+        v = _linear(w, t, "v_proj", n_rg, shared, "attn_in", a.hidden, T)
     _qk_norm_saved(w, t, q, k, T)
     if q or k:  # cos/sin: the local table in Gemma 3's sliding layers
         rope.add(a.rope_table(layer))
@@ -365,12 +368,16 @@ def _layer_saved(w: Workload, s_rg: bool, t: _Tally, rope: set[str], layer: int)
         # grouped KV heads into a copy (SDPA's native GQA needs mask=None).
         repeat = masked and 1 < a.kv_heads < a.heads
         kv_saved = qd if repeat else kvd
-        t.add("attention", T * (2 * qd + 2 * kv_saved) * e + b * a.heads * s * 4)
+        # A fused projection's v is a view of its whole q|k|v output, which SDPA keeps.
+        v_saved = qd + 2 * kvd if a.fused_projections and not repeat else kv_saved
+        t.add("attention", T * (2 * qd + kv_saved + v_saved) * e + b * a.heads * s * 4)
         if masked:
             t.add("attention", b * s * s * e)  # the mask as SDPA's float bias, per layer
-    if attn_rg:
-        # SDPA writes its output in (b, s, heads, dim) order, so the transpose +
-        # reshape feeding o_proj is a view of the saved output: no new storage.
+    if attn_rg and not a.fused_projections:
+        # SDPA writes its output in the query's memory order, (b, s, heads, dim) after
+        # Llama's rotation, so the transpose + reshape feeding o_proj is a view of the
+        # saved output: no new storage. Phi-3 rotates by concatenating (b, heads, s,
+        # dim) tensors, so its o_proj input is a copy.
         shared.add("o_in")
     o = _linear(w, t, "o_proj", attn_rg, shared, "o_in", qd, T)
     if a.sandwich_norms:  # Gemma's post-attention norm, on the attention's output
@@ -459,6 +466,11 @@ def _qk_norm_saved(w: Workload, t: _Tally, q_rg: bool, k_rg: bool, T: int) -> No
 def _mlp_saved(w: Workload, t: _Tally, n_rg: bool, shared: set[str], T: int) -> bool:
     """A dense SwiGLU MLP; returns whether its output requires grad."""
     a, e = w.arch, w.e
+    if a.fused_projections:  # the activation keeps gate|up (gate is a view), the product act
+        gu = _linear(w, t, "gate_up_proj", n_rg, shared, "mlp_in", a.hidden, T)
+        if gu:
+            t.add("mlp", T * 3 * a.intermediate * e)
+        return _linear(w, t, "down_proj", gu, shared, "down_in", a.intermediate, T)
     g = _linear(w, t, "gate_proj", n_rg, shared, "mlp_in", a.hidden, T)
     u = _linear(w, t, "up_proj", n_rg, shared, "mlp_in", a.hidden, T)
     f = a.intermediate
@@ -583,7 +595,7 @@ def _held(w: Workload) -> int:
     full_layers = not a.sliding or not all(a.sliding)
     masks = int(w.padded and full_layers) + int(windowed)
     tables = len({a.rope_table(i) for i in range(a.layers)})
-    return tables * 2 * s * a.head_dim * w.e + masks * b * s * s
+    return tables * 2 * s * a.rotated * w.e + masks * b * s * s
 
 
 def activation_bytes(w: Workload) -> Activations:
@@ -607,7 +619,7 @@ def activation_bytes(w: Workload) -> Activations:
     else:
         for layer in range(a.layers):
             s_rg = _layer_saved(w, s_rg, t, rope, layer)
-    t.add("attention", len(rope) * 2 * s * a.head_dim * e)  # cos, sin of each table
+    t.add("attention", len(rope) * 2 * s * a.rotated * e)  # cos, sin of each table
     _norm(w, t, s_rg, T)
     _head(w, t, T)
     logits = _logits(w, T)

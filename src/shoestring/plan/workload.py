@@ -10,7 +10,7 @@ from shoestring.config import ConfigError, load
 from shoestring.gpus import GPU, find_gpu
 from shoestring.hub import HubAccess, looks_remote, resolve
 from shoestring.plan.arch import (
-    LINEARS,
+    ALL_LINEARS,
     PRESETS,
     Arch,
     Unmodelled,
@@ -60,12 +60,12 @@ def arch_for(path: str, where: str, hub: HubAccess | None = None) -> Arch:
 
 def _targets(names: list[str] | tuple[str, ...], where: str) -> tuple[str, ...]:
     if list(names) == ["all-linear"]:
-        return LINEARS
-    bad = [n for n in names if n not in LINEARS]
+        return ALL_LINEARS  # those the model has (Workload.adapted)
+    bad = [n for n in names if n not in ALL_LINEARS]
     if bad:
         raise ConfigError(
-            f"{where}: the planner knows the Llama-style linears "
-            f"{', '.join(LINEARS)} (or all-linear); got {', '.join(bad)}"
+            f"{where}: the planner knows the linears {', '.join(ALL_LINEARS)} "
+            f"(or all-linear); got {', '.join(bad)}"
         )
     return tuple(names)
 

@@ -1,11 +1,17 @@
-"""The planner's Gemma 3: its tensors to the byte on tiny models, as for Llama.
+"""The planner's other families, Gemma 3 and Phi-3: their tensors to the byte on tiny
+models, as for Llama.
 
 Gemma 3 differs from Llama where memory is counted: its RMSNorm scales by ``1 + weight``
 formed in fp32 at every call, each layer has four norms (after the attention and the MLP
 too) and per-head q/k norms, some layers attend through a sliding window (a mask, and
 the grouped KV heads repeated, once the sequence reaches the window) with their own
 rotary table, and the embedding is scaled by a stored constant. Gemma 2's soft-capped
-logits run through eager attention, which the planner refuses to guess."""
+logits run through eager attention, which the planner refuses to guess.
+
+Phi-3 (and Phi-4-mini) fuses q, k and v into one projection and gate and up into
+another (LoRA on each as one), rotates part of each head (Phi-4-mini: three quarters),
+and rotates by concatenating, so SDPA keeps the whole q|k|v output for v and o_proj's
+input is a copy."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import pytest
 import torch
 
 from shoestring.plan import memory as M
-from shoestring.plan.arch import LINEARS, Unmodelled, from_hf_config
+from shoestring.plan.arch import ALL_LINEARS, LINEARS, Unmodelled, from_hf_config
 from shoestring.plan.measure import grad_bytes, model_bytes, optimizer_bytes, saved_activation_bytes
 from test_plan_memory import ACTIVATION_TOL, STATIC_TOL, _lora_model, _within
 
@@ -38,6 +44,27 @@ def _gemma3(tmp: Path, layers: int = 4, **kw: Any) -> tuple[Path, Any]:
     return tmp, cfg
 
 
+def _phi3(tmp: Path, layers: int = 4, **kw: Any) -> tuple[Path, Any]:
+    """A tiny Phi-3 as Phi-4-mini is built: three quarters of each head rotated, tied,
+    LongRoPE scaling (a factor per rotated frequency)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    shape = dict(vocab_size=448, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4096,
+                 original_max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2, partial_rotary_factor=0.75, tie_word_embeddings=True)  # fmt: skip
+    shape |= kw
+    half = int(shape["hidden_size"] // shape["num_attention_heads"] * 0.75) // 2
+    longrope = {"type": "longrope", "long_factor": [1.5] * half, "short_factor": [1.0] * half}
+    cfg = Phi3Config(num_hidden_layers=layers, rope_scaling=longrope, **shape)
+    torch.manual_seed(0)
+    Phi3ForCausalLM(cfg).save_pretrained(tmp)
+    return tmp, cfg
+
+
+FAMILIES = {"gemma3": _gemma3, "phi3": _phi3}
+
+
 def _full(model_dir: Path, dtype: str, gc: bool) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -50,20 +77,23 @@ def _full(model_dir: Path, dtype: str, gc: bool) -> Any:
     return model
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize(
     ("quantize", "optimizer", "dtype"),
     [("none", "adamw", "float32"), ("nf4", "adamw8bit", "bfloat16"), ("int8", "adamw", "bfloat16")],
 )
-def test_gemma3_static_components_match_tensor_bytes(
-    tmp_path: Path, quantize: str, optimizer: str, dtype: str
+def test_static_components_match_tensor_bytes(
+    tmp_path: Path, family: str, quantize: str, optimizer: str, dtype: str
 ) -> None:
     from shoestring.train.model import build_optimizer, trainable_parameters
 
     torch.set_num_threads(1)
-    model_dir, cfg = _gemma3(tmp_path, layers=2, hidden_size=192, num_attention_heads=3,
-                             num_key_value_heads=1, intermediate_size=384)  # fmt: skip
+    model_dir, cfg = FAMILIES[family](tmp_path, layers=2, hidden_size=192,
+                                      num_attention_heads=3, num_key_value_heads=1,
+                                      intermediate_size=384)  # fmt: skip
     arch = from_hf_config(cfg.to_dict())
-    assert (arch.norm_offset, arch.sandwich_norms, arch.qk_norm) == (True, True, "head")
+    expect = (True, True, False) if family == "gemma3" else (False, False, True)
+    assert (arch.norm_offset, arch.sandwich_norms, arch.fused_projections) == expect
     model = _lora_model(model_dir, dtype, quantize, r=24, dropout=0.0, targets=["all-linear"],
                         gc=False)  # fmt: skip
     params = trainable_parameters(model)
@@ -72,7 +102,7 @@ def test_gemma3_static_components_match_tensor_bytes(
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     w = M.Workload(arch=arch, method="qlora" if quantize != "none" else "lora", quantize=quantize,
-                   dtype=dtype, lora_r=24, lora_targets=LINEARS, optimizer=optimizer)  # fmt: skip
+                   dtype=dtype, lora_r=24, lora_targets=ALL_LINEARS, optimizer=optimizer)  # fmt: skip
     meas, wb = model_bytes(model), M.weight_bytes(w)
     _within(wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"], meas["frozen"],
             STATIC_TOL)  # fmt: skip
@@ -97,11 +127,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
-def test_gemma3_activation_bytes_match_saved_tensors(tmp_path: Path, case: tuple[Any, ...]) -> None:
+def test_activation_bytes_match_saved_tensors(
+    tmp_path: Path, family: str, case: tuple[Any, ...]
+) -> None:
     method, dtype, quantize, gc, padded, s = case
     torch.set_num_threads(1)
-    model_dir, cfg = _gemma3(tmp_path)
+    model_dir, cfg = FAMILIES[family](tmp_path)
     if method == "full":
         model = _full(model_dir, dtype, gc)
     else:
@@ -118,7 +151,7 @@ def test_gemma3_activation_bytes_match_saved_tensors(tmp_path: Path, case: tuple
     w = M.Workload(arch=from_hf_config(cfg.to_dict()), method=method, quantize=quantize,
                    dtype=dtype, lora_r=8, lora_dropout=0.0, seq_len=s, micro_batch=2,
                    gradient_checkpointing=gc,
-                   padded=padded, device="cpu", lora_targets=LINEARS)  # fmt: skip
+                   padded=padded, device="cpu", lora_targets=ALL_LINEARS)  # fmt: skip
     _within(M.activation_bytes(w).saved, measured, ACTIVATION_TOL)
 
 
@@ -171,15 +204,15 @@ def test_mistral_sliding_window_is_counted_once_the_sequence_reaches_it(tmp_path
 
 
 def test_a_family_the_tests_do_not_check_is_planned_with_a_note() -> None:
-    from transformers import Phi3Config
+    from transformers import GraniteConfig
 
     from shoestring.gpus import find_gpu
     from shoestring.plan.estimate import make_plan
 
-    arch = from_hf_config(Phi3Config(pad_token_id=0).to_dict())
+    arch = from_hf_config(GraniteConfig().to_dict())
     notes = make_plan(M.Workload(arch=arch), find_gpu("T4")).notes
-    assert any("model_type 'phi3' is planned as a Llama-style layer" in n for n in notes)
-    llama = from_hf_config({**Phi3Config(pad_token_id=0).to_dict(), "model_type": "llama"})
+    assert any("model_type 'granite' is planned as a Llama-style layer" in n for n in notes)
+    llama = from_hf_config({**GraniteConfig().to_dict(), "model_type": "llama"})
     assert not any("Llama-style layer" in n for n in make_plan(M.Workload(arch=llama),
                                                                 find_gpu("T4")).notes)  # fmt: skip
 
@@ -200,3 +233,11 @@ def test_gemma3_1b_as_the_hub_writes_it() -> None:
     assert arch.params == 999_885_952
     assert [i for i, s in enumerate(arch.sliding) if not s] == [5, 11, 17, 23]
     assert (arch.window, arch.rope_table(0), arch.rope_table(5)) == (512, "local", "global")
+
+
+def test_all_linear_on_a_phi3_adapts_its_fused_projections() -> None:
+    from transformers import Phi3Config
+
+    arch = from_hf_config(Phi3Config(pad_token_id=0).to_dict())
+    assert M.Workload(arch=arch).adapted == ("o_proj", "down_proj", "qkv_proj", "gate_up_proj")
+    assert arch.rotated == arch.head_dim  # Phi-3-mini rotates whole heads; Phi-4-mini 3/4
