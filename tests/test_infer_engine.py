@@ -34,6 +34,8 @@ EXTRA: dict[str, dict[str, object]] = {
         "query_pre_attn_scalar": 32,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
+    # fused q/k/v and gate/up, three quarters of each head rotated (Phi-4-mini's build)
+    "phi3": {"partial_rotary_factor": 0.75},
 }
 
 
