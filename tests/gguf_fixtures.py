@@ -107,7 +107,9 @@ def tiny_model_dir(
     """A random ``llama`` (GQA, Llama 3 tokenizer and template), ``mistral`` (GQA, a
     SentencePiece tokenizer, [INST] template), ``qwen2`` (q/k/v biases, ChatML), ``qwen3``
     (q/k RMS norms, ChatML) or ``qwen3_moe`` (4 experts, 2 a token) model dir; widths multiples of 64 (the 4-bit CPU kernels' rule).
-    ``rope``: its ``rope_parameters`` (transformers 5's ``rope_scaling``), e.g. llama3."""
+    ``rope``: its ``rope_parameters`` (transformers 5's ``rope_scaling``), e.g. llama3; for
+    ``phi3`` (Phi-3-mini's build, a SentencePiece tokenizer), config keys instead (its
+    ``partial_rotary_factor`` and LongRoPE ``rope_scaling``)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -142,6 +144,14 @@ def tiny_model_dir(
         cls, ccls = MistralForCausalLM, MistralConfig
         # no window (7B v0.2 on); rows past the pieces and the added token: [PAD] in GGUF
         extra = {"num_key_value_heads": 2, "sliding_window": None, "vocab_size": 448}
+    elif arch == "phi3":
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        tok = spm_tokenizer(path)  # Phi-3-mini's kind: SentencePiece, as Llama 2's
+        cls, ccls = Phi3ForCausalLM, Phi3Config
+        extra = {"num_key_value_heads": 2, "vocab_size": 448, "pad_token_id": tok.unk_token_id,
+                 **(rope or {})}  # fmt: skip
+        rope = None
     elif arch == "gemma3_text":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -184,7 +194,7 @@ def tiny_model_dir(
         intermediate_size=256,
         num_hidden_layers=extra.pop("num_hidden_layers", 2),
         num_attention_heads=4,
-        max_position_embeddings=256,
+        max_position_embeddings=extra.pop("max_position_embeddings", 256),
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
         bos_token_id=tok.bos_token_id,
@@ -206,7 +216,9 @@ def tiny_model_dir(
     return path
 
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: Every linear of the families here (Phi-3's fused ones too; peft skips absent names).
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj"]  # fmt: skip
 
 
 #: An MoE's fused experts, which peft adapts as parameters.

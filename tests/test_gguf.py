@@ -254,6 +254,58 @@ def test_a_gemma3_llama_cpp_would_run_otherwise_is_refused_by_name() -> None:
         check_arch(odd.to_dict(), "export.gguf")
 
 
+def test_a_phi3_exports_its_fused_projections_and_loads(tmp_path: Path) -> None:
+    """Phi-3 (llama.cpp's PHI3): LoRA on the fused q/k/v and gate/up merged into them,
+    stored fused (``attn_qkv``, ``ffn_up``), nothing permuted; it reads back as the
+    adapted model."""
+    from transformers import AutoTokenizer
+
+    from shoestring.train.ggufexport import export_gguf
+    from shoestring.train.ggufspm import sentencepiece_model
+
+    d = tiny_model_dir(tmp_path / "tiny-phi3", "phi3")
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d)
+    assert {"qkv_proj", "gate_up_proj"} <= set(model.peft_config["default"].target_modules)
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name, sentencepiece_model(d))
+    _reads_back(model, tok, path, "f16")
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name for t in reader.tensors}
+    assert {"blk.1.attn_qkv.weight", "blk.1.ffn_up.weight"} <= tensors
+    assert _field(reader, "general.architecture") == ["phi3"]
+    assert _field(reader, "phi3.rope.dimension_count") == [32]  # hidden 128 / 4 heads
+    assert _field(reader, "phi3.attention.sliding_window") == [0]
+
+
+def test_a_phi4_mini_style_rope_is_written_as_the_converter_writes_it(tmp_path: Path) -> None:
+    """Three quarters of each head rotated, LongRoPE: the rotated features per head, the
+    pretraining context, the attention factor sqrt(1 + ln(scale) / ln(context)) and the
+    long and short factor tables (F32), as convert_hf_to_gguf's Phi3MiniModel writes
+    them. transformers' GGUF reader reads none of these back, so they are checked here."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    from shoestring.train.ggufexport import export_gguf
+    from shoestring.train.ggufspm import sentencepiece_model
+
+    longrope = {"type": "longrope", "long_factor": [1.0 + i / 10 for i in range(12)],
+                "short_factor": [1.0] * 12}  # fmt: skip
+    keys = {"partial_rotary_factor": 0.75, "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 256, "rope_scaling": longrope}  # fmt: skip
+    d = tiny_model_dir(tmp_path / "tiny-phi4", "phi3", rope=keys)
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d)
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name, sentencepiece_model(d))
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "phi3.rope.dimension_count") == [24]
+    assert _field(reader, "phi3.rope.scaling.original_context_length") == [256]
+    attn = _field(reader, "phi3.rope.scaling.attn_factor")[0]
+    assert attn == pytest.approx(math.sqrt(1 + math.log(16) / math.log(256)))
+    tables = {t.name: t for t in reader.tensors}
+    long = tables["rope_factors_long.weight"].data.tolist()
+    assert long == pytest.approx(longrope["long_factor"])
+    assert tables["rope_factors_short.weight"].data.tolist() == [1.0] * 12
+
+
 def test_a_qwen3_moe_exports_its_adapted_experts_stacked_and_loads(tmp_path: Path) -> None:
     """Qwen3-MoE (QWEN3MOE) with LoRA on its fused experts: each layer's experts stacked
     as llama.cpp's converter stacks them (gate, up and down, each experts x rows x
@@ -352,11 +404,11 @@ def test_unsupported_architectures_and_tokenizers_are_refused_by_name(tmp_path: 
     from shoestring.train.builtin import materialize_tiny_model
     from shoestring.train.ggufexport import check_exportable, check_model_dir
 
-    phi = tmp_path / "phi"
-    phi.mkdir()
-    (phi / "config.json").write_text(json.dumps({"model_type": "phi3"}))
-    with pytest.raises(ConfigError, match="export.gguf: model_type 'phi3' has no GGUF export"):
-        check_exportable(_finetune_cfg(str(phi)), phi)
+    falcon = tmp_path / "falcon"
+    falcon.mkdir()
+    (falcon / "config.json").write_text(json.dumps({"model_type": "falcon"}))
+    with pytest.raises(ConfigError, match="export.gguf: model_type 'falcon' has no GGUF export"):
+        check_exportable(_finetune_cfg(str(falcon)), falcon)
     with pytest.raises(ConfigError, match="built-in tiny model's byte tokenizer"):
         check_exportable(_finetune_cfg("builtin:tiny"), None)
     builtin = materialize_tiny_model(tmp_path / "cache")  # its tokenizer.json: no merges

@@ -28,6 +28,7 @@ import torch
 
 from shoestring.config import ConfigError
 from shoestring.train.config import GgufType
+from shoestring.train.ggufphi3 import add_phi3_hparams, check_phi3, rope_factor_tables
 
 if TYPE_CHECKING:
     import gguf
@@ -43,6 +44,7 @@ ARCHS: dict[str, tuple[str, bool]] = {
     "qwen3": ("QWEN3", False),  # Qwen2's, with q/k norms and no biases
     "qwen3_moe": ("QWEN3MOE", False),  # Qwen3's attention, every MLP a mixture of experts
     "gemma3_text": ("GEMMA3", False),  # Gemma 3 270M/1B: NEOX rotary, norms stored + 1
+    "phi3": ("PHI3", False),  # Phi-3/3.5-mini, Phi-4-mini: fused projections kept fused
 }
 #: RoPE variants written as llama.cpp's convert does, per model_type (default: no scaling
 #: keys; linear: ``rope.scaling.type``/``factor``; llama3: the ``rope_freqs`` tensor).
@@ -53,6 +55,7 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "qwen3": ("default", "linear"),
     "qwen3_moe": ("default", "linear"),
     "gemma3_text": ("default", "linear"),
+    "phi3": ("default", "longrope"),
 }
 
 
@@ -105,6 +108,8 @@ def check_arch(cfg: Mapping[str, Any], key: str) -> str:
     _check_window(cfg, model_type, key)
     if model_type == "gemma3_text":
         check_gemma3(cfg, key)
+    if model_type == "phi3":
+        check_phi3(cfg, key)
     rope = rope_parameters(cfg)["rope_type"]
     if rope not in ROPE_TYPES[model_type]:
         raise ConfigError(
@@ -190,6 +195,8 @@ def add_hparams(writer: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
         writer.add_value_length(int(cfg["head_dim"]))
     if cfg["model_type"] == "gemma3_text":  # Gemma3Model.set_gguf_parameters
         writer.add_sliding_window(int(cfg["sliding_window"]))
+    if cfg["model_type"] == "phi3":
+        add_phi3_hparams(writer, cfg)
     if ARCHS[cfg["model_type"]][0] == "LLAMA":
         writer.add_vocab_size(int(cfg["vocab_size"]))
         writer.add_rope_dimension_count(head_dim(cfg))
@@ -371,14 +378,20 @@ def llama3_rope_factors(cfg: Mapping[str, Any]) -> torch.Tensor:
     return torch.tensor(factors, dtype=torch.float32)
 
 
+def _constant(name: str, t: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> TensorPlan:
+    return TensorPlan("", name, tuple(t.shape), qtype, None, lambda: t)
+
+
 def extra_tensors(cfg: Mapping[str, Any]) -> list[TensorPlan]:
     """Tensors llama.cpp's converter adds ahead of the model's own (``rope_freqs`` for
-    llama3 RoPE), F32 as it stores them."""
+    llama3 RoPE, LongRoPE's factor tables), F32 as it stores them."""
     import gguf
 
+    f32 = gguf.GGMLQuantizationType.F32
+    if cfg["model_type"] == "phi3":
+        return [_constant(n, t, f32) for n, t in rope_factor_tables(cfg)]
     if rope_parameters(cfg)["rope_type"] != "llama3":
         return []
     factors = llama3_rope_factors(cfg)
     name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-    f32 = gguf.GGMLQuantizationType.F32
     return [TensorPlan("", name, tuple(factors.shape), f32, None, lambda: factors)]
