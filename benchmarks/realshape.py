@@ -88,6 +88,15 @@ class Shape:
                 "gemma3_text", **{**common, "tie_word_embeddings": True}, head_dim=head_dim,
                 query_pre_attn_scalar=head_dim, sliding_window=512, rms_norm_eps=1e-6,
             )  # fmt: skip
+        if self.model_type == "phi3":  # Phi-4-mini: 3/4 rotary, LongRoPE from 4k
+            pairs = int(self.hidden // self.heads * 0.75) // 2
+            longrope = {"type": "longrope", "long_factor": [1.0] * pairs,
+                        "short_factor": [1.0] * pairs}  # fmt: skip
+            return AutoConfig.for_model(
+                "phi3", **{**common, "tie_word_embeddings": True}, partial_rotary_factor=0.75,
+                original_max_position_embeddings=4096, rope_scaling=longrope,
+                rope_theta=self.rope_theta, rms_norm_eps=1e-5,
+            )  # fmt: skip
         if self.model_type == "gpt_oss":  # its own rope (YaRN) defaults
             head_dim = self.head_dim or self.hidden // self.heads
             return AutoConfig.for_model(
@@ -162,6 +171,19 @@ SHAPES: dict[str, Shape] = {
         1e6,
         model_type="gemma3_text",
         head_dim=256,
+    ),  # fmt: skip
+    # microsoft/Phi-4-mini-instruct: fused q/k/v and gate/up, GQA 24/8, 3/4 of each head
+    # rotated (LongRoPE, factors 1 here), a 200k tied vocabulary; 7.7 GB
+    "phi4-mini": Shape(
+        3072,
+        32,
+        24,
+        8,
+        8192,
+        200064,
+        131072,
+        10000.0,
+        model_type="phi3",
     ),  # fmt: skip
     # the same structures at small widths (CI smoke; widths multiples of 64)
     "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0, shard_bytes=1 << 20),
