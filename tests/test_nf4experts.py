@@ -457,10 +457,13 @@ def test_a_checkpoint_whose_base_was_held_otherwise_is_refused(
     assert meta["meta"]["versions"]["transformers"]
 
     more = [*args, "--train.max_steps", "5"]
+    events_before = (out / "events.jsonl").read_bytes()
     refused = _resumed_with_meta(cli, out, more, base_layout={**layout, "experts": "bfloat16"})
     assert refused.returncode == 2, refused.stderr
     assert "experts: bfloat16 -> nf4" in refused.stderr
     assert not (out / "checkpoints" / "step-00000005").exists()
+    # refused from the manifest, before the run directory is opened or weights load
+    assert (out / "events.jsonl").read_bytes() == events_before
 
     old = {"transformers": "5.0.0", "torch": "2.9.0"}
     resumed = _resumed_with_meta(cli, out, more, base_layout=None, versions=old)

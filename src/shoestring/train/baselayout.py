@@ -63,17 +63,29 @@ def base_layout(model: nn.Module) -> dict[str, str]:
     return {kind: ",".join(sorted(f)) for kind, f in sorted(forms.items())}
 
 
-def check_layout(meta: Mapping[str, Any], now: Mapping[str, str], where: str) -> None:
+def expected_layout(quantize: str) -> dict[str, str]:
+    """The part of :func:`base_layout` the config alone decides, before any weights load:
+    under ``lora.quantize nf4`` an MoE's fused experts are NF4 (this version's rule; the
+    form of the rest depends on what the loader and peft leave frozen)."""
+    return {"experts": "nf4"} if quantize == "nf4" else {}
+
+
+def check_layout(
+    meta: Mapping[str, Any], now: Mapping[str, str], where: str, *, partial: bool = False
+) -> None:
     """Refuse a checkpoint whose base was held in another form than this build holds it
-    (nothing to check in one written before the record existed)."""
+    (nothing to check in one written before the record existed). ``partial``: ``now`` is
+    :func:`expected_layout`, so only the kinds both name are compared."""
     saved = meta.get("base_layout")
-    if saved is not None and dict(saved) != dict(now):
-        kinds = sorted(set(saved) | set(now))
-        diff = "; ".join(
-            f"{k}: {saved.get(k, 'absent')} -> {now.get(k, 'absent')}"
-            for k in kinds
-            if saved.get(k) != now.get(k)
-        )
+    if saved is None:
+        return
+    kinds = sorted(set(saved) & set(now) if partial else set(saved) | set(now))
+    diff = "; ".join(
+        f"{k}: {saved.get(k, 'absent')} -> {now.get(k, 'absent')}"
+        for k in kinds
+        if saved.get(k) != now.get(k)
+    )
+    if diff:
         raise ConfigError(
             f"cannot resume from {where}: its base was held in another form than this "
             f"version of shoestring holds it ({diff}), so the adapter would continue "

@@ -2,7 +2,8 @@
 
 A resume is refused — exit 2, one line naming the checkpoint — when ``--resume PATH``
 is not a valid checkpoint of a fine-tune, when the checkpoint was trained on another
-base model, or when the config changed in a way that breaks an exact continuation.
+base model, when the config changed in a way that breaks an exact continuation, or
+when its MoE experts were held in another form than this version holds them.
 The checkpoint's ``manifest.json`` (base-model fingerprint, kind) and
 ``trainer_state.json`` (the config it was saved with) say all of that: reading them
 takes milliseconds, loading a 7B model minutes. The same checks run again when the
@@ -26,6 +27,7 @@ from shoestring.hf import fingerprint
 from shoestring.hub import ModelRef
 from shoestring.rundir import RunDir
 from shoestring.train import state as S
+from shoestring.train.baselayout import check_layout, expected_layout
 from shoestring.train.config import FinetuneConfig, ResolvedConfig
 from shoestring.train.model import resolve_model_dir
 from shoestring.train.resume import check_base, check_compatible
@@ -124,8 +126,9 @@ def check_resume(
     model: ModelRef | None = None,
 ) -> None:
     """Refuse, before any weights load, a resume that the load would refuse: the
-    checkpoint is not a fine-tune's, its base model is not ``model.path``, or the
-    config changed in a way that breaks an exact continuation (the messages are the
+    checkpoint is not a fine-tune's, its base model is not ``model.path``, the
+    config changed in a way that breaks an exact continuation, or its base was held in
+    a form the config says this version will not hold it in (the messages are the
     load's; the config is resolved, as the load compares it). ``model`` is
     ``model.path`` resolved (None: the built-in model)."""
     found = resume_candidate(mode, cfg, remote, deep=deep)
@@ -138,3 +141,4 @@ def check_resume(
     source = model.record() if model is not None else {}
     check_base(found.manifest.meta, fingerprint(model_dir), source, found.where, model_dir)
     check_compatible(found.config, cfg, found.where)
+    check_layout(found.manifest.meta, expected_layout(cfg.lora.quantize), found.where, partial=True)
