@@ -152,7 +152,7 @@ def tiny_model_dir(
         extra = {"num_key_value_heads": 2, "vocab_size": 448, "pad_token_id": tok.unk_token_id,
                  **(rope or {})}  # fmt: skip
         rope = None
-    elif arch == "gemma3_text":
+    elif arch in ("gemma3_text", "gemma3"):
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         tok = spm_tokenizer(path, gemma=True)
@@ -202,6 +202,14 @@ def tiny_model_dir(
         rope_parameters=rope,
         **{"head_dim": 32, **extra},
     )
+    if arch == "gemma3":  # 4B and up: the decoder beside a SigLIP tower (never exported)
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+        tower = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                 "num_attention_heads": 1, "image_size": 64, "patch_size": 16,
+                 "vision_use_head": False}  # fmt: skip
+        cfg = Gemma3Config(text_config=cfg.to_dict(), vision_config=tower, mm_tokens_per_image=4)
+        cls = Gemma3ForConditionalGeneration
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():  # a peaked head: greedy decoding is not decided by ties
@@ -231,10 +239,13 @@ def adapted_model(model_dir: Path, parameters: list[str] | None = None) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from shoestring.train.towers import exclude_pattern, outside_decoder
+
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=8, lora_alpha=16, target_modules=TARGETS, target_parameters=parameters, lora_dropout=0.0
-    )
+        r=8, lora_alpha=16, target_modules=TARGETS, target_parameters=parameters, lora_dropout=0.0,
+        exclude_modules=exclude_pattern(outside_decoder(base)),  # as finetune: no tower
+    )  # fmt: skip
     model = get_peft_model(base, config)
     torch.manual_seed(1)
     with torch.no_grad():

@@ -241,6 +241,30 @@ def test_a_gemma3_exports_with_its_norms_shifted_and_loads(tmp_path: Path) -> No
     assert 'PARAMETER stop "<end_of_turn>"' in (path.parent / "Modelfile").read_text()
 
 
+def test_a_gemma3_with_a_vision_tower_exports_its_text_model_and_loads(tmp_path: Path) -> None:
+    """Gemma 3 from 4B up (``Gemma3ForConditionalGeneration``): the GGUF holds its text
+    model, as llama.cpp's converter writes it (the tower goes to an mmproj file, not
+    written here): no vision tensor, the decoder's under their llama.cpp names; it reads
+    back as the adapted model on text."""
+    from transformers import AutoTokenizer
+
+    from shoestring.train.ggufexport import check_model_dir, export_gguf
+    from shoestring.train.ggufspm import sentencepiece_model
+
+    d = tiny_model_dir(tmp_path / "tiny-gemma3-vision", "gemma3")
+    check_model_dir(d, "export.gguf")  # the pre-training check takes it too
+    tok, model = AutoTokenizer.from_pretrained(d), _adapted(d)
+    assert type(model.get_base_model()).__name__ == "Gemma3ForConditionalGeneration"
+    path = export_gguf(model, tok, tmp_path / "gguf", "f16", d.name, sentencepiece_model(d))
+    _reads_back(model, tok, path, "f16")
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "general.architecture") == ["gemma3"]
+    names = {t.name for t in reader.tensors}
+    assert "blk.5.attn_q.weight" in names and "token_embd.weight" in names
+    assert not [n for n in names if n.startswith(("v.", "mm."))]  # llama.cpp's mmproj names
+    assert len(names) == 2 + 6 * 13  # embeddings and output norm; 13 tensors a layer
+
+
 def test_a_gemma3_llama_cpp_would_run_otherwise_is_refused_by_name() -> None:
     from transformers import Gemma3TextConfig
 

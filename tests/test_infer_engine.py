@@ -34,6 +34,22 @@ EXTRA: dict[str, dict[str, object]] = {
         "query_pre_attn_scalar": 32,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
+    # Gemma 3 from 4B up: that decoder beside a SigLIP tower, streamed as its text model
+    "gemma3": {
+        "sliding_window": 8,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "vision_config": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 1,
+            "image_size": 64,
+            "patch_size": 16,
+            "vision_use_head": False,
+        },
+    },
     # fused q/k/v and gate/up, three quarters of each head rotated (Phi-4-mini's build)
     "phi3": {"partial_rotary_factor": 0.75},
 }
@@ -83,13 +99,12 @@ def test_greedy_tokens_and_logits_match_transformers(model_dir: Path) -> None:
         logits = prompt_logits(eng, prompts)
     finally:
         eng.close()
-    assert eng.passes <= 12 + 1 and n_units == ref.config.num_hidden_layers + 2
+    layers = ref.config.get_text_config().num_hidden_layers
+    assert eng.passes <= 12 + 1 and n_units == layers + 2
     # An MoE layer's experts: gate_up_proj and down_proj, each built from every expert's.
     moe = ref.config.model_type in ("qwen3_moe", "mixtral")
     fused = sorted(k.rsplit(".", 1)[1] for u in eng.units for k in u.fused)
-    assert fused == (
-        sorted(["gate_up_proj", "down_proj"] * ref.config.num_hidden_layers) if moe else []
-    )
+    assert fused == (sorted(["gate_up_proj", "down_proj"] * layers) if moe else [])
     for p, o, lg in zip(prompts, out, logits):
         want = ref.generate(
             torch.tensor([p]),

@@ -44,6 +44,24 @@ def _gemma3(tmp: Path, layers: int = 4, **kw: Any) -> tuple[Path, Any]:
     return tmp, cfg
 
 
+#: A tiny SigLIP tower as Gemma 3's (no pooling head): 16 patches pooled to 4 tokens.
+TINY_SIGLIP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=1, image_size=64, patch_size=16, vision_use_head=False)  # fmt: skip
+
+
+def _gemma3_vision(tmp: Path, layers: int = 4, **kw: Any) -> tuple[Path, Any]:
+    """A tiny Gemma 3 as 4B and up are published: ``_gemma3``'s decoder beside a vision
+    tower and projector, one ``Gemma3ForConditionalGeneration``."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    _, text = _gemma3(tmp / "text", layers, **kw)
+    cfg = Gemma3Config(text_config=text.to_dict(), vision_config=TINY_SIGLIP,
+                       mm_tokens_per_image=4)  # fmt: skip
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(cfg).save_pretrained(tmp)
+    return tmp, cfg
+
+
 def _phi3(tmp: Path, layers: int = 4, **kw: Any) -> tuple[Path, Any]:
     """A tiny Phi-3 as Phi-4-mini is built: three quarters of each head rotated, tied,
     LongRoPE scaling (a factor per rotated frequency)."""
@@ -62,7 +80,7 @@ def _phi3(tmp: Path, layers: int = 4, **kw: Any) -> tuple[Path, Any]:
     return tmp, cfg
 
 
-FAMILIES = {"gemma3": _gemma3, "phi3": _phi3}
+FAMILIES = {"gemma3": _gemma3, "phi3": _phi3, "gemma3-vision": _gemma3_vision}
 
 
 def _full(model_dir: Path, dtype: str, gc: bool) -> Any:
@@ -92,7 +110,7 @@ def test_static_components_match_tensor_bytes(
                                       num_attention_heads=3, num_key_value_heads=1,
                                       intermediate_size=384)  # fmt: skip
     arch = from_hf_config(cfg.to_dict())
-    expect = (True, True, False) if family == "gemma3" else (False, False, True)
+    expect = (True, True, False) if family.startswith("gemma3") else (False, False, True)
     assert (arch.norm_offset, arch.sandwich_norms, arch.fused_projections) == expect
     model = _lora_model(model_dir, dtype, quantize, r=24, dropout=0.0, targets=["all-linear"],
                         gc=False)  # fmt: skip

@@ -43,6 +43,7 @@ from shoestring.infer.shards import (
     same_bytes,
 )
 from shoestring.infer.stream import LayerStreamer, Prepare, PrepareAt, Slot
+from shoestring.infer.textview import decoder_refs, has_tower, text_model
 
 
 @dataclass
@@ -95,6 +96,8 @@ def build_skeleton(model_dir: Path, dtype: torch.dtype | None = None) -> tuple[A
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
+    if has_tower(config):  # a vision-language checkpoint: its text model (infer.textview)
+        return text_model(config, dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
@@ -243,6 +246,7 @@ class StreamingCausalLM:
         # ``prepare``, in the reader thread (see :meth:`cast_bytes`).
         self.dtype = dtype or stored_dtype(self.refs)
         self.config, self.model = build_skeleton(self.model_dir, self.dtype)
+        self.refs = decoder_refs(self.model_dir, self.model, self.refs)
         self.units = make_units(self.model, self.config, self.refs)
         base = self.model.base_model
         self.norm = getattr(base, "norm", None)

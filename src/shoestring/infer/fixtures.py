@@ -33,7 +33,8 @@ def build_random_model(
     vocab: int = 0,
     **extra: Any,
 ) -> Path:
-    """Write a random ``arch`` model with the byte tokenizer into ``target``.
+    """Write a random ``arch`` model with the byte tokenizer into ``target`` (``gemma3``:
+    the vision-language one, ``extra`` a ``gemma3_text`` config and ``vision_config``).
 
     ``init_std`` well above the usual 0.02 makes the logits peaked, so greedy
     tokens are decided by clear margins and exactness tests are not at the mercy
@@ -47,7 +48,7 @@ def build_random_model(
     pad_id, bos_id, eos_id = tok.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     vocab = vocab or -(-len(tok) // 64) * 64  # more rows than the tokenizer: a real size
     config = AutoConfig.for_model(
-        arch,
+        "gemma3_text" if arch == "gemma3" else arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=ffn,
@@ -60,8 +61,10 @@ def build_random_model(
         pad_token_id=pad_id,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
-        **extra,
+        **{k: v for k, v in extra.items() if k != "vision_config"},
     )
+    if arch == "gemma3":
+        config = _with_tower(config, extra["vision_config"])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -70,6 +73,16 @@ def build_random_model(
     model.save_pretrained(target, max_shard_size=shard)
     tok.save_pretrained(target)
     return target
+
+
+def _with_tower(text: Any, vision: dict[str, Any]) -> Any:
+    """A vision-language Gemma 3 (4B and up): the decoder ``text`` beside a tower."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "gemma3", text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+        initializer_range=text.initializer_range, tie_word_embeddings=text.tie_word_embeddings,
+    )  # fmt: skip
 
 
 def save_fp8(

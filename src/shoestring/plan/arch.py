@@ -62,6 +62,49 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Tower:
+    """A vision tower and its projector beside the decoder (Gemma 3 from 4B up). Text
+    batches never run it and no adapter goes on it, so it costs its weights only.
+    ``linears``: ``(in, out)`` of its ``nn.Linear`` layers, each with a bias (kept in the
+    dtype under ``lora.quantize``, as finetune loads it); ``other``: every other parameter
+    (patch convolution, position embeddings, layer norms, the projector)."""
+
+    linears: tuple[tuple[int, int], ...]
+    other: int
+    patches: int  # its ``position_ids`` buffer: one int64 a patch
+
+    @property
+    def buffer_bytes(self) -> int:
+        return 8 * self.patches
+
+    @property
+    def params(self) -> int:
+        return sum(i * o + o for i, o in self.linears) + self.other
+
+
+def siglip_tower(vision: Mapping[str, Any], text_hidden: int, name: str) -> Tower:
+    """Gemma 3's SigLIP encoder (no pooling head) and its projector (a ``[h, hidden]``
+    matrix and an RMSNorm), counted from ``vision_config``."""
+    if vision.get("model_type") != "siglip_vision_model" or vision.get("vision_use_head", True):
+        raise Unmodelled(
+            f"{name}: a vision tower of type {vision.get('model_type')!r} (pooling head: "
+            f"{vision.get('vision_use_head', True)}); the planner models Gemma 3's SigLIP "
+            "encoder without a head"
+        )
+    h, f, n = (
+        int(vision["hidden_size"]),
+        int(vision["intermediate_size"]),
+        int(vision["num_hidden_layers"]),
+    )
+    patch, side = int(vision["patch_size"]), int(vision["image_size"])
+    per_layer = ((h, h),) * 4 + ((h, f), (f, h))  # q, k, v, out; fc1, fc2
+    conv = int(vision.get("num_channels", 3)) * patch * patch * h + h
+    patches = (side // patch) ** 2
+    norms = (4 * n + 2) * h  # two LayerNorms a layer and one after, weight and bias
+    return Tower(per_layer * n, conv + patches * h + norms + h * text_hidden + h, patches)
+
+
+@dataclass(frozen=True)
 class Arch:
     """Shape of a Llama-style causal LM."""
 
@@ -89,6 +132,7 @@ class Arch:
     family: str = ""  # config.json's model_type ("": a preset or the built-in model)
     fused_projections: bool = False  # qkv_proj and gate_up_proj (Phi-3, Phi-4-mini)
     rotary_dim: int = 0  # features each head rotates (0: all; Phi-4-mini: 3/4 of them)
+    tower: Tower | None = None  # a vision tower beside the decoder, never run on text
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` of the ``nn.Linear`` layers of one
@@ -141,16 +185,20 @@ class Arch:
             + (self.experts.params_per_layer(self.hidden) if self.experts else 0)
         )
         emb = self.vocab * self.hidden
-        return self.layers * per_layer + self.hidden + emb * (1 if self.tie_embeddings else 2)
+        tower = self.tower.params if self.tower else 0
+        return (
+            self.layers * per_layer + self.hidden + emb * (1 if self.tie_embeddings else 2) + tower
+        )
 
     @property
     def active_params(self) -> int:
-        """Parameters a token is computed with: a mixture of experts counts its top-k."""
-        x = self.experts
+        """Parameters a token is computed with: a mixture of experts counts its top-k,
+        and a vision tower none."""
+        x, tower = self.experts, self.tower.params if self.tower else 0
         if x is None:
-            return self.params
+            return self.params - tower
         idle = (x.count - x.top_k) * 3 * self.hidden * x.intermediate
-        return self.params - self.layers * idle
+        return self.params - tower - self.layers * idle
 
 
 #: The keys a mixture-of-experts config counts its routed experts by (Qwen2/3-MoE and
@@ -259,10 +307,43 @@ def _experts(cfg: Mapping[str, Any], name: str) -> Experts | None:
     )
 
 
+#: Vision-language families planned as their text decoder plus a frozen tower.
+VISION_FAMILIES = frozenset({"gemma3"})
+
+
 def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
     """An :class:`Arch` from a Hugging Face ``config.json`` dict; a mixture-of-experts
     family outside :data:`MOE_FAMILIES` is refused (:class:`MixtureOfExperts`): counting
-    it as the dense model its attention describes would leave out its experts."""
+    it as the dense model its attention describes would leave out its experts; so is a
+    vision-language family outside :data:`VISION_FAMILIES`."""
+    if "vision_config" in cfg:
+        return _with_tower(cfg, name)
+    return _decoder(cfg, name)
+
+
+def _with_tower(cfg: Mapping[str, Any], name: str) -> Arch:
+    """A vision-language checkpoint fine-tuned on text: its decoder, and its tower's
+    weights. The Hub's configs leave most keys to the library's defaults
+    (google/gemma-3-4b-it's ``text_config`` names 6), so transformers fills them."""
+    family = str(cfg.get("model_type") or "")
+    if family not in VISION_FAMILIES:
+        raise Unmodelled(
+            f"{name}: a vision-language model ({family or 'no model_type'}); the planner "
+            f"models {', '.join(sorted(VISION_FAMILIES))} (a text decoder beside a tower)"
+        )
+    from transformers import AutoConfig
+
+    given = {k: v for k, v in cfg.items() if k != "model_type"}
+    full = AutoConfig.for_model(family, **given).to_dict()
+    text = dict(full["text_config"])
+    for key in ("torch_dtype", "dtype", "quantization_config"):  # stated once, at the top
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
+    arch = _decoder(text, name)
+    return replace(arch, tower=siglip_tower(full["vision_config"], arch.hidden, name))
+
+
+def _decoder(cfg: Mapping[str, Any], name: str) -> Arch:
     family = str(cfg.get("model_type") or "")
     _check_softcapping(cfg, name)
     try:

@@ -171,6 +171,8 @@ def weight_bytes(w: Workload) -> dict[str, int]:
             lin += a.layers * n * e
         if a.linear_bias(name):
             lin += a.layers * o * e
+    tower, tower_state = _tower_weight_bytes(w)
+    lin, quant = lin + tower, quant + tower_state
     experts, expert_state = _expert_weight_bytes(w)
     emb = a.vocab * a.hidden * (1 if a.tie_embeddings else 2) * e
     per_layer = 4 if a.sandwich_norms else 2
@@ -182,8 +184,17 @@ def weight_bytes(w: Workload) -> dict[str, int]:
         "quant_state": quant + expert_state,
         "embeddings": emb,
         "norms": norms,
-        "buffers": rotary + (e if a.scaled_embeddings else 0),
+        "buffers": rotary
+        + (e if a.scaled_embeddings else 0)
+        + (a.tower.buffer_bytes if a.tower else 0),
     }
+
+
+def _tower_weight_bytes(w: Workload) -> tuple[int, int]:
+    """A vision tower's weights (counted with the linears): kept in the dtype, as
+    ``lora.quantize`` leaves it; no quantization state."""
+    t = w.arch.tower
+    return (t.params * w.e, 0) if t is not None else (0, 0)
 
 
 def _expert_weight_bytes(w: Workload) -> tuple[int, int]:

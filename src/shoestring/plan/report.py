@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from shoestring.gpus import GiB
+from shoestring.plan.arch import Arch
 from shoestring.plan.estimate import Plan
 from shoestring.plan.memory import Workload
 from shoestring.plan.sharding import HostRAM
@@ -106,14 +107,20 @@ def _experts_lora(w: Workload) -> str:
     )
 
 
+def _tower(a: Arch) -> str:
+    if a.tower is None:
+        return ""
+    return f" ({a.tower.params / 1e9:.2f}B in a vision tower: frozen, not run on text)"
+
+
 def _header(plan: Plan) -> list[str]:
     w, g = plan.workload, plan.gpu
     a = w.arch
     method = w.method + (f" ({w.quant})" if w.quant != "none" else "")
     precision = ", autocast" if w.autocast else ""
     return [
-        f"model    {a.name}: {a.params / 1e9:.2f}B params, {a.layers} layers, hidden {a.hidden}, "
-        f"vocab {a.vocab}",
+        f"model    {a.name}: {a.params / 1e9:.2f}B params{_tower(a)}, {a.layers} layers, "
+        f"hidden {a.hidden}, vocab {a.vocab}",
         f"method   {method}, r={w.lora_r} on {','.join(w.adapted) or '-'}{_experts_lora(w)}, "
         f"dtype {w.dtype}{precision}, optimizer {w.optimizer}"
         if w.method != "full"

@@ -74,7 +74,27 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         cfg: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: cannot read the model's config: {e}") from e
-    return cfg
+    return text_config(cfg)
+
+
+#: Vision-language families whose text decoder is exported (llama.cpp's converter
+#: writes their text model; the tower would go to a separate mmproj file).
+VISION_FAMILIES = frozenset({"gemma3"})
+
+
+def text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The config of the text model a GGUF holds: ``cfg`` itself, or a vision-language
+    model's ``text_config`` with transformers' defaults filled in (the Hub's Gemma 3
+    configs name few keys)."""
+    if cfg.get("model_type") not in VISION_FAMILIES or "text_config" not in cfg:
+        return dict(cfg)
+    from transformers import AutoConfig
+
+    given = {k: v for k, v in cfg.items() if k != "model_type"}
+    text: dict[str, Any] = AutoConfig.for_model(str(cfg["model_type"]), **given).to_dict()[
+        "text_config"
+    ]
+    return text
 
 
 def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -291,11 +311,13 @@ def plan_tensors(
     hf_name: str,
     shape: tuple[int, ...],
     kind: GgufType,
+    text_name: str | None = None,
 ) -> list[TensorPlan]:
-    """The file's tensors made of the merge plan's ``hf_name``: itself, or an MoE layer's
-    fused experts as llama.cpp stacks them (:func:`expert_parts`)."""
+    """The file's tensors made of the merge plan's ``hf_name`` (named as the text model
+    names it, ``text_name``, where the model is a vision-language one): itself, or an
+    MoE layer's fused experts as llama.cpp stacks them (:func:`expert_parts`)."""
     out = []
-    for part_name, part_shape, part in expert_parts(hf_name, shape):
+    for part_name, part_shape, part in expert_parts(text_name or hf_name, shape):
         name = names.get_name(part_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise NotImplementedError(f"GGUF export: no llama.cpp name for tensor {hf_name!r}")

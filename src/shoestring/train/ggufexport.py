@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,10 +39,12 @@ from shoestring.train.ggufarch import (
     plan_tensors,
     read_config,
     require_gguf,
+    text_config,
 )
 from shoestring.train.ggufspm import SPM_FILE, build_spm_vocab, load_processor, sentencepiece_model
 from shoestring.train.ggufvocab import GgufVocab, build_vocab, check_tokenizer, read_tokenizer_json
 from shoestring.train.ollama import modelfile, stop_tokens
+from shoestring.train.towers import text_names
 
 if TYPE_CHECKING:
     import gguf
@@ -141,15 +143,26 @@ def _write_data(writer: gguf.GGUFWriter, plan: MergePlan, t: TensorPlan) -> None
 
 
 def write_gguf(
-    path: Path, plan: MergePlan, cfg: Mapping[str, Any], vocab: GgufVocab, kind: GgufType
+    path: Path,
+    plan: MergePlan,
+    cfg: Mapping[str, Any],
+    vocab: GgufVocab,
+    kind: GgufType,
+    rename: Callable[[str], str | None] = lambda name: name,
 ) -> int:
-    """Header, metadata and tensor infos, then each tensor's data as it is formed."""
+    """Header, metadata and tensor infos, then each tensor's data as it is formed;
+    ``rename``: a tensor's name in the text model (None: left out)."""
     import gguf
     import numpy as np
 
     names = name_map(cfg)
     tensors = extra_tensors(cfg)
-    tensors += [t for s in plan.specs for t in plan_tensors(names, cfg, s.name, s.shape, kind)]
+    tensors += [
+        t
+        for s in plan.specs
+        if (text := rename(s.name)) is not None  # a vision tower's: not in the GGUF
+        for t in plan_tensors(names, cfg, s.name, s.shape, kind, text)
+    ]
     writer = gguf.GGUFWriter(path, arch_name(cfg))
     _add_metadata(writer, cfg, path.stem, kind)
     vocab.add_to(writer)
@@ -170,18 +183,21 @@ def write_gguf(
 
 
 def _model_config(base: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = base.config.to_dict()
+    cfg = text_config(base.config.to_dict())
     check_arch(cfg, KEY)
     return cfg
 
 
-def _vocab(base: Any, tok: Any, scratch: Path, n_vocab: int, spm: Path | None) -> GgufVocab:
+def _vocab(
+    base: Any, tok: Any, scratch: Path, cfg: Mapping[str, Any], spm: Path | None
+) -> GgufVocab:
     """The tokenizer as trained (saved, as final/ has it), read with gguf's own readers;
     with the base's SentencePiece model ``spm``, its pieces and scores."""
+    n_vocab = int(cfg["vocab_size"])
     tok.save_pretrained(str(scratch))
     if not (scratch / "config.json").exists():  # SpecialVocab's fallback for token ids
         base.config.to_json_file(str(scratch / "config.json"))
-    if base.config.model_type == "gemma3_text":  # Gemma3Model.set_vocab
+    if cfg["model_type"] == "gemma3_text":  # Gemma3Model.set_vocab
         if spm is None:
             raise ConfigError(f"{KEY}: a Gemma 3 GGUF needs the base's {SPM_FILE}")
         return replace(build_spm_vocab(spm, scratch, n_vocab), add_space_prefix=False)
@@ -205,9 +221,9 @@ def export_gguf(
     tmp = gguf_dir / f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        vocab = _vocab(base, tok, tmp / "tokenizer", int(cfg["vocab_size"]), spm)
+        vocab = _vocab(base, tok, tmp / "tokenizer", cfg, spm)
         file = f"{name}-{kind}.gguf"
-        n = write_gguf(tmp / file, plan, cfg, vocab, kind)
+        n = write_gguf(tmp / file, plan, cfg, vocab, kind, text_names(base))
         os.replace(tmp / file, gguf_dir / file)
         fsync_dir(gguf_dir)
         _write_modelfile(gguf_dir, file, vocab)

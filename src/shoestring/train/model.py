@@ -95,8 +95,9 @@ def require_bitsandbytes(key: str) -> Any:
     return bnb
 
 
-def quantization_config(quantize: str, dtype: str) -> Any:
-    """The ``BitsAndBytesConfig`` for ``lora.quantize`` (None for 'none').
+def quantization_config(quantize: str, dtype: str, skip: list[str] | None = None) -> Any:
+    """The ``BitsAndBytesConfig`` for ``lora.quantize`` (None for 'none'); ``skip``: the
+    modules it leaves unquantized instead of transformers' default (the head).
 
     nf4 uses double quantization (the blockwise absmax is itself quantized to
     uint8: ~0.127 instead of 0.5 extra bits per weight) and computes in the model
@@ -115,9 +116,10 @@ def quantization_config(quantize: str, dtype: str) -> Any:
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=_DTYPES[dtype],
+            llm_int8_skip_modules=skip,
         )
     if quantize == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     raise ConfigError(f"lora.quantize: unknown value {quantize!r} (none|nf4|int8)")
 
 
@@ -151,6 +153,13 @@ def _frozen(model: Any, quantized: bool, model_dir: Path, experts: bool = False)
     return model
 
 
+def _skip(model_dir: Path, quantize: str) -> list[str] | None:
+    """A vision tower stays unquantized (:mod:`.towers`)."""
+    from shoestring.train.towers import kept_unquantized
+
+    return kept_unquantized(model_dir) if quantize != "none" else None
+
+
 def load_base_model(
     model_dir: Path, cfg: ModelConfig, quantize: str = "none", device: str = "cpu"
 ) -> Any:
@@ -159,7 +168,7 @@ def load_base_model(
     from transformers import AutoModelForCausalLM
 
     quiet_hf()
-    qcfg = quantization_config(quantize, cfg.dtype)
+    qcfg = quantization_config(quantize, cfg.dtype, _skip(model_dir, quantize))
     kwargs = _from_pretrained_kwargs(cfg, device, qcfg is not None)
     if qcfg is not None:
         kwargs["quantization_config"] = qcfg
@@ -206,7 +215,7 @@ def empty_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none") 
             config, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
     stored = getattr(config, "quantization_config", None)  # a *-bnb-4bit base: as stored
-    qcfg = stored if stored is not None else quantization_config(quantize, cfg.dtype)
+    qcfg = stored or quantization_config(quantize, cfg.dtype, _skip(model_dir, quantize))
     if qcfg is not None:
         quantizer = AutoHfQuantizer.from_config(qcfg, pre_quantized=stored is not None)
         quantizer.preprocess_model(model, dtype=dtype, device_map={"": "cpu"})
@@ -300,6 +309,7 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
     from peft import LoraConfig, get_peft_model
 
     from shoestring.train.nf4lora import factor_expert_lora
+    from shoestring.train.towers import exclude_pattern, outside_decoder
 
     targets: Any = cfg.target_modules
     if targets == ["all-linear"]:
@@ -310,6 +320,7 @@ def apply_lora(model: Any, cfg: LoraSection, seed: int, gradient_checkpointing: 
         lora_alpha=alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
+        exclude_modules=exclude_pattern(outside_decoder(model)),  # a vision tower
         target_parameters=list(cfg.target_parameters) or None,
         task_type="CAUSAL_LM",
         bias="none",

@@ -1,0 +1,74 @@
+"""A vision-language checkpoint streamed as the text model it contains.
+
+Gemma 3 from 4B up is published as one ``Gemma3ForConditionalGeneration``: a text
+decoder beside a vision tower and a projector, stored under the checkpoint's own names
+(the Hub's: ``language_model.model.layers.0...``; transformers 5 runs them as
+``model.language_model.layers.0...``). Prompts here are text, which the tower never
+sees, so the engine builds the text model alone (``Gemma3ForCausalLM`` of the
+``text_config``: the same decoder modules, mask and head) and reads only the decoder's
+tensors, renamed to it. Which stored tensor is which is transformers' own conversion
+mapping for the whole model; the tower's tensors are never read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shoestring.infer.shards import ShardError, TensorRef
+
+
+def has_tower(config: Any) -> bool:
+    """Whether ``config`` is a vision-language model's (a text decoder beside a tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def text_model(config: Any, dtype: torch.dtype | None) -> tuple[Any, Any]:
+    """(the text config, its causal LM on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    text = config.get_text_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text, dtype=dtype)
+    return text, model
+
+
+def _path(model: Any, module: Any) -> str:
+    return str(next(name for name, m in model.named_modules() if m is module))
+
+
+def decoder_refs(model_dir: Path, text: Any, refs: dict[str, TensorRef]) -> dict[str, TensorRef]:
+    """``refs`` as the engine's model ``text`` reads them: unchanged for a text model; of
+    a vision-language checkpoint, the decoder's and head's tensors under the text model's
+    names, the tower's left out."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if not has_tower(config):
+        return refs
+    with torch.device("meta"):
+        whole = AutoModelForCausalLM.from_config(config)
+    transforms = get_model_conversion_mapping(whole)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = whole.state_dict()
+    moves = {  # the decoder, and the head (absent when tied: the embedding serves)
+        _path(whole, whole.get_decoder()): _path(text, text.get_decoder()),
+        _path(whole, whole.get_output_embeddings()): _path(text, text.get_output_embeddings()),
+    }
+    out: dict[str, TensorRef] = {}
+    for key, ref in refs.items():
+        target, _ = rename_source_key(key, renamings, converters, whole.base_model_prefix, meta)
+        for old, new in moves.items():
+            if target.startswith(old + "."):
+                name = new + target[len(old) :]
+                out[name] = ref.renamed(name)
+    if not out:
+        raise ShardError(
+            f"no tensor of the checkpoint maps onto {type(whole).__name__}'s text decoder"
+        )
+    return out

@@ -1,0 +1,91 @@
+"""Text fine-tuning of a vision-language checkpoint: Gemma 3 from 4B up is published as
+one ``Gemma3ForConditionalGeneration`` (a text decoder beside a SigLIP tower), which
+``AutoModelForCausalLM`` loads whole. Adapters go on the decoder only, under the
+checkpoint's own names; the tower stays as published, quantized base or not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import FAST
+from shoestring.cli import main
+from shoestring.infer.fixtures import build_random_model
+
+pytest.importorskip("bitsandbytes")
+
+TOWER = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+         "num_attention_heads": 1, "image_size": 64, "patch_size": 16, "vision_use_head": False}  # fmt: skip
+
+
+def _gemma3_vision(d: Path) -> Path:
+    return build_random_model(
+        d, "gemma3", hidden=128, ffn=256, heads=2, kv_heads=1, head_dim=64,
+        query_pre_attn_scalar=64, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], layers=2, vision_config=TOWER,
+        init_std=0.02, shard="10MB",
+    )  # fmt: skip
+
+
+def _tensors(d: Path, prefix: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out |= {k: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)}  # noqa: SIM118
+    return out
+
+
+def test_adapters_train_the_text_decoder_and_the_tower_is_kept_as_published(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under QLoRA: every adapter is on a decoder linear (all-linear would otherwise put
+    some on SigLIP's attention, which text never runs: the first step would refuse
+    them as untrained), the tower is not quantized, and the merged export carries the
+    tower bit for bit."""
+    monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
+    torch.set_num_threads(1)
+    model_dir = _gemma3_vision(tmp_path / "gemma3")
+    out = tmp_path / "run"
+    args = [*FAST, "--model.path", str(model_dir), "--train.max_steps", "2",
+            "--lora.quantize", "nf4", "--export.merged", "true", "--data.eval", ""]  # fmt: skip
+    assert main(["finetune", "--output_dir", str(out), *args]) == 0
+
+    with safe_open(str(out / "final" / "adapter_model.safetensors"), "pt") as st:
+        keys = list(st.keys())
+    assert keys and all(".language_model.layers." in k for k in keys)
+    assert len(keys) == 2 * 7 * 2  # A and B for each of the 7 linears of both layers
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert config["exclude_modules"] == r"(model\.vision_tower)(\..*)?"
+
+    tower = _tensors(model_dir, "vision_tower.")
+    merged = _tensors(out / "merged", "vision_tower.")
+    assert tower and merged.keys() == tower.keys()
+    assert all(torch.equal(merged[k], tower[k]) for k in tower)
+    decoder = _tensors(model_dir, "language_model.model.layers.0.self_attn.q_proj")
+    moved = _tensors(out / "merged", "language_model.model.layers.0.self_attn.q_proj")
+    assert not torch.equal(*[t["language_model.model.layers.0.self_attn.q_proj.weight"]
+                             for t in (decoder, moved)])  # fmt: skip
+
+
+def test_the_tower_is_left_unquantized_and_the_head_as_transformers_leaves_it(
+    tmp_path: Path,
+) -> None:
+    from shoestring.train.config import ModelConfig
+    from shoestring.train.model import load_base_model
+    from shoestring.train.towers import kept_unquantized
+
+    model_dir = _gemma3_vision(tmp_path / "gemma3")
+    assert kept_unquantized(model_dir) == ["lm_head", "model.vision_tower"]
+    text = build_random_model(tmp_path / "llama", "llama")
+    assert kept_unquantized(text) is None  # transformers' defaults, untouched
+    model = load_base_model(model_dir, ModelConfig(path=str(model_dir), dtype="float32"), "nf4")
+    kinds = {
+        (name.split(".")[1], type(m).__name__)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.startswith("model.")
+    }
+    assert kinds == {("language_model", "Linear4bit"), ("vision_tower", "Linear")}
