@@ -102,6 +102,12 @@ class Shape:
             return AutoConfig.for_model(
                 "gpt_oss", **common, **routed, head_dim=head_dim, num_local_experts=self.experts
             )
+        if self.model_type == "qwen3_moe":  # head_dim 128 over 32 heads of a 2048 width
+            return AutoConfig.for_model(
+                "qwen3_moe", **{**common, "intermediate_size": 6144}, **routed,
+                moe_intermediate_size=self.ffn, num_experts=self.experts, norm_topk_prob=True,
+                head_dim=self.head_dim, rope_theta=self.rope_theta, rms_norm_eps=1e-6,
+            )  # fmt: skip
         if self.experts:
             return AutoConfig.for_model(
                 self.model_type,
@@ -184,6 +190,22 @@ SHAPES: dict[str, Shape] = {
         131072,
         10000.0,
         model_type="phi3",
+    ),  # fmt: skip
+    # Qwen/Qwen3-30B-A3B: 48 layers of 128 experts of 768, 8 routed per token (top-k
+    # renormalized), GQA 32/4 with head_dim 128 and q/k norms; 30.5B parameters, 61 GB
+    "qwen3-30b-a3b": Shape(
+        2048,
+        48,
+        32,
+        4,
+        768,
+        151936,
+        40960,
+        1e6,
+        model_type="qwen3_moe",
+        experts=128,
+        experts_per_token=8,
+        head_dim=128,
     ),  # fmt: skip
     # the same structures at small widths (CI smoke; widths multiples of 64)
     "small-mha": Shape(256, 2, 4, 4, 512, 512, 512, 10000.0, shard_bytes=1 << 20),

@@ -71,21 +71,26 @@ def bounded_primitive_cache() -> None:
 
 #: glibc's ceiling for its dynamic mmap threshold (64-bit): where its defaults settle.
 MMAP_THRESHOLD_MAX = 32 << 20
+#: The threshold while a base loads: under the smallest 16-bit expert matrix of the MoE
+#: families trained here (Qwen3-30B-A3B's, 768 x 2048: 3 MB; OLMoE's 4 MB).
+LOAD_MMAP_THRESHOLD = 1 << 20
 
 
 @contextlib.contextmanager
 def unmapped_when_freed() -> Iterator[None]:
-    """Within: blocks from :data:`MMAP_THRESHOLD` up are mappings of their own, returned
-    to the OS when freed; after: the threshold at :data:`MMAP_THRESHOLD_MAX`, where
-    glibc's dynamic one settles, and the heap trimmed (elsewhere a no-op).
+    """Within: blocks from :data:`LOAD_MMAP_THRESHOLD` up are mappings of their own,
+    returned to the OS when freed; after: the threshold at :data:`MMAP_THRESHOLD_MAX`,
+    where glibc's dynamic one settles, and the heap trimmed (elsewhere a no-op).
 
     For a load that passes a model through blocks of a few MB (a 16-bit expert read,
     stacked, quantized, freed; the NF4 scales kept between them): with glibc's
     defaults its peak varied from 7.1 to 11.5 GB between identical runs at an
     OLMoE-1B-7B shape, once 24 GB (killed). The steps after keep glibc's usual
     behaviour: the threshold fixed at 4 MB made them 2x slower
-    (``benchmarks/results/moe-heap-olmoe-1b-7b-2026-12-07.txt``)."""
-    _mmap_threshold(MMAP_THRESHOLD)
+    (``benchmarks/results/moe-heap-olmoe-1b-7b-2026-12-07.txt``). At 4 MB, a
+    Qwen3-30B-A3B shape's 3 MB experts still passed through the heap: its load peaked at
+    22.2 GB for 17.1 GB held after it (benchmarks/README.md)."""
+    _mmap_threshold(LOAD_MMAP_THRESHOLD)
     try:
         yield
     finally:
