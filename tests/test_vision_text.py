@@ -89,3 +89,28 @@ def test_the_tower_is_left_unquantized_and_the_head_as_transformers_leaves_it(
         if isinstance(m, torch.nn.Linear) and name.startswith("model.")
     }
     assert kinds == {("language_model", "Linear4bit"), ("vision_tower", "Linear")}
+
+
+def test_infer_streams_the_text_model_with_an_adapter_as_peft_merges_it(tmp_path: Path) -> None:
+    """``infer --adapter`` on a vision-language base: the adapter (trained on the whole
+    model, its names ``model.language_model...``) is merged into the text model the
+    engine streams; greedy answers equal peft's merged whole model's, not the base's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shoestring.train.towers import exclude_pattern, outside_decoder
+    from test_moe import _streams_as
+
+    torch.set_num_threads(1)
+    model_dir = build_random_model(
+        tmp_path / "gemma3", "gemma3", hidden=128, ffn=256, heads=2, kv_heads=1, head_dim=64,
+        query_pre_attn_scalar=64, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], layers=2, vision_config=TOWER,
+    )  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                      exclude_modules=exclude_pattern(outside_decoder(base)))  # fmt: skip
+    peft_model = get_peft_model(base, lora)
+    peft_model.save_pretrained(str(tmp_path / "final"))
+    _streams_as(model_dir, tmp_path / "final", peft_model.merge_and_unload().eval(), tmp_path)

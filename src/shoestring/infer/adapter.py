@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,23 @@ class LoraDelta:
             if (k in self.pairs or k in self.decoded) and v != self.scale
         }
         self._tensors = {}
+
+    def rename(self, name: Callable[[str], str | None]) -> None:
+        """The pairs under the names the engine's model gives their weights (a
+        vision-language base streamed as its text model); one it has not is refused."""
+        if self._peft_only:
+            raise ConfigError(
+                "model.adapter: an adapter with per-module ranks or adapted parameters on a "
+                "vision-language base is not streamed here (its plain LoRA pairs are)"
+            )
+        renamed = {key: name(key) for key in self.pairs}
+        lost = sorted(k for k, v in renamed.items() if v is None)
+        if lost:
+            raise ConfigError(
+                f"model.adapter: the adapter targets {lost[0]!r}, outside the text decoder "
+                "this base is streamed as (a vision tower?)"
+            )
+        self.pairs = {str(renamed[k]): pair for k, pair in self.pairs.items()}
 
     def check(self, keys: set[str]) -> None:
         missing = sorted(set(self.pairs) - keys)

@@ -43,7 +43,7 @@ from shoestring.infer.shards import (
     same_bytes,
 )
 from shoestring.infer.stream import LayerStreamer, Prepare, PrepareAt, Slot
-from shoestring.infer.textview import decoder_refs, has_tower, text_model
+from shoestring.infer.textview import has_tower, text_model, text_view
 
 
 @dataclass
@@ -246,7 +246,10 @@ class StreamingCausalLM:
         # ``prepare``, in the reader thread (see :meth:`cast_bytes`).
         self.dtype = dtype or stored_dtype(self.refs)
         self.config, self.model = build_skeleton(self.model_dir, self.dtype)
-        self.refs = decoder_refs(self.model_dir, self.model, self.refs)
+        # a vision-language checkpoint: its decoder's tensors, named as the text model's
+        self.view = text_view(self.model_dir, self.model)
+        if self.view is not None:
+            self.refs = self.view.refs(self.refs)
         self.units = make_units(self.model, self.config, self.refs)
         base = self.model.base_model
         self.norm = getattr(base, "norm", None)

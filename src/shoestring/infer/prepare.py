@@ -166,6 +166,8 @@ def _fit_adapter(adapter: LoraDelta, engine: StreamingCausalLM, model_dir: Path)
     tensor), and refused if it targets a weight the model does not have."""
     fused = {k: f for u in engine.units for k, f in u.fused.items()}
     rows = {k: r.shape[0] for k, r in engine.refs.items() if r.shape}
+    if engine.view is not None:  # a vision-language base, streamed as its text model
+        adapter.rename(engine.view.name)
     adapter.resolve(model_dir, fused, rows)
     adapter.check(set(engine.refs))
     for key in adapter.decoded:  # MXFP4 experts: merged into each as it is decoded

@@ -12,6 +12,7 @@ mapping for the whole model; the tower's tensors are never read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,36 +40,62 @@ def _path(model: Any, module: Any) -> str:
     return str(next(name for name, m in model.named_modules() if m is module))
 
 
-def decoder_refs(model_dir: Path, text: Any, refs: dict[str, TensorRef]) -> dict[str, TensorRef]:
-    """``refs`` as the engine's model ``text`` reads them: unchanged for a text model; of
-    a vision-language checkpoint, the decoder's and head's tensors under the text model's
-    names, the tower's left out."""
+@dataclass(frozen=True)
+class TextView:
+    """How a vision-language checkpoint's names map onto its text model: each module
+    path of the whole model (its decoder, its head) to the text model's."""
+
+    whole: Any  # the whole model on the meta device
+    moves: dict[str, str]
+
+    def name(self, key: str) -> str | None:
+        """``key`` (the whole model's, as transformers 5 and peft name it) in the text
+        model; None for the tower's."""
+        for old, new in self.moves.items():
+            if key.startswith(old + "."):
+                return new + key[len(old) :]
+        return None
+
+    def refs(self, refs: dict[str, TensorRef]) -> dict[str, TensorRef]:
+        """The decoder's and head's stored tensors under the text model's names, found by
+        transformers' conversion mapping for the whole model (the Hub's names too)."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+
+        transforms = get_model_conversion_mapping(self.whole)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        meta = self.whole.state_dict()
+        out: dict[str, TensorRef] = {}
+        for key, ref in refs.items():
+            target, _ = rename_source_key(
+                key, renamings, converters, self.whole.base_model_prefix, meta
+            )
+            if (name := self.name(target)) is not None:
+                out[name] = ref.renamed(name)
+        if not out:
+            raise ShardError(
+                f"no tensor of the checkpoint maps onto {type(self.whole).__name__}'s text decoder"
+            )
+        return out
+
+
+def text_view(model_dir: Path, text: Any) -> TextView | None:
+    """The view of the checkpoint in ``model_dir`` as the engine's model ``text``; None
+    for a text model's."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     config = AutoConfig.from_pretrained(str(model_dir))
     if not has_tower(config):
-        return refs
+        return None
     with torch.device("meta"):
         whole = AutoModelForCausalLM.from_config(config)
-    transforms = get_model_conversion_mapping(whole)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta = whole.state_dict()
     moves = {  # the decoder, and the head (absent when tied: the embedding serves)
         _path(whole, whole.get_decoder()): _path(text, text.get_decoder()),
         _path(whole, whole.get_output_embeddings()): _path(text, text.get_output_embeddings()),
     }
-    out: dict[str, TensorRef] = {}
-    for key, ref in refs.items():
-        target, _ = rename_source_key(key, renamings, converters, whole.base_model_prefix, meta)
-        for old, new in moves.items():
-            if target.startswith(old + "."):
-                name = new + target[len(old) :]
-                out[name] = ref.renamed(name)
-    if not out:
-        raise ShardError(
-            f"no tensor of the checkpoint maps onto {type(whole).__name__}'s text decoder"
-        )
-    return out
+    return TextView(whole, moves)
