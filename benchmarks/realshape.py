@@ -88,6 +88,17 @@ class Shape:
                 "gemma3_text", **{**common, "tie_word_embeddings": True}, head_dim=head_dim,
                 query_pre_attn_scalar=head_dim, sliding_window=512, rms_norm_eps=1e-6,
             )  # fmt: skip
+        if self.model_type == "gemma3":  # 4B and up: the decoder beside a SigLIP tower
+            head_dim = self.head_dim or self.hidden // self.heads
+            text = AutoConfig.for_model(
+                "gemma3_text", **{**common, "tie_word_embeddings": True}, head_dim=head_dim,
+                query_pre_attn_scalar=head_dim, sliding_window=1024, rms_norm_eps=1e-6,
+                rope_scaling={"rope_type": "linear", "factor": 8.0},
+            )  # fmt: skip
+            return AutoConfig.for_model(
+                "gemma3", text_config=text.to_dict(), vision_config=SIGLIP_GEMMA3,
+                mm_tokens_per_image=256, initializer_range=INIT_STD, dtype="bfloat16",
+            )  # fmt: skip
         if self.model_type == "phi3":  # Phi-4-mini: 3/4 rotary, LongRoPE from 4k
             pairs = int(self.hidden // self.heads * 0.75) // 2
             longrope = {"type": "longrope", "long_factor": [1.0] * pairs,
@@ -123,6 +134,11 @@ class Shape:
             rms_norm_eps=1e-5,
         )
 
+
+#: Gemma 3's vision tower (4B, 12B, 27B): SigLIP-So400m at 896 px, no pooling head.
+SIGLIP_GEMMA3 = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+                 "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+                 "vision_use_head": False}  # fmt: skip
 
 SHAPES: dict[str, Shape] = {
     # meta-llama/Llama-2-7b-hf: MHA, 32k vocabulary
@@ -176,6 +192,21 @@ SHAPES: dict[str, Shape] = {
         32768,
         1e6,
         model_type="gemma3_text",
+        head_dim=256,
+    ),  # fmt: skip
+    # google/gemma-3-4b-it: a 262k tied vocabulary, GQA 8/4 with head_dim 256, five
+    # sliding layers (1024 tokens) in six, beside a 0.42B SigLIP tower; 4,300,079,472
+    # parameters, 8.6 GB
+    "gemma3-4b": Shape(
+        2560,
+        34,
+        8,
+        4,
+        10240,
+        262208,
+        131072,
+        1e6,
+        model_type="gemma3",
         head_dim=256,
     ),  # fmt: skip
     # microsoft/Phi-4-mini-instruct: fused q/k/v and gate/up, GQA 24/8, 3/4 of each head
@@ -326,8 +357,13 @@ def model_tensors(config: Any) -> list[tuple[str, tuple[int, ...]]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         stored = revert_weight_conversion(model, model.state_dict())
-    tied = getattr(config, "tie_word_embeddings", False)  # save_pretrained drops the head
-    return [(n, tuple(t.shape)) for n, t in stored.items() if not (tied and n == "lm_head.weight")]
+    # save_pretrained drops a tied head (a vision-language model's text config says so)
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+    return [
+        (n, tuple(t.shape))
+        for n, t in stored.items()
+        if not (tied and n.endswith("lm_head.weight"))
+    ]
 
 
 def _tokenizer_ids() -> tuple[Any, dict[str, int]]:

@@ -114,3 +114,30 @@ def test_infer_streams_the_text_model_with_an_adapter_as_peft_merges_it(tmp_path
     peft_model = get_peft_model(base, lora)
     peft_model.save_pretrained(str(tmp_path / "final"))
     _streams_as(model_dir, tmp_path / "final", peft_model.merge_and_unload().eval(), tmp_path)
+
+
+def test_the_quantized_base_cache_keeps_the_tower_as_loaded(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart reads the cached NF4 base (keyed by the modules kept unquantized, so a
+    copy quantized under another rule is not taken) with the tower still as published."""
+    from conftest import read_events
+    from shoestring.train.qbase import QuantKey
+
+    monkeypatch.setenv("SHOESTRING_CACHE", str(cache_dir))
+    torch.set_num_threads(1)
+    model_dir = _gemma3_vision(tmp_path / "gemma3")
+    args = [*FAST, "--model.path", str(model_dir), "--train.max_steps", "1",
+            "--lora.quantize", "nf4", "--export.merged", "true", "--data.eval", ""]  # fmt: skip
+    for run in ("first", "second"):
+        assert main(["finetune", "--output_dir", str(tmp_path / run), *args]) == 0
+    (load,) = [e for e in read_events(tmp_path / "second") if e.get("phase") == "model"]
+    assert load["source"] == "qbase-local"
+    tower = _tensors(model_dir, "vision_tower.")
+    merged = _tensors(tmp_path / "second" / "merged", "vision_tower.")
+    assert all(torch.equal(merged[k], tower[k]) for k in tower)
+
+    plain = QuantKey.of("fp", "nf4", "float32", "cpu")
+    kept = QuantKey.of("fp", "nf4", "float32", "cpu", ["lm_head", "model.vision_tower"])
+    assert "kept" not in plain.meta() and kept.meta()["kept"] == ["lm_head", "model.vision_tower"]
+    assert plain.name != kept.name

@@ -22,6 +22,7 @@ from shoestring.train.nf4stored import restorable
 from shoestring.train.onereader import share_quant_states
 from shoestring.train.qbase import QBASE_DIR, QuantizedBaseCache, QuantKey, timing
 from shoestring.train.run import Run
+from shoestring.train.towers import kept_unquantized
 
 #: The bitsandbytes function each quantization spends its time in (called per weight).
 _QUANTIZER = {"nf4": "quantize_4bit", "int8": "int8_vectorwise_quant"}
@@ -89,7 +90,8 @@ def _load_base(cfg: FinetuneConfig, run: Run, model_dir: Path, base_fp: str) -> 
         fields = {"source": "model_dir", "stored": cfg.lora.quantize, "quantize_s": 0.0}
         return LoadedBase(model, fields | {"read_s": round(time.perf_counter() - t0, 3)})
     cache = qbase_cache(cfg, run)
-    key = QuantKey.of(base_fp, cfg.lora.quantize, cfg.model.dtype, device) if cache else None
+    kept = kept_unquantized(model_dir) if cache else None
+    key = QuantKey.of(base_fp, cfg.lora.quantize, cfg.model.dtype, device, kept) if cache else None
     found = cache.find(key) if cache and key else None
     t0 = time.perf_counter()
     if found is not None:

@@ -56,9 +56,14 @@ class QuantKey:
     bitsandbytes: str
     transformers: str
     torch: str
+    # modules left unquantized besides transformers' default (a vision tower,
+    # :mod:`.towers`); empty for a text model, whose keys stay as they were
+    kept: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, base_fingerprint: str, quantize: str, dtype: str, device: str) -> QuantKey:
+    def of(
+        cls, base_fingerprint: str, quantize: str, dtype: str, device: str, kept: Any = None
+    ) -> QuantKey:
         import bitsandbytes
         import torch
         import transformers
@@ -71,15 +76,23 @@ class QuantKey:
             bitsandbytes.__version__,
             transformers.__version__,
             torch.__version__,
+            tuple(kept or ()),
         )
+
+    def _fields(self) -> dict[str, Any]:
+        fields = asdict(self)
+        fields["kept"] = list(self.kept)  # as the manifest's JSON reads back
+        if not self.kept:
+            del fields["kept"]
+        return fields
 
     @property
     def name(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        blob = json.dumps(self._fields(), sort_keys=True).encode()
         return f"{self.quantize}-{hashlib.sha256(blob).hexdigest()[:20]}"
 
     def meta(self) -> dict[str, Any]:
-        return {"kind": KIND, **asdict(self)}
+        return {"kind": KIND, **self._fields()}
 
 
 @dataclass
