@@ -141,3 +141,17 @@ def test_the_quantized_base_cache_keeps_the_tower_as_loaded(
     kept = QuantKey.of("fp", "nf4", "float32", "cpu", ["lm_head", "model.vision_tower"])
     assert "kept" not in plain.meta() and kept.meta()["kept"] == ["lm_head", "model.vision_tower"]
     assert plain.name != kept.name
+
+
+def test_another_vision_language_family_is_refused_by_name(tmp_path: Path) -> None:
+    """Only Gemma 3 is streamed as its text model here (tested for exactness); a Llava's
+    config is refused by name when the engine builds its skeleton, before any weight is
+    read."""
+    from transformers import LlavaConfig
+
+    from shoestring.infer.engine import build_skeleton
+    from shoestring.infer.shards import ShardError
+
+    LlavaConfig().save_pretrained(tmp_path)
+    with pytest.raises(ShardError, match=r"a vision-language model \(llava\).*gemma3 only"):
+        build_skeleton(tmp_path)

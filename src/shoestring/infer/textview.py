@@ -26,10 +26,20 @@ def has_tower(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+#: Vision-language families streamed as their text model (tested for exactness).
+FAMILIES = frozenset({"gemma3"})
+
+
 def text_model(config: Any, dtype: torch.dtype | None) -> tuple[Any, Any]:
-    """(the text config, its causal LM on the meta device)."""
+    """(the text config, its causal LM on the meta device); another family than
+    :data:`FAMILIES` is refused by name."""
     from transformers import AutoModelForCausalLM
 
+    if config.model_type not in FAMILIES:
+        raise ShardError(
+            f"a vision-language model ({config.model_type}): streamed as its text model "
+            f"here are {', '.join(sorted(FAMILIES))} only"
+        )
     text = config.get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(text, dtype=dtype)
