@@ -253,6 +253,55 @@ def test_gemma3_1b_as_the_hub_writes_it() -> None:
     assert (arch.window, arch.rope_table(0), arch.rope_table(5)) == (512, "local", "global")
 
 
+#: google/gemma-3-4b-it's config.json as published: its text_config names 6 keys, and
+#: transformers' defaults give the rest.
+GEMMA3_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+             "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
+             "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                             "model_type": "gemma3_text", "num_hidden_layers": 34,
+                             "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                             "sliding_window": 1024},
+             "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                               "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                               "num_hidden_layers": 27, "patch_size": 14,
+                               "vision_use_head": False}}  # fmt: skip
+
+
+def test_gemma3_4b_as_the_hub_writes_it() -> None:
+    """4,300,079,472 parameters, what transformers instantiates from this config (0.42B
+    of them the SigLIP tower's, which text never runs: weights only); the decoder's
+    shape from transformers' defaults; the tower sharded with the rest under FSDP2."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shoestring.plan.sharding import all_params, tower_params
+
+    arch = from_hf_config(GEMMA3_4B)
+    config = AutoConfig.for_model(
+        "gemma3", **{k: v for k, v in GEMMA3_4B.items() if k != "model_type"}
+    )
+    with torch.device("meta"):
+        counted = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert arch.params == counted == 4_300_079_472
+    assert arch.tower is not None and arch.tower.params == 419_816_304
+    assert arch.active_params == arch.params - arch.tower.params
+    assert (arch.vocab, arch.heads, arch.kv_heads, arch.head_dim, arch.window) == (
+        262208, 8, 4, 256, 1024)  # fmt: skip
+    w = M.Workload(arch=arch, method="qlora", quantize="nf4", dtype="bfloat16")
+    tower = tower_params(w)
+    assert sum(p.shape[0] * p.row_numel for p in tower) == arch.tower.params
+    assert all_params(w)[-len(tower) :] == tower
+
+
+def test_another_vision_language_family_or_tower_is_refused_by_name() -> None:
+    llava = {"model_type": "llava", "text_config": {"model_type": "llama"},
+             "vision_config": {"model_type": "clip_vision_model"}}  # fmt: skip
+    with pytest.raises(Unmodelled, match="vision-language model \\(llava\\).*gemma3"):
+        from_hf_config(llava)
+    headed = {**GEMMA3_4B, "vision_config": {**GEMMA3_4B["vision_config"], "vision_use_head": True}}
+    with pytest.raises(Unmodelled, match="pooling head: True"):
+        from_hf_config(headed)
+
+
 def test_all_linear_on_a_phi3_adapts_its_fused_projections() -> None:
     from transformers import Phi3Config
 

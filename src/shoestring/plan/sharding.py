@@ -118,8 +118,18 @@ def root_params(w: Workload) -> list[ParamSpec]:
     return [emb, norm] + ([] if a.tie_embeddings else [emb])
 
 
+def tower_params(w: Workload) -> list[ParamSpec]:
+    """A vision tower's parameters (Gemma 3 4B+): frozen in the dtype, sharded with the
+    rest, never gathered (text does not run it); its non-linear ones as one vector."""
+    t, e = w.arch.tower, w.e
+    if t is None:
+        return []
+    linears = [p for i, o in t.linears for p in (ParamSpec((o, i), e), ParamSpec((o,), e))]
+    return linears + [ParamSpec((t.other,), e)]
+
+
 def all_params(w: Workload) -> list[ParamSpec]:
-    return layer_params(w) * w.arch.layers + root_params(w)
+    return layer_params(w) * w.arch.layers + root_params(w) + tower_params(w)
 
 
 def _grad_itemsize(p: ParamSpec) -> int:
