@@ -270,3 +270,26 @@ def test_run_without_run_dir_leaves_other_commands_unwatched(
     assert main(["run", "--no-watch", "--", "shoestring", "finetune", "--output_dir", "y"]) == 0
     sup = supervised.pop()
     assert sup.cfg.run_dir is None and not sup.cfg.watch  # --no-watch: nothing derived
+
+
+def test_bitsandbytes_hub_kernel_notice_is_dropped_and_nothing_else(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """bitsandbytes says at import (CPUs with AVX512-BF16) that it could not fetch a Hub
+    kernel, which shoestring never fetches: the CLI drops that one record, as bitsandbytes
+    logs it, and lets its logger's other warnings through."""
+    import logging
+
+    from shoestring.hf import HubKernelNotice
+
+    assert main(["plan", "--list-gpus"]) == 0
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    assert any(isinstance(f, HubKernelNotice) for f in log.filters)
+    with caplog.at_level(logging.WARNING):
+        log.warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make "
+            "sure you already `pip install kernels` and the kernels >= 0.11.1",
+            RuntimeError("could not verify publisher trust status"),
+        )
+        log.warning("another bitsandbytes warning")
+    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]

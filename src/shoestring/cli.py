@@ -39,6 +39,7 @@ from shoestring.config import (
 )
 from shoestring.evaluate.config import EVALUATE_EPILOG, EvaluateConfig
 from shoestring.fsio import unwritable
+from shoestring.hf import quiet_hub_kernel_notice
 from shoestring.hub import HubAccess
 from shoestring.infer.cli import INFER_ARGS, INFER_DESCRIPTION, INFER_EPILOG
 from shoestring.infer.config import InferConfig
@@ -491,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("transformers", "peft", "botocore", "s3fs", "aiobotocore", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_hub_kernel_notice()
     for handler in logging.getLogger().handlers:  # no credentials in any log line
         handler.addFilter(RedactingFilter())
     threading.excepthook = print_thread_exception  # nor in a thread's traceback

@@ -4,6 +4,7 @@ cheap content fingerprint of a model directory (train, infer and plan import the
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -82,3 +83,23 @@ def quiet_hf() -> None:
     warnings.filterwarnings(
         "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
     )
+
+
+#: bitsandbytes' notice, at import on CPUs with AVX512-BF16, that it could not fetch its
+#: CPU 4-bit GEMM from the Hub (``kernels-community``, refused unless trusted). Hub
+#: kernels are never fetched here (``use_kernels=False``: a download at run time, and
+#: kernels that differ between machines), so it is expected, and its "Failed ... please
+#: pip install kernels" would send users after a problem they do not have.
+HUB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+class HubKernelNotice(logging.Filter):
+    """Drops :data:`HUB_KERNEL_NOTICE`; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(HUB_KERNEL_NOTICE)
+
+
+def quiet_hub_kernel_notice() -> None:
+    """Install :class:`HubKernelNotice` on the logger bitsandbytes says it through."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(HubKernelNotice())
