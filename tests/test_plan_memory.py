@@ -10,6 +10,7 @@ LoRA settings and with/without gradient checkpointing.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -504,3 +505,34 @@ def test_a_cpu_load_that_converts_the_embedding_is_planned_when_it_is_the_peak()
     on_gpu, p_gpu = plan("llama-3-8b", dtype="bfloat16", device="cuda")
     assert M.load_transient_bytes(stored_dtype) == 0 == M.load_transient_bytes(on_gpu)
     assert p_gpu["loading_transient"] == 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantize"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "nf4")]
+)
+def test_the_step_peak_is_the_saved_tensors_plus_the_loss_transient(
+    tmp_path: Path, dtype: str, quantize: str
+) -> None:
+    """A vocabulary large beside the model, so the loss dominates: the most a LoRA step's
+    forward and backward hold at once (every tensor they create, the weights aside) is
+    the plan's saved activations plus its logits transient. SFT drops the model output
+    with its logits before backward; counting them in the transient (as the plan did
+    before 2026-12-07) comes out 2 bytes a logit (bf16) or 4 (fp32) high."""
+    from shoestring.plan.measure import peak_live_bytes
+
+    torch.set_num_threads(1)
+    vocab, s = 32768, 256
+    model_dir, cfg = _tiny_dir(tmp_path, vocab=vocab, h=64, layers=1, heads=1, kv=1, f=128)
+    model = _lora_model(model_dir, dtype, quantize, r=8, dropout=0.0, targets=["all-linear"],
+                        gc=False)  # fmt: skip
+    model.train()
+    ids = torch.randint(0, vocab, (1, s), generator=torch.Generator().manual_seed(1))
+    measured = peak_live_bytes(model, lambda: model(input_ids=ids, labels=ids).loss.backward())
+    w = M.Workload(arch=from_hf_config(cfg.to_dict()), method="lora" if quantize == "none"
+                   else "qlora", quantize=quantize, dtype=dtype, lora_r=8, lora_dropout=0.0,
+                   seq_len=s, micro_batch=1, padded=False, device="cpu",
+                   gradient_checkpointing=False, lora_targets=LINEARS)  # fmt: skip
+    act = M.activation_bytes(w)
+    _within(act.saved + act.logits, measured, 1e-3)
+    read = M.activation_bytes(replace(w, logits_read=True))
+    assert read.logits - act.logits == s * vocab * w.e  # what the old count added

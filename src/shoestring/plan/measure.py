@@ -6,11 +6,14 @@ These are the yardsticks the memory model is tested against, and what
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _state_tensors(state: Any) -> Iterator[torch.Tensor]:
@@ -123,3 +126,51 @@ def saved_activation_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -
     total = sum(seen.values())
     del out
     return total
+
+
+class _LiveTensors(TorchDispatchMode):
+    """Every storage an op creates inside the mode, alive until its last tensor dies;
+    the peak of their bytes. What existed before (weights) is not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.refs: dict[tuple[int, int], int] = {}
+        self.live = self.peak = 0
+        self.known: set[tuple[int, int]] = set()
+
+    def _dropped(self, key: tuple[int, int]) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= key[1]
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key in self.known:
+            return
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.live += key[1]
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(t, self._dropped, key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                self._track(t)
+        return out
+
+
+def peak_live_bytes(model: torch.nn.Module, step: Callable[[], Any]) -> int:
+    """The peak of the bytes of tensors ``step()`` (a forward and backward) creates and
+    holds at once: saved activations, logits and the backward's transients, gradients;
+    not the weights, buffers and quantization state that existed before."""
+    mode = _LiveTensors()
+    mode.known = {
+        _storage_key(t) for t in [*model.parameters(), *model.buffers(), *_quant_tensors(model)]
+    }
+    with mode:
+        step()
+    return mode.peak

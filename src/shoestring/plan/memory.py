@@ -84,6 +84,9 @@ class Workload:
     reference_forward: bool = False
     #: ``train.objective grpo``: each step first samples its completions (generate).
     sampled: bool = False
+    #: The objective reads the model's logits (preference tuning, GRPO); SFT keeps only
+    #: the loss, so its logits are freed before backward.
+    logits_read: bool = False
     #: ``train.kernels``: 'liger' fuses the head and the loss (no whole logits), SwiGLU
     #: (the SiLU output is recomputed) and RMSNorm (its input saved in its own dtype).
     kernels: Kernels = "none"
@@ -526,9 +529,10 @@ def _logits(w: Workload, T: int) -> int:
         # (whole, twice, when the chunks' parts are concatenated).
         peak = max(c * a.vocab * 12 + T * a.hidden * e, 2 * T * a.hidden * e)
     else:
-        # At the start of backward the logits (dtype), the upcast fp32 copy's gradient
-        # and the log-softmax gradient live together.
-        peak = T * a.vocab * (e + 8)
+        # In backward the upcast fp32 logits' gradient and the log-softmax gradient live
+        # together (measured: tests/test_plan_memory.py); the logits themselves (dtype)
+        # too where the objective read them, while SFT drops them with the model output.
+        peak = T * a.vocab * (8 + (e if w.logits_read else 0))
     if w.quant != "none":
         # bitsandbytes dequantizes one weight at a time to the compute dtype (NF4
         # experts: one expert's matrix).

@@ -129,6 +129,7 @@ def workload_from_config(
         reference_forward=(t.objective == "dpo" and not cfg.dpo.precompute_ref)
         or (grpo and cfg.grpo.beta > 0),
         sampled=grpo,
+        logits_read=t.objective != "sft",
         kernels=t.kernels,
         **numerics_fields(n),
     )
