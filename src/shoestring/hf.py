@@ -103,3 +103,19 @@ class HubKernelNotice(logging.Filter):
 def quiet_hub_kernel_notice() -> None:
     """Install :class:`HubKernelNotice` on the logger bitsandbytes says it through."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(HubKernelNotice())
+
+
+#: Vision-language families trained and run here on text (Gemma 3 from 4B up): a text
+#: decoder beside a tower, which plan, infer and the GGUF export take apart the same way.
+VISION_FAMILIES = frozenset({"gemma3"})
+
+
+def vision_language_parts(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``text_config``, ``vision_config``) of a :data:`VISION_FAMILIES` config, every key
+    filled by transformers' own config class: the Hub's name few (google/gemma-3-4b-it's
+    ``text_config`` names 6) and leave the rest to its defaults."""
+    from transformers import AutoConfig
+
+    given = {k: v for k, v in cfg.items() if k != "model_type"}
+    full = AutoConfig.for_model(str(cfg["model_type"]), **given).to_dict()
+    return dict(full["text_config"]), dict(full["vision_config"])

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shoestring.hf import VISION_FAMILIES
 from shoestring.infer.shards import ShardError, TensorRef
 
 
@@ -26,19 +27,15 @@ def has_tower(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-#: Vision-language families streamed as their text model (tested for exactness).
-FAMILIES = frozenset({"gemma3"})
-
-
 def text_model(config: Any, dtype: torch.dtype | None) -> tuple[Any, Any]:
-    """(the text config, its causal LM on the meta device); another family than
-    :data:`FAMILIES` is refused by name."""
+    """(the text config, its causal LM on the meta device); a family outside
+    :data:`shoestring.hf.VISION_FAMILIES` is refused by name."""
     from transformers import AutoModelForCausalLM
 
-    if config.model_type not in FAMILIES:
+    if config.model_type not in VISION_FAMILIES:
         raise ShardError(
             f"a vision-language model ({config.model_type}): streamed as its text model "
-            f"here are {', '.join(sorted(FAMILIES))} only"
+            f"here are {', '.join(sorted(VISION_FAMILIES))} only"
         )
     text = config.get_text_config()
     with torch.device("meta"):

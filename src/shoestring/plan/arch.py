@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from shoestring.hf import bnb_stored
+from shoestring.hf import VISION_FAMILIES, bnb_stored, vision_language_parts
 
 #: RMSNorm of the queries and keys before RoPE: per head (Qwen3), over all heads (OLMoE).
 QkNorm = Literal["none", "head", "all"]
@@ -307,10 +307,6 @@ def _experts(cfg: Mapping[str, Any], name: str) -> Experts | None:
     )
 
 
-#: Vision-language families planned as their text decoder plus a frozen tower.
-VISION_FAMILIES = frozenset({"gemma3"})
-
-
 def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
     """An :class:`Arch` from a Hugging Face ``config.json`` dict; a mixture-of-experts
     family outside :data:`MOE_FAMILIES` is refused (:class:`MixtureOfExperts`): counting
@@ -323,24 +319,19 @@ def from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> Arch:
 
 def _with_tower(cfg: Mapping[str, Any], name: str) -> Arch:
     """A vision-language checkpoint fine-tuned on text: its decoder, and its tower's
-    weights. The Hub's configs leave most keys to the library's defaults
-    (google/gemma-3-4b-it's ``text_config`` names 6), so transformers fills them."""
+    weights (every key filled by transformers: :func:`shoestring.hf.vision_language_parts`)."""
     family = str(cfg.get("model_type") or "")
     if family not in VISION_FAMILIES:
         raise Unmodelled(
             f"{name}: a vision-language model ({family or 'no model_type'}); the planner "
             f"models {', '.join(sorted(VISION_FAMILIES))} (a text decoder beside a tower)"
         )
-    from transformers import AutoConfig
-
-    given = {k: v for k, v in cfg.items() if k != "model_type"}
-    full = AutoConfig.for_model(family, **given).to_dict()
-    text = dict(full["text_config"])
+    text, vision = vision_language_parts(cfg)
     for key in ("torch_dtype", "dtype", "quantization_config"):  # stated once, at the top
         if cfg.get(key) is not None:
             text[key] = cfg[key]
     arch = _decoder(text, name)
-    return replace(arch, tower=siglip_tower(full["vision_config"], arch.hidden, name))
+    return replace(arch, tower=siglip_tower(vision, arch.hidden, name))
 
 
 def _decoder(cfg: Mapping[str, Any], name: str) -> Arch:

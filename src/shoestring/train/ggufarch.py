@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shoestring.config import ConfigError
+from shoestring.hf import VISION_FAMILIES, vision_language_parts
 from shoestring.train.config import GgufType
 from shoestring.train.ggufphi3 import add_phi3_hparams, check_phi3, rope_factor_tables
 
@@ -77,24 +78,13 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return text_config(cfg)
 
 
-#: Vision-language families whose text decoder is exported (llama.cpp's converter
-#: writes their text model; the tower would go to a separate mmproj file).
-VISION_FAMILIES = frozenset({"gemma3"})
-
-
 def text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The config of the text model a GGUF holds: ``cfg`` itself, or a vision-language
-    model's ``text_config`` with transformers' defaults filled in (the Hub's Gemma 3
-    configs name few keys)."""
+    """The config of the text model a GGUF holds (llama.cpp's converter writes a
+    vision-language model's text model; its tower would go to a separate mmproj file):
+    ``cfg`` itself, or the filled ``text_config`` of a :data:`VISION_FAMILIES` one."""
     if cfg.get("model_type") not in VISION_FAMILIES or "text_config" not in cfg:
         return dict(cfg)
-    from transformers import AutoConfig
-
-    given = {k: v for k, v in cfg.items() if k != "model_type"}
-    text: dict[str, Any] = AutoConfig.for_model(str(cfg["model_type"]), **given).to_dict()[
-        "text_config"
-    ]
-    return text
+    return vision_language_parts(cfg)[0]
 
 
 def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -215,7 +215,9 @@ def empty_base_model(model_dir: Path, cfg: ModelConfig, quantize: str = "none") 
             config, dtype=dtype, attn_implementation=cfg.attn_implementation
         )
     stored = getattr(config, "quantization_config", None)  # a *-bnb-4bit base: as stored
-    qcfg = stored or quantization_config(quantize, cfg.dtype, _skip(model_dir, quantize))
+    qcfg = stored
+    if qcfg is None:
+        qcfg = quantization_config(quantize, cfg.dtype, _skip(model_dir, quantize))
     if qcfg is not None:
         quantizer = AutoHfQuantizer.from_config(qcfg, pre_quantized=stored is not None)
         quantizer.preprocess_model(model, dtype=dtype, device_map={"": "cpu"})
