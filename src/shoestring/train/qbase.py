@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,7 +62,12 @@ class QuantKey:
 
     @classmethod
     def of(
-        cls, base_fingerprint: str, quantize: str, dtype: str, device: str, kept: Any = None
+        cls,
+        base_fingerprint: str,
+        quantize: str,
+        dtype: str,
+        device: str,
+        kept: Iterable[str] | None = None,
     ) -> QuantKey:
         import bitsandbytes
         import torch
