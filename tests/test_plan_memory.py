@@ -508,31 +508,51 @@ def test_a_cpu_load_that_converts_the_embedding_is_planned_when_it_is_the_peak()
 
 
 @pytest.mark.parametrize(
-    ("dtype", "quantize"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "nf4")]
+    ("dtype", "quantize", "gc", "chunk"),
+    [
+        ("float32", "none", False, 0),
+        ("bfloat16", "none", False, 0),
+        ("bfloat16", "nf4", False, 0),
+        ("bfloat16", "none", True, 0),  # a layer's recompute beside the saved inputs
+        ("float32", "none", False, 64),  # train.loss_chunk_tokens
+        ("bfloat16", "none", False, 64),
+    ],
 )
 def test_the_step_peak_is_the_saved_tensors_plus_the_loss_transient(
-    tmp_path: Path, dtype: str, quantize: str
+    tmp_path: Path, dtype: str, quantize: str, gc: bool, chunk: int
 ) -> None:
     """A vocabulary large beside the model, so the loss dominates: the most a LoRA step's
     forward and backward hold at once (every tensor they create, the weights aside) is
-    the plan's saved activations plus its logits transient. SFT drops the model output
-    with its logits before backward; counting them in the transient (as the plan did
-    before 2026-12-07) comes out 2 bytes a logit (bf16) or 4 (fp32) high."""
+    the plan's peak: the saved activations plus the larger of the loss transient and a
+    layer's recompute. SFT drops the model output with its logits before backward;
+    counting them in the transient (as the plan did before 2026-12-07) comes out 2 bytes
+    a logit (bf16) or 4 (fp32) high."""
     from shoestring.plan.measure import peak_live_bytes
+    from shoestring.train.chunkedloss import causal_lm_loss
 
     torch.set_num_threads(1)
     vocab, s = 32768, 256
     model_dir, cfg = _tiny_dir(tmp_path, vocab=vocab, h=64, layers=1, heads=1, kv=1, f=128)
     model = _lora_model(model_dir, dtype, quantize, r=8, dropout=0.0, targets=["all-linear"],
-                        gc=False)  # fmt: skip
+                        gc=gc)  # fmt: skip
     model.train()
     ids = torch.randint(0, vocab, (1, s), generator=torch.Generator().manual_seed(1))
-    measured = peak_live_bytes(model, lambda: model(input_ids=ids, labels=ids).loss.backward())
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def step() -> None:
+        if chunk:  # as the SFT objective runs it with train.loss_chunk_tokens
+            causal_lm_loss(model, model, batch, torch.tensor(s - 1), chunk).backward()
+        else:
+            model(input_ids=ids, labels=ids).loss.backward()
+
+    measured = peak_live_bytes(model, step)
     w = M.Workload(arch=from_hf_config(cfg.to_dict()), method="lora" if quantize == "none"
                    else "qlora", quantize=quantize, dtype=dtype, lora_r=8, lora_dropout=0.0,
                    seq_len=s, micro_batch=1, padded=False, device="cpu",
-                   gradient_checkpointing=False, lora_targets=LINEARS)  # fmt: skip
+                   gradient_checkpointing=gc, loss_chunk_tokens=chunk,
+                   lora_targets=LINEARS)  # fmt: skip
     act = M.activation_bytes(w)
-    _within(act.saved + act.logits, measured, 1e-3)
-    read = M.activation_bytes(replace(w, logits_read=True))
-    assert read.logits - act.logits == s * vocab * w.e  # what the old count added
+    _within(act.peak, measured, 1e-3)
+    if not chunk:
+        read = M.activation_bytes(replace(w, logits_read=True))
+        assert read.logits - act.logits == s * vocab * w.e  # what the old count added
