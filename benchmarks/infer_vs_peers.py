@@ -65,6 +65,30 @@ def build_model(hidden: int, layers: int, ffn: int) -> Path:
     return target
 
 
+def offload_map(config: Any) -> dict[str, str]:
+    """Accelerate's device map for the peer: every decoder layer on disk, the decoder's
+    other parts and the head in RAM; a vision-language model's tower on disk too (text
+    never runs it, so it is never read)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    decoder = model.get_decoder()
+    path = next(n for n, m in model.named_modules() if m is decoder)
+    n = config.get_text_config().num_hidden_layers
+    dmap = {f"{path}.layers.{i}": "disk" for i in range(n)}
+    dmap |= {f"{path}.{c}": "cpu" for c, _ in decoder.named_children() if c != "layers"}
+    for name, child in model.named_children():  # the head; beside the decoder, a tower
+        inside = path == name or path.startswith(name + ".")
+        if not inside:
+            dmap[name] = "cpu" if child is model.get_output_embeddings() else "disk"
+        elif path != name:
+            dmap |= {f"{name}.{c}": "disk" for c, _ in child.named_children()
+                     if not path.startswith(f"{name}.{c}")}  # fmt: skip
+    return dmap
+
+
 def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
     import random
 
@@ -300,14 +324,7 @@ def worker(tool: str, a: argparse.Namespace) -> dict[str, Any]:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             config = AutoConfig.from_pretrained(a.model)
-            n = config.num_hidden_layers
-            dmap = {
-                "model.embed_tokens": "cpu",
-                "model.norm": "cpu",
-                "model.rotary_emb": "cpu",
-                "lm_head": "cpu",
-                **{f"model.layers.{i}": "disk" for i in range(n)},
-            }
+            dmap = offload_map(config)
             # accelerate-bf16: loaded as bf16, so its offloaded copy is bf16 too (half the
             # bytes per step) and it computes in bf16: its fastest setting on this CPU.
             kw: dict[str, Any] = {"dtype": torch.bfloat16} if tool == "accelerate-bf16" else {}
