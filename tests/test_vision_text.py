@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +156,27 @@ def test_another_vision_language_family_is_refused_by_name(tmp_path: Path) -> No
     LlavaConfig().save_pretrained(tmp_path)
     with pytest.raises(ShardError, match=r"a vision-language model \(llava\).*gemma3 only"):
         build_skeleton(tmp_path)
+
+
+def test_fsdp2_qlora_shards_a_vision_language_base_and_keeps_its_tower(
+    cli: Any, tmp_path: Path
+) -> None:
+    """Two ranks, FSDP2 + QLoRA (one reader: rank 0 loads, rank 1 builds the skeleton and
+    receives): the adapters are the decoder's only, and the merged export's tower is the
+    checkpoint's bit for bit."""
+    from conftest import run_job
+
+    model_dir = _gemma3_vision(tmp_path / "gemma3")
+    out = tmp_path / "run"
+    args = [*FAST, "--model.path", str(model_dir), "--train.max_steps", "2",
+            "--train.batch_size", "4", "--train.micro_batch_size", "2", "--lora.quantize",
+            "nf4", "--distributed.strategy", "fsdp", "--export.merged", "true",
+            "--data.eval", ""]  # fmt: skip
+    r = run_job(cli, out, 2, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with safe_open(str(out / "final" / "adapter_model.safetensors"), "pt") as st:
+        keys = list(st.keys())
+    assert len(keys) == 2 * 7 * 2 and all(".language_model.layers." in k for k in keys)
+    tower = _tensors(model_dir, "vision_tower.")
+    merged = _tensors(out / "merged", "vision_tower.")
+    assert tower and all(torch.equal(merged[k], tower[k]) for k in tower)
