@@ -24,8 +24,8 @@ import torch
 
 from shoestring.plan import memory as M
 from shoestring.plan.arch import ALL_LINEARS, LINEARS, Unmodelled, from_hf_config
-from shoestring.plan.measure import grad_bytes, model_bytes, optimizer_bytes, saved_activation_bytes
-from test_plan_memory import ACTIVATION_TOL, STATIC_TOL, _lora_model, _within
+from shoestring.plan.measure import saved_activation_bytes
+from test_plan_memory import ACTIVATION_TOL, _lora_model, _within, assert_static_terms
 
 pytest.importorskip("bitsandbytes")
 
@@ -121,14 +121,7 @@ def test_static_components_match_tensor_bytes(
     opt.step()
     w = M.Workload(arch=arch, method="qlora" if quantize != "none" else "lora", quantize=quantize,
                    dtype=dtype, lora_r=24, lora_targets=ALL_LINEARS, optimizer=optimizer)  # fmt: skip
-    meas, wb = model_bytes(model), M.weight_bytes(w)
-    _within(wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"], meas["frozen"],
-            STATIC_TOL)  # fmt: skip
-    if quantize != "none":
-        _within(wb["quant_state"], meas["quant_state"], STATIC_TOL)
-    _within(M.adapter_bytes(w), meas["trainable"], STATIC_TOL)
-    _within(M.grad_bytes(w), grad_bytes(model), STATIC_TOL)
-    _within(M.optimizer_bytes(w), optimizer_bytes(opt), STATIC_TOL)
+    assert_static_terms(w, model, opt)
 
 
 CASES = [

@@ -113,12 +113,19 @@ def test_static_components_match_tensor_bytes(
         lora_targets=LINEARS if targets == ["all-linear"] else tuple(targets),
         optimizer=optimizer,
     )
+    assert_static_terms(w, model, opt)
+
+
+def assert_static_terms(w: M.Workload, model: Any, opt: Any) -> None:
+    """Every static term of the plan equals the tensors of ``model`` and ``opt`` (after
+    a step) within :data:`STATIC_TOL`: frozen weights, quantization state, adapters,
+    gradients, optimizer state."""
     meas = model_bytes(model)
     wb = M.weight_bytes(w)
     _within(
         wb["linear"] + wb["embeddings"] + wb["norms"] + wb["buffers"], meas["frozen"], STATIC_TOL
     )
-    if quantize != "none":
+    if w.quant != "none":
         _within(wb["quant_state"], meas["quant_state"], STATIC_TOL)
     _within(M.adapter_bytes(w), meas["trainable"], STATIC_TOL)
     _within(M.grad_bytes(w), grad_bytes(model), STATIC_TOL)

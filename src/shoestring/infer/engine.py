@@ -258,6 +258,10 @@ class StreamingCausalLM:
         _, self.layers = _decoder_layers(self.model, self.config.num_hidden_layers)
         rotary = getattr(base, "rotary_emb", None)
         self.rotary = type(rotary)(config=self.config).to(device) if rotary is not None else None
+        # Gemma 3's rotary module takes the layer type: a table per kind of layer
+        self.rotary_by_kind = self.rotary is not None and (
+            "layer_type" in inspect.signature(self.rotary.forward).parameters
+        )
         materialize_buffers(self.model, device)
         self.streamer: LayerStreamer | None = None
         # Keys whose tensors keep their dtype (see add_param); every other float is cast.
@@ -451,7 +455,7 @@ class StreamingCausalLM:
         layer_type)``) one per kind of layer, each with its own base."""
         if self.rotary is None:
             return {}
-        if "layer_type" not in inspect.signature(self.rotary.forward).parameters:
+        if not self.rotary_by_kind:
             table = self.rotary(hidden, pos)
             return dict.fromkeys(kinds, table)
         return {kind: self.rotary(hidden, pos, kind) for kind in kinds}

@@ -174,8 +174,8 @@ def weight_bytes(w: Workload) -> dict[str, int]:
             lin += a.layers * n * e
         if a.linear_bias(name):
             lin += a.layers * o * e
-    tower, tower_state = _tower_weight_bytes(w)
-    lin, quant = lin + tower, quant + tower_state
+    if a.tower is not None:  # kept in the dtype, as lora.quantize leaves it (train.towers)
+        lin += a.tower.params * e
     experts, expert_state = _expert_weight_bytes(w)
     emb = a.vocab * a.hidden * (1 if a.tie_embeddings else 2) * e
     per_layer = 4 if a.sandwich_norms else 2
@@ -191,13 +191,6 @@ def weight_bytes(w: Workload) -> dict[str, int]:
         + (e if a.scaled_embeddings else 0)
         + (a.tower.buffer_bytes if a.tower else 0),
     }
-
-
-def _tower_weight_bytes(w: Workload) -> tuple[int, int]:
-    """A vision tower's weights (counted with the linears): kept in the dtype, as
-    ``lora.quantize`` leaves it; no quantization state."""
-    t = w.arch.tower
-    return (t.params * w.e, 0) if t is not None else (0, 0)
 
 
 def _expert_weight_bytes(w: Workload) -> tuple[int, int]:
@@ -596,9 +589,8 @@ def _largest_layer(w: Workload) -> tuple[_Tally, bool]:
     probes = []
     for layer in kinds.values():
         probe = _Tally()
-        rg = _layer_saved(w, True, probe, set(), layer)
-        probes.append(probe)
-    return max(probes, key=lambda p: p.total), rg
+        probes.append((probe, _layer_saved(w, True, probe, set(), layer)))
+    return max(probes, key=lambda p: p[0].total)
 
 
 def _held(w: Workload) -> int:

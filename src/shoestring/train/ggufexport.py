@@ -79,9 +79,10 @@ def check_exportable(cfg: FinetuneConfig, model_dir: Path | None) -> None:
 
 def check_model_dir(model_dir: Path, key: str) -> None:
     cfg = check_arch(read_config(model_dir), key)
-    if cfg == "gemma3_text" and sentencepiece_model(model_dir) is None:
+    spm = sentencepiece_model(model_dir)
+    if cfg == "gemma3_text" and spm is None:
         raise ConfigError(f"{key}: a Gemma 3 GGUF needs {model_dir / SPM_FILE}")
-    if (spm := sentencepiece_model(model_dir)) is not None:  # llama.cpp reads it first
+    if spm is not None:  # llama.cpp reads it first
         load_processor(spm, key)
     else:
         check_tokenizer(read_tokenizer_json(model_dir, key), key)
